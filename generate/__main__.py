@@ -1,0 +1,5 @@
+import sys
+
+from rollshard.generate.cli import main
+
+sys.exit(main())

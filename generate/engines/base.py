@@ -1,0 +1,82 @@
+"""The engine interface: prompt token ids in; response ids, one logprob per response token, finish reason out.
+
+Both engines (SGLang over HTTP, the embedded transformers engine) implement
+:class:`Engine`. A :class:`GenerateResult` always carries exactly one logprob per
+output token; an engine that cannot produce them raises instead of returning a
+shortened response (the failure of slime PR #1995 cannot be expressed).
+
+Logprob definition (SGLang's default): log softmax(logits / temperature) at the
+sampled token, computed before top-p/top-k truncation; greedy (temperature 0):
+log softmax(logits).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+from rollshard.store.schema import WeightSpan
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams:
+    """SGLang ``sampling_params``; field names and meanings follow SGLang's native API."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 256
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateResult:
+    """One engine response. ``len(logprobs) == len(output_ids)`` always."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    finish_detail: dict[str, Any] = dataclasses.field(default_factory=dict)  # matched / length / message, status_code
+    weight_version: str | None = None
+    weight_versions: list[WeightSpan] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # anything else the engine reported
+
+    def __post_init__(self) -> None:
+        assert len(self.logprobs) == len(self.output_ids), "engine result must have one logprob per output token"
+
+
+class EngineError(RuntimeError):
+    """A request failed for good (after retries, or a 4xx); the message names the request."""
+
+
+class Engine(abc.ABC):
+    """Async engine: many requests may be in flight at once."""
+
+    @abc.abstractmethod
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> GenerateResult: ...
+
+    @abc.abstractmethod
+    async def model_info(self) -> dict[str, Any]:
+        """``/get_model_info``-shaped dict (``model_path``, ``weight_version``, ...); raises EngineError if unreachable."""
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> "Engine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

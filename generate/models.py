@@ -1,0 +1,250 @@
+"""Tiny local models: a random causal LM plus a locally trained byte-level BPE tokenizer.
+
+``rollshard-generate init-model --preset tiny PATH`` writes a normal Hugging Face model
+folder (``config.json``, ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``) that
+transformers, the embedded engine and the real SGLang server load offline. Nothing is
+ever downloaded: the tokenizer is trained here on :data:`CORPUS` with ``tokenizers``
+and the weights are drawn from the transformers config's initializer.
+
+Presets:
+
+* ``tiny-gpt2`` (alias ``tiny``): GPT-2 architecture, which SGLang runs on CPU
+  (``--device cpu --attention-backend torch_native``).
+* ``tiny-qwen3``: Qwen3 architecture (grouped-query attention, RoPE, RMSNorm).
+
+Both have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
+a function of the seed alone; the tokenizer is a function of the corpus alone.
+
+Special tokens and chat format (ChatML, as Qwen):
+``<|im_start|>role\\ncontent<|im_end|>\\n``; ``<|im_end|>`` is the eos token (a chat
+turn ends there), ``<|endoftext|>`` the pad token and a second stop id in
+``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PRESETS = ("tiny-gpt2", "tiny-qwen3")
+PRESET_ALIASES = {"tiny": "tiny-gpt2"}
+PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3"}
+
+VOCAB_SIZE = 1024  # target of BPE training; 256 byte symbols + special tokens + merges
+CONTEXT = 1024  # positions; multi-agent prompts reach ~1k tokens
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_ENGLISH = """\
+The quick brown fox jumps over the lazy dog. A small model learns to add numbers.
+You are a helpful assistant. Solve the problem step by step and give the final answer.
+Question: what is the sum of the two numbers? Answer: the answer is
+Let us think about this problem carefully. First, we compute the value. Then we check it.
+The final answer is \\boxed{42}. Therefore the result is correct.
+Rewrite the solution so that it is clear and correct. Here are the candidate answers.
+Select the best answer among the candidates. Judgment: 1
+Reasoning: the first solver made an arithmetic error; the second one is right.
+<think> The problem asks for a number. I will add the numbers and then subtract. </think>
+Hello! How can I help you today? Please answer in one sentence.
+Numbers: zero one two three four five six seven eight nine ten hundred thousand.
+Operations: plus minus times divided by equals. Sum difference product quotient.
+If x = 3 and y = 4, then x + y = 7 and x * y = 12.
+Alice has 5 apples and buys 7 more. How many apples does she have? She has 12 apples.
+"""
+
+
+def _corpus() -> str:
+    """A built-in training corpus: English, digits, arithmetic and chat-formatted turns."""
+    parts = [_ENGLISH * 4]
+    for a in range(0, 100, 3):
+        for b in range(0, 100, 7):
+            parts.append(f"{a} + {b} = {a + b}. {a} * {b} = {a * b}. {max(a, b)} - {min(a, b)} = {abs(a - b)}.\n")
+    for i in range(40):
+        parts.append(
+            f"{IM_START}system\nYou are a helpful assistant.{IM_END}\n"
+            f"{IM_START}user\nWhat is {i} + {2 * i + 1}?{IM_END}\n"
+            f"{IM_START}assistant\nThe answer is {3 * i + 1}.{IM_END}\n{ENDOFTEXT}"
+        )
+    return "".join(parts)
+
+
+CORPUS = _corpus()
+
+
+def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE ``transformers`` fast tokenizer on :data:`CORPUS` (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        model_max_length=CONTEXT,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
+    from transformers import GPT2Config, Qwen3Config
+
+    if preset == "tiny-gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=CONTEXT,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            tie_word_embeddings=True,
+            # No dropout: a trainer recomputing logprobs in train mode must see the rollout's function.
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=CONTEXT,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=True,
+    )
+
+
+def resolve_preset(preset: str) -> str:
+    preset = PRESET_ALIASES.get(preset, preset)
+    if preset not in PRESETS:
+        choices = ", ".join(sorted(PRESETS + tuple(PRESET_ALIASES)))
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {choices}")
+    return preset
+
+
+def is_model_folder(path: Path) -> bool:
+    """True if ``path`` already holds a loadable model folder (config, weights, tokenizer)."""
+    path = Path(path)
+    return all((path / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int = 0, force: bool = False) -> Path:
+    """Build a tiny random model folder at ``path`` and return it.
+
+    An existing model folder is kept as it is (unless ``force``), so a second call is
+    free; one of another architecture than ``preset`` is an error. The folder is built
+    under a temporary name and renamed, so a concurrent reader never sees half of it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    preset = resolve_preset(preset)
+    path = Path(path)
+    if is_model_folder(path) and not force:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type != PRESET_MODEL_TYPE[preset]:
+            raise ValueError(
+                f"{path} already holds a {model_type!r} model, not preset {preset!r}; "
+                "pass --force to rebuild it or choose another folder"
+            )
+        return path
+
+    tokenizer = train_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = _config(preset, len(tokenizer), eos_id, pad_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True
+    )
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _patch_for_older_loaders(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _patch_for_older_loaders(folder: Path) -> None:
+    """Make the folder loadable by transformers 4.x too (the SGLang environment pins its own).
+
+    transformers 5 writes ``dtype`` and a ``TokenizersBackend`` tokenizer class; 4.x
+    reads ``torch_dtype`` and knows ``PreTrainedTokenizerFast``, which 5.x also loads.
+    """
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc.setdefault("chat_template", CHAT_TEMPLATE)
+    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rollshard-generate init-model",
+        description="Build a tiny random causal LM with a locally trained tokenizer (no downloads).",
+    )
+    parser.add_argument("path", type=Path, help="model folder to create")
+    parser.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS + tuple(PRESET_ALIASES)), help="architecture (default: tiny = tiny-gpt2)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if PATH already holds a model")
+    args = parser.parse_args(argv)
+    existed = is_model_folder(args.path)
+    try:
+        path = init_model(args.path, preset=args.preset, seed=args.seed, force=args.force)
+    except ValueError as e:
+        parser.exit(2, f"rollshard-generate init-model: error: {e}\n")
+    verb = "kept existing" if existed and not args.force else "built"
+    print(f"{verb} {resolve_preset(args.preset)} model at {path}")
+    return 0

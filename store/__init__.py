@@ -1,0 +1,1 @@
+"""rollshard.store"""

@@ -1,0 +1,5 @@
+import sys
+
+from rollshard.store.cli import main
+
+sys.exit(main())

@@ -1,0 +1,329 @@
+"""``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset.
+
+Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
+the data could not be read; 2 a usage error (bad arguments, no dataset at the path, a
+schema newer than this rollshard reads, an unknown ``--sample``). ``--json`` prints one
+JSON document on stdout and nothing else there; progress goes to stderr when it is a
+terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import nullcontext
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table
+
+from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.schema import SchemaVersionError
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+PROG = "rollshard-store"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Check and summarize a rollshard dataset directory.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,stats,inspect}")
+
+    v = sub.add_parser("validate", help="re-check every invariant, checksum and count; exit 1 on any problem")
+    v.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("stats", help="rows, groups, tokens, bytes; rows by status; rows, tokens and reward by agent")
+    s.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
+    s.add_argument("--json", action="store_true", help="print the numbers as JSON")
+
+    i = sub.add_parser("inspect", help="summary tables, or one sample's tokens with --sample")
+    i.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
+    i.add_argument("--sample", metavar="ID", help="show this sample_id: tokens, logprobs, loss mask")
+    i.add_argument("--json", action="store_true", help="print as JSON")
+    i.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer folder to decode tokens with (default: the model path in the run config, when it exists here)",
+    )
+    i.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens shown with --sample (0: all)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Console(highlight=False, soft_wrap=False)
+    err = Console(stderr=True, highlight=False)
+    try:
+        if args.command == "validate":
+            return _validate(args, out, err)
+        ds = RolloutDataset.open(args.path)
+        if args.command == "stats":
+            return _stats(ds, args, out, err)
+        return _inspect(ds, args, out, err)
+    except (DatasetNotFoundError, SchemaVersionError, _UsageError) as e:
+        err.print(f"{PROG}: error: {e}", markup=False)
+        return EXIT_USAGE
+    except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
+        err.print(f"{PROG}: error: cannot read {args.path}: {_one_line(e)}; run `{PROG} validate`", markup=False)
+        return EXIT_PROBLEMS
+    except ValueError as e:  # a location pyarrow cannot open, an unreadable manifest
+        err.print(f"{PROG}: error: {e}", markup=False)
+        return EXIT_USAGE
+
+
+class _UsageError(Exception):
+    pass
+
+
+# -- validate -------------------------------------------------------------------------------
+
+
+def _validate(args, out: Console, err: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from rollshard.store.validate import Validator
+
+    validator = Validator(args.path)
+    columns = (TextColumn("validate"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"), TimeRemainingColumn())
+    with Progress(*columns, console=err, disable=args.no_progress or not err.is_terminal, transient=True) as bar:
+        task = bar.add_task("shards", total=len(validator.shards))
+        for shard in validator.shards:
+            validator.check_shard(shard)
+            bar.advance(task)
+    report = validator.finish()
+    if args.json:
+        _print_json(out, report.to_dict())
+        return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+    shards = Table(title=f"{report.dataset}: {len(report.shards)} shards")
+    for col in ("shard", "writer", "rows", "bytes", "result"):
+        shards.add_column(col, justify="right" if col in ("rows", "bytes") else "left")
+    for s in report.shards:
+        result = "[green]ok[/]" if s.ok else f"[red]{len(s.problems)} problem{'s' * (len(s.problems) > 1)}[/]"
+        shards.add_row(s.path, s.writer_id, f"{s.rows:,}", f"{s.bytes:,}", result)
+    out.print(shards)
+    if report.problems:
+        problems = Table(title="problems", show_lines=False)
+        problems.add_column("where", overflow="fold")
+        problems.add_column("check", style="bold")
+        problems.add_column("detail", overflow="fold")
+        for p in report.problems:
+            problems.add_row("\n".join(p.shards) or "dataset", p.check, p.detail)
+        out.print(problems)
+    for w in report.warnings:
+        out.print(f"[yellow]warning:[/] {w}", markup=True)
+    rows = sum(s.rows for s in report.shards)
+    if report.ok:
+        out.print(f"[green]ok[/]: {len(report.shards)} shards, {rows:,} rows, every check passed")
+        return EXIT_OK
+    out.print(f"[red]FAILED[/]: {len(report.problems)} problems in {report.dataset}")
+    return EXIT_PROBLEMS
+
+
+# -- stats ----------------------------------------------------------------------------------
+
+
+def _stats(ds: RolloutDataset, args, out: Console, err: Console) -> int:
+    from rollshard.store.stats import dataset_stats
+
+    with err.status("scanning shards...") if err.is_terminal else nullcontext():
+        st = dataset_stats(ds)
+    if args.json:
+        _print_json(out, st)
+        return EXIT_OK
+    out.print(_totals_table(st))
+    out.print(_counts_table("rows by status", "status", st["status"], st["rows"]))
+    out.print(_agents_table(st))
+    return EXIT_OK
+
+
+def _totals_table(st: dict[str, Any]) -> Table:
+    t = Table(title=f"dataset {st['dataset']}", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value", justify="right")
+    for key in ("schema_version", "fingerprint", "writers", "shards", "rows", "groups"):
+        t.add_row(key, _fmt(st[key]))
+    for key in ("prompt_tokens", "response_tokens", "tokens", "bytes"):
+        t.add_row(key, _fmt(st[key]))
+    return t
+
+
+def _counts_table(title: str, name: str, counts: dict[str, int], total: int) -> Table:
+    t = Table(title=title)
+    t.add_column(name)
+    t.add_column("rows", justify="right")
+    t.add_column("share", justify="right")
+    for k, n in counts.items():
+        t.add_row(str(k), f"{n:,}", f"{n / total:.1%}" if total else "-")
+    return t
+
+
+def _agents_table(st: dict[str, Any]) -> Table:
+    t = Table(title="by agent")
+    cols = ("rows", "groups", "response_tokens", "trainable_tokens", "reward_mean", "reward_std")
+    t.add_column("agent")
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    for agent, a in st["agents"].items():
+        t.add_row(agent, *(_fmt(a[c]) for c in cols))
+    return t
+
+
+# -- inspect --------------------------------------------------------------------------------
+
+
+def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
+    if args.sample is not None:
+        return _inspect_sample(ds, args, out, err)
+    from rollshard.store.stats import inspect_summary
+
+    with err.status("scanning shards...") if err.is_terminal else nullcontext():
+        summary = inspect_summary(ds)
+    if args.json:
+        _print_json(out, summary)
+        return EXIT_OK
+    st = summary["stats"]
+    out.print(_totals_table(st))
+    config = Table(title="run config", show_header=False)
+    config.add_column("key", style="bold")
+    config.add_column("value", overflow="fold")
+    for key, value in _flatten(summary["config"]):
+        config.add_row(key, str(value))
+    out.print(config)
+    writers = Table(title="writers")
+    for c in ("writer", "shards", "rows", "groups", "tokens", "bytes"):
+        writers.add_column(c, justify="left" if c == "writer" else "right")
+    for w in summary["writers"]:
+        writers.add_row(w["writer_id"], *(_fmt(w[c]) for c in ("shards", "rows", "groups", "tokens", "bytes")))
+    out.print(writers)
+    out.print(_counts_table("rows by status", "status", st["status"], st["rows"]))
+    out.print(_counts_table("rows by finish reason", "finish_reason", summary["finish_reason"], st["rows"]))
+    out.print(_agents_table(st))
+    rounds = Table(title="reward by agent and round (finite rewards; std ddof=0)")
+    for c in ("agent", "round", "rows", "reward rows", "mean", "std"):
+        rounds.add_column(c, justify="left" if c == "agent" else "right")
+    for r in summary["reward_by_agent_round"]:
+        rounds.add_row(r["agent"], *(_fmt(r[c]) for c in ("round", "rows", "reward_rows", "reward_mean", "reward_std")))
+    out.print(rounds)
+    lengths = Table(title="response length (tokens)")
+    for c in ("agent", "rows", "mean", "p50", "p90", "max", "truncated"):
+        lengths.add_column(c, justify="left" if c == "agent" else "right")
+    for r in summary["response_length"]:
+        lengths.add_row(
+            r["agent"], *(_fmt(r[c]) for c in ("rows", "mean", "p50", "p90", "max")), f"{r['truncated_frac']:.1%}"
+        )
+    out.print(lengths)
+    zv = summary["zero_variance_groups"]
+    zero = Table(title="groups with zero reward variance (no learning signal)")
+    for c in ("agent", "groups", "zero variance", "fraction"):
+        zero.add_column(c, justify="left" if c == "agent" else "right")
+    for agent, z in zv["by_agent"].items():
+        zero.add_row(agent, _fmt(z["groups"]), _fmt(z["zero_variance"]), f"{z['fraction']:.1%}")
+    zero.add_row("all", _fmt(zv["groups"]), _fmt(zv["zero_variance"]), f"{zv['fraction']:.1%}" if zv["groups"] else "-")
+    out.print(zero)
+    versions = Table(title="rows by weight_version")
+    for c in ("weight_version", "rows", "multi-version rows"):
+        versions.add_column(c, justify="left" if c == "weight_version" else "right")
+    for r in summary["weight_version"]:
+        versions.add_row(str(r["weight_version"]), _fmt(r["rows"]), _fmt(r["multi_version_rows"]))
+    out.print(versions)
+    return EXIT_OK
+
+
+def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int:
+    from rollshard.store.stats import decode_each, find_sample, load_tokenizer, tokenizer_path
+
+    row = find_sample(ds, args.sample)
+    if row is None:
+        raise _UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}; list ids with polars or `inspect --json`")
+    ids = list(row["response_tokens"])
+    path = args.tokenizer or tokenizer_path(ds.config)
+    texts, decoded_with = None, None
+    if path:
+        try:
+            texts, decoded_with = decode_each(load_tokenizer(path), ids), path
+        except (OSError, ValueError) as e:
+            if args.tokenizer:
+                raise _UsageError(f"cannot load a tokenizer from {path}: {_one_line(e)}") from e
+            err.print(f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}")
+    tokens = [
+        {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
+        for i, (t, lp, m) in enumerate(zip(ids, row["rollout_logprobs"], row["loss_mask"]))
+    ]
+    scalars = {k: v for k, v in row.items() if k not in ("response_tokens", "rollout_logprobs", "loss_mask")}
+    scalars["prompt_tokens"] = list(row["prompt_tokens"])
+    if args.json:
+        _print_json(out, {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens})
+        return EXIT_OK
+
+    head = Table(title=f"sample {row['sample_id']}", show_header=False)
+    head.add_column("field", style="bold")
+    head.add_column("value", overflow="fold")
+    for k, v in scalars.items():
+        if k == "prompt_tokens":
+            v = f"{len(v):,} tokens"
+        elif k in ("prompt_text", "response_text") and v and len(v) > 400:
+            v = v[:400] + f"... ({len(v):,} characters)"
+        head.add_row(k, "-" if v is None else str(v))
+    on = [t["logprob"] for t in tokens if t["mask"] == 1]
+    head.add_row("response", f"{len(tokens):,} tokens, {len(on):,} under loss_mask 1")
+    if on:
+        head.add_row("mean logprob (mask 1)", f"{sum(on) / len(on):.4f}")
+    out.print(head)
+    limit = args.max_tokens if args.max_tokens > 0 else len(tokens)
+    tt = Table(title=f"response tokens ({'decoded with ' + decoded_with if decoded_with else 'ids; no tokenizer'})")
+    for c in ("pos", "id", "text", "logprob", "mask"):
+        tt.add_column(c, justify="right" if c in ("pos", "id", "logprob", "mask") else "left")
+    for t in tokens[:limit]:
+        style = "dim" if t["mask"] == 0 else None
+        text = repr(t["text"])[1:-1] if t["text"] is not None else ""
+        tt.add_row(str(t["pos"]), str(t["id"]), text, _logprob_cell(t["logprob"], t["mask"]), str(t["mask"]), style=style)
+    out.print(tt)
+    if limit < len(tokens):
+        out.print(f"... {len(tokens) - limit:,} more tokens (--max-tokens 0 shows all)")
+    return EXIT_OK
+
+
+def _logprob_cell(lp: float, mask: int) -> str:
+    if mask == 0:
+        return f"{lp:.4f}"
+    color = "green" if lp > -0.5 else "yellow" if lp > -2.5 else "red"  # p > 0.61, p > 0.08, rarer
+    return f"[{color}]{lp:.4f}[/]"
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _print_json(out: Console, doc: Any) -> None:
+    out.file.write(json.dumps(doc, indent=1, default=str) + "\n")
+    out.file.flush()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.4f}" if abs(v) < 1e6 else f"{v:,.0f}"
+    return str(v)
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(d, dict) and d:
+        return [kv for k, v in d.items() for kv in _flatten(v, f"{prefix}{k}.")]
+    return [(prefix.rstrip("."), d)] if prefix else []
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""A rollout dataset: the committed shards of every writer's manifest, and ways to read them.
+
+Counts come from the manifests without touching the data. Reading goes through the
+standard tools: a ``pyarrow.dataset``, a polars ``LazyFrame`` or a HF ``datasets``
+``IterableDataset`` over exactly the committed shard files, so a shard that is being
+written (or was left behind by a crash) is never read.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from rollshard.store.manifest import Manifest, ShardInfo, fingerprint, load_manifests
+from rollshard.store.schema import ROW_SCHEMA, check_schema_version, config_of
+from rollshard.store.storage import Storage
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    pass
+
+
+class RolloutDataset:
+    """Read-only view of a dataset directory (local path or pyarrow filesystem URI)."""
+
+    def __init__(self, storage: Storage, manifests: list[Manifest]):
+        self.storage = storage
+        self.manifests = manifests
+        self.shards: list[ShardInfo] = sorted((s for m in manifests for s in m.shards), key=lambda s: s.path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | Storage) -> "RolloutDataset":
+        storage = path if isinstance(path, Storage) else Storage(path)
+        manifests = load_manifests(storage)
+        if not manifests:
+            raise DatasetNotFoundError(
+                f"{storage.uri}: no rollshard dataset here (no _manifests/*.json); "
+                "check the path, or write one with rollshard-generate"
+            )
+        ds = cls(storage, manifests)
+        if ds.shards:
+            ds.schema_version  # noqa: B018  refuse a newer major schema up front
+        return ds
+
+    # -- counts (manifest only) -------------------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def num_groups(self) -> int:
+        return sum(s.groups for s in self.shards)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.shards)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(s.response_tokens for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_response_tokens
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever a shard is added, removed or rewritten."""
+        return fingerprint(self.shards)
+
+    @property
+    def files(self) -> list[str]:
+        """Filesystem paths of the committed shards."""
+        return [self.storage.path(s.path) for s in self.shards]
+
+    @cached_property
+    def _first_metadata(self) -> dict[bytes, bytes]:
+        if not self.shards:
+            return {}
+        with self.storage.fs.open_input_file(self.files[0]) as f:
+            return pq.read_schema(f).metadata or {}
+
+    @property
+    def schema_version(self) -> str | None:
+        if not self.shards:
+            return None
+        return check_schema_version(self._first_metadata, self.files[0])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run config recorded by the writers (first writer's, by writer id)."""
+        for m in self.manifests:
+            if m.config:
+                return m.config
+        return config_of(self._first_metadata)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def parquet_file(self, shard: ShardInfo) -> pq.ParquetFile:
+        f = self.storage.fs.open_input_file(self.storage.path(shard.path))
+        pf = pq.ParquetFile(f)
+        check_schema_version(pf.schema_arrow.metadata, self.storage.path(shard.path))
+        return pf
+
+    def to_arrow(self) -> pads.Dataset:
+        """A ``pyarrow.dataset`` over the committed shards."""
+        return pads.dataset(self.files, schema=ROW_SCHEMA, format="parquet", filesystem=self.storage.fs)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """The whole dataset in memory (small datasets and tests only)."""
+        return self.to_arrow().to_table(columns=columns)
+
+    def scan(self):
+        """A polars ``LazyFrame`` over the committed shards."""
+        import polars as pl
+
+        if not self.storage.local:
+            return pl.scan_pyarrow_dataset(self.to_arrow())
+        if not self.files:
+            return pl.LazyFrame(schema=pl.from_arrow(ROW_SCHEMA.empty_table()).schema)
+        return pl.scan_parquet(self.files)
+
+    def to_hf(self, streaming: bool = True):
+        """A HF ``datasets`` dataset (``IterableDataset`` when streaming) over the committed shards."""
+        import datasets
+
+        if not self.storage.local:
+            raise ValueError("to_hf reads local datasets; for remote ones pass the shard URIs to datasets yourself")
+        return datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=streaming)
+
+    def __repr__(self) -> str:
+        return (
+            f"RolloutDataset({self.storage.uri!r}, shards={len(self.shards)}, rows={self.num_rows}, "
+            f"tokens={self.num_tokens})"
+        )
+
+
+def open_dataset(path: str | os.PathLike) -> RolloutDataset:
+    return RolloutDataset.open(path)

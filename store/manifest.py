@@ -1,0 +1,114 @@
+"""Manifests: the list of committed shards, one manifest per writer.
+
+A shard is part of a dataset exactly when an entry for it is in some manifest under
+``_manifests/``. Each writer (one per generating host or process) owns
+``_manifests/<writer_id>.json`` and rewrites it whole (write-new-then-rename) after
+each shard it commits, so several writers never contend for one file and the dataset
+is the union of their manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import re
+from typing import Any
+
+from rollshard.store.schema import SCHEMA_VERSION
+from rollshard.store.storage import Storage
+
+MANIFEST_DIR = "_manifests"
+SHARD_DIR = "shards"
+MANIFEST_FORMAT = "rollshard-manifest"
+MANIFEST_VERSION = 1
+WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ShardInfo:
+    """One committed shard, as its manifest records it."""
+
+    path: str  # relative to the dataset root
+    rows: int
+    groups: int
+    prompt_tokens: int
+    response_tokens: int
+    bytes: int
+    sha256: str
+    writer_id: str
+    created_at: str
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+
+@dataclasses.dataclass(kw_only=True)
+class Manifest:
+    writer_id: str
+    shards: list[ShardInfo] = dataclasses.field(default_factory=list)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def rel_path(writer_id: str) -> str:
+        return f"{MANIFEST_DIR}/{writer_id}.json"
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "manifest_version": MANIFEST_VERSION,
+            "schema_version": SCHEMA_VERSION,
+            "writer_id": self.writer_id,
+            "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "config": self.config,
+            "shards": [dataclasses.asdict(s) for s in self.shards],
+        }
+        return json.dumps(doc, indent=1, sort_keys=True, default=str).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "Manifest":
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+            if int(doc.get("manifest_version", 0)) > MANIFEST_VERSION:
+                raise ValueError(
+                    f"manifest version {doc['manifest_version']} is newer than this rollshard's {MANIFEST_VERSION}; "
+                    "upgrade rollshard"
+                )
+            return cls(
+                writer_id=doc["writer_id"],
+                shards=[ShardInfo(**s) for s in doc["shards"]],
+                config=doc.get("config") or {},
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: unreadable manifest: {e}") from e
+
+    @classmethod
+    def load(cls, storage: Storage, writer_id: str) -> "Manifest | None":
+        rel = cls.rel_path(writer_id)
+        if not storage.exists(rel):
+            return None
+        return cls.from_json(storage.read_bytes(rel), storage.path(rel))
+
+    def save(self, storage: Storage) -> None:
+        storage.makedirs(MANIFEST_DIR)
+        storage.write_atomic(self.rel_path(self.writer_id), self.to_json())
+
+
+def load_manifests(storage: Storage) -> list[Manifest]:
+    """Every writer's manifest in the dataset, sorted by writer id."""
+    out = []
+    for rel in storage.list(MANIFEST_DIR, ".json"):
+        out.append(Manifest.from_json(storage.read_bytes(rel), storage.path(rel)))
+    return sorted(out, key=lambda m: m.writer_id)
+
+
+def fingerprint(shards: list[ShardInfo]) -> str:
+    """Content identity of a set of shards: changes when any shard is added, removed or rewritten."""
+    h = hashlib.sha256()
+    for s in sorted(shards, key=lambda s: s.path):
+        h.update(f"{s.path}\0{s.sha256}\n".encode())
+    return h.hexdigest()[:16]

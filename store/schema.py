@@ -1,0 +1,322 @@
+"""Schema v1 of a rollout row: the explicit Arrow schema, the matching dataclass, the invariants.
+
+One row is one trainable trajectory of one agent: the prompt it saw, the response it
+produced, the engine's logprob of every response token, and the loss mask. The
+schema is declared once here; every batch written is cast to it, and every batch
+written or validated goes through :func:`check_table`, which is vectorized with
+pyarrow/numpy so that checking costs little next to compressing.
+
+Invariants (DESIGN.md "The row"):
+
+* ``len(rollout_logprobs) == len(loss_mask) == len(response_tokens)``;
+* every logprob under ``loss_mask == 1`` is finite and ``<= 0``; under
+  ``loss_mask == 0`` it is exactly ``0.0`` (tool/environment tokens have no engine
+  logprob); mask values are 0 or 1;
+* token ids are non-negative (int32 by type);
+* ``status`` is a :class:`Status`; ``reward`` is present and finite unless the
+  row failed;
+* ``sample_id`` and ``group_id`` are non-empty and sample ids are unique.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import json
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = 1
+META_SCHEMA_VERSION = b"rollshard.schema_version"
+META_CONFIG = b"rollshard.config"
+
+
+class Status(str, enum.Enum):
+    """Outcome of one agent call; mirrors slime's sample status."""
+
+    COMPLETED = "completed"  # engine stopped on eos / a stop string
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # engine aborted the request
+    FAILED = "failed"  # no usable response; reward may be null
+
+    @classmethod
+    def from_finish_reason(cls, finish_reason: str) -> "Status":
+        """SGLang finish reason type -> status (slime's rule: length -> truncated, abort -> aborted)."""
+        return {"stop": cls.COMPLETED, "length": cls.TRUNCATED, "abort": cls.ABORTED}.get(
+            finish_reason, cls.FAILED
+        )
+
+
+STATUS_VALUES = tuple(s.value for s in Status)
+
+WEIGHT_SPAN = pa.struct(
+    [pa.field("version", pa.string()), pa.field("start", pa.int32()), pa.field("end", pa.int32())]
+)
+
+ROW_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("agent", pa.string(), nullable=False),
+        pa.field("round", pa.int16(), nullable=False),
+        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        pa.field("reward", pa.float32()),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string()),
+        pa.field("weight_version", pa.string()),
+        pa.field("weight_versions", pa.list_(WEIGHT_SPAN)),
+        pa.field("temperature", pa.float32()),
+        pa.field("top_p", pa.float32()),
+        pa.field("top_k", pa.int32()),
+        pa.field("prompt_text", pa.string()),
+        pa.field("response_text", pa.string()),
+        pa.field("metadata", pa.string()),
+        pa.field("created_at", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+LIST_COLUMNS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "weight_versions")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WeightSpan:
+    """Response token positions ``[start, end)`` produced by one policy version."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Row:
+    """One trainable trajectory of one agent; field for field the columns of :data:`ROW_SCHEMA`."""
+
+    sample_id: str
+    prompt_id: str
+    group_id: str
+    agent: str
+    round: int
+    prompt_tokens: Sequence[int]
+    response_tokens: Sequence[int]
+    rollout_logprobs: Sequence[float]
+    loss_mask: Sequence[int]
+    reward: float | None
+    status: Status
+    finish_reason: str | None = None
+    weight_version: str | None = None
+    weight_versions: list[WeightSpan] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    prompt_text: str | None = None
+    response_text: str | None = None
+    metadata: dict[str, Any] | str | None = None
+    created_at: dt.datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict in the schema's column types (shallow: token lists are not copied)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["status"] = Status(self.status).value
+        if self.weight_versions is not None:
+            d["weight_versions"] = [
+                {"version": s.version, "start": s.start, "end": s.end} if isinstance(s, WeightSpan) else s
+                for s in self.weight_versions
+            ]
+        elif self.weight_version is not None:
+            d["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": len(self.response_tokens)}]
+        if self.metadata is not None and not isinstance(self.metadata, str):
+            d["metadata"] = json.dumps(self.metadata, sort_keys=True)
+        if self.created_at is None:
+            d["created_at"] = dt.datetime.now(dt.timezone.utc)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Row":
+        kw = dict(d)
+        kw["status"] = Status(kw["status"])
+        if kw.get("weight_versions") is not None:
+            kw["weight_versions"] = [WeightSpan(**s) for s in kw["weight_versions"]]
+        return cls(**kw)
+
+
+class SchemaVersionError(ValueError):
+    """A file was written with a schema this rollshard cannot read."""
+
+
+class RowInvariantError(ValueError):
+    """A row breaks an invariant of the schema; the message names the sample and the field."""
+
+    def __init__(self, problems: list["Problem"]):
+        self.problems = problems
+        head = problems[0].message()
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        super().__init__(head + more)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """One invariant break in one row."""
+
+    sample_id: str | None
+    field: str
+    detail: str
+
+    def message(self) -> str:
+        return f"sample {self.sample_id!r}: {self.field}: {self.detail}"
+
+
+def rows_to_table(rows: Iterable[Row | dict[str, Any]]) -> pa.Table:
+    """Rows (dataclasses or dicts) -> a table cast to :data:`ROW_SCHEMA`."""
+    dicts = [r.to_dict() if isinstance(r, Row) else r for r in rows]
+    try:
+        return pa.Table.from_pylist(dicts, schema=ROW_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+        raise ValueError(f"rows do not fit schema v{SCHEMA_VERSION}: {e}") from e
+
+
+def cast_table(table: pa.Table) -> pa.Table:
+    """Cast any table with the schema's columns to :data:`ROW_SCHEMA` (column order, types)."""
+    missing = [n for n in ROW_SCHEMA.names if n not in table.column_names]
+    if missing:
+        raise ValueError(f"table lacks columns {missing}; a rollout table needs every column of schema v{SCHEMA_VERSION}")
+    table = table.select(ROW_SCHEMA.names)
+    if table.schema.equals(ROW_SCHEMA, check_metadata=False):
+        return table.replace_schema_metadata(None)
+    try:
+        return table.cast(ROW_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ValueError(f"table does not cast to schema v{SCHEMA_VERSION}: {e}") from e
+
+
+def _flat(list_array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened values and per-row offsets of a list column (one contiguous copy at most)."""
+    arr = list_array.combine_chunks() if isinstance(list_array, pa.ChunkedArray) else list_array
+    lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pc.list_flatten(arr).to_numpy(zero_copy_only=False), offsets
+
+
+def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
+    """Every invariant break in a table of :data:`ROW_SCHEMA` rows (at most ``limit`` reported)."""
+    problems: list[Problem] = []
+    ids = table.column("sample_id").to_pylist()
+
+    def add(rows: np.ndarray | Iterable[int], field: str, detail_of) -> None:
+        for i in list(rows)[: max(0, limit - len(problems))]:
+            problems.append(Problem(ids[i], field, detail_of(int(i))))
+
+    n_resp = pc.list_value_length(table.column("response_tokens")).fill_null(0).to_numpy(zero_copy_only=False)
+    n_lp = pc.list_value_length(table.column("rollout_logprobs")).fill_null(0).to_numpy(zero_copy_only=False)
+    n_mask = pc.list_value_length(table.column("loss_mask")).fill_null(0).to_numpy(zero_copy_only=False)
+    bad_len = np.flatnonzero((n_resp != n_lp) | (n_resp != n_mask))
+    add(
+        bad_len,
+        "rollout_logprobs",
+        lambda i: f"length {n_lp[i]} and loss_mask length {n_mask[i]} must both equal response_tokens length "
+        f"{n_resp[i]}; keep the engine's logprob of every response token",
+    )
+
+    for col in ("sample_id", "group_id", "prompt_id", "agent"):
+        vals = table.column(col)
+        empty = np.flatnonzero(
+            pc.or_(pc.is_null(vals), pc.equal(pc.utf8_length(vals.fill_null("")), 0)).to_numpy(zero_copy_only=False)
+        )
+        add(empty, col, lambda i: "is empty")
+
+    if not bad_len.size:
+        lp, _ = _flat(table.column("rollout_logprobs"))
+        mask, offsets = _flat(table.column("loss_mask"))
+        row_of = lambda flat_idx: int(np.searchsorted(offsets, flat_idx, side="right") - 1)  # noqa: E731
+        bad_mask = np.flatnonzero(mask > 1)
+        if bad_mask.size:
+            rows = sorted({row_of(j) for j in bad_mask[:limit]})
+            add(rows, "loss_mask", lambda i: "values must be 0 or 1")
+        on = mask == 1
+        with np.errstate(invalid="ignore"):
+            bad_on = np.flatnonzero(on & ~(np.isfinite(lp) & (lp <= 0.0)))
+        if bad_on.size:
+            first = {}
+            for j in bad_on[: limit * 8]:
+                first.setdefault(row_of(j), j)
+            add(
+                sorted(first),
+                "rollout_logprobs",
+                lambda i: f"token {first[i] - offsets[i]} has logprob {float(lp[first[i]]):.6g} under loss_mask 1; "
+                "engine logprobs must be finite and <= 0",
+            )
+        bad_off = np.flatnonzero(~on & (lp != 0.0))
+        if bad_off.size:
+            first_off = {}
+            for j in bad_off[: limit * 8]:
+                first_off.setdefault(row_of(j), j)
+            add(
+                sorted(first_off),
+                "rollout_logprobs",
+                lambda i: f"token {first_off[i] - offsets[i]} has logprob {float(lp[first_off[i]]):.6g} under loss_mask 0; "
+                "tool/environment tokens carry logprob 0.0",
+            )
+
+    for col in ("prompt_tokens", "response_tokens"):
+        flat, offsets = _flat(table.column(col))
+        neg = np.flatnonzero(flat < 0)
+        if neg.size:
+            rows = sorted({int(np.searchsorted(offsets, j, side="right") - 1) for j in neg[:limit]})
+            add(rows, col, lambda i: "token ids must be non-negative")
+
+    status = table.column("status")
+    bad_status = np.flatnonzero(
+        pc.invert(pc.is_in(status.fill_null(""), value_set=pa.array(STATUS_VALUES))).to_numpy(zero_copy_only=False)
+    )
+    statuses = status.to_pylist() if bad_status.size else None
+    add(bad_status, "status", lambda i: f"{statuses[i]!r} is not one of {', '.join(STATUS_VALUES)}")
+
+    reward = table.column("reward")
+    failed = pc.equal(status.fill_null(""), Status.FAILED.value)
+    reward_np = reward.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
+    no_reward = np.flatnonzero(~np.isfinite(reward_np) & ~failed.to_numpy(zero_copy_only=False))
+    add(no_reward, "reward", lambda i: f"is {reward[i].as_py()!r}; only a failed row may lack a finite reward")
+
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = [i for i, s in enumerate(ids) if s in seen or seen.add(s)]  # type: ignore[func-returns-value]
+        add(dup, "sample_id", lambda i: "appears more than once")
+    return problems
+
+
+def file_metadata(config: dict[str, Any] | None) -> dict[bytes, bytes]:
+    """Key/value metadata for a shard: schema version and the run's config as JSON."""
+    return {
+        META_SCHEMA_VERSION: SCHEMA_VERSION.encode(),
+        META_CONFIG: json.dumps(config or {}, sort_keys=True, default=str).encode(),
+    }
+
+
+def check_schema_version(metadata: dict[bytes, bytes] | None, where: str) -> str:
+    """Raise :class:`SchemaVersionError` for a file of a newer major schema; return its version."""
+    version = (metadata or {}).get(META_SCHEMA_VERSION, b"").decode()
+    if not version:
+        raise SchemaVersionError(f"{where}: no {META_SCHEMA_VERSION.decode()} in the file metadata; not a rollshard shard")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError as e:
+        raise SchemaVersionError(f"{where}: unreadable schema version {version!r}") from e
+    if major > SCHEMA_MAJOR:
+        raise SchemaVersionError(
+            f"{where}: written with rollshard schema {version}, this rollshard reads schema {SCHEMA_MAJOR}.x; "
+            "upgrade rollshard to read it"
+        )
+    return version
+
+
+def config_of(metadata: dict[bytes, bytes] | None) -> dict[str, Any]:
+    raw = (metadata or {}).get(META_CONFIG)
+    return json.loads(raw) if raw else {}

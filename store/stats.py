@@ -1,0 +1,194 @@
+"""Numbers about a dataset for ``rollshard-store stats`` and ``inspect``, computed with polars.
+
+Totals (rows, groups, tokens, bytes) come from the manifests without reading data.
+Breakdowns are polars lazy scans with column projection, collected together so the
+shards are read once per column. Token lists are never read for their values: the
+response length of a row is the length of its ``loss_mask`` (1 byte per token instead
+of 4 for the ids; equal lengths are a schema invariant), and the trainable tokens are
+the mask's sum.
+
+Definitions: reward statistics use the finite rewards only (a failed row may have
+none) and the population standard deviation (ddof=0), as GRPO normalizes a group.
+A zero-variance group is one whose finite rewards are all equal (a group of one
+included): every advantage in it is 0, so it carries no learning signal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import polars as pl
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.schema import STATUS_VALUES, Status
+
+RESPONSE_LEN = pl.col("loss_mask").list.len().cast(pl.Int64)
+TRAINABLE = pl.col("loss_mask").list.sum().cast(pl.Int64)
+FINITE_REWARD = pl.col("reward").filter(pl.col("reward").is_finite())
+# Where a run config may name the model whose tokenizer wrote the token ids, best first.
+TOKENIZER_KEY_HINTS = ("tokenizer", "model", "path")
+
+
+def _reward_aggs() -> list[pl.Expr]:
+    return [
+        pl.len().alias("rows"),
+        FINITE_REWARD.len().alias("reward_rows"),
+        FINITE_REWARD.cast(pl.Float64).mean().alias("reward_mean"),
+        FINITE_REWARD.cast(pl.Float64).std(ddof=0).alias("reward_std"),
+    ]
+
+
+def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
+    """Totals from the manifests; rows by status; rows, tokens and reward by agent."""
+    lf = ds.scan()
+    status, by_agent = pl.collect_all(
+        [
+            lf.group_by("status").agg(pl.len().alias("rows")),
+            lf.group_by("agent")
+            .agg(
+                *_reward_aggs(),
+                pl.col("group_id").n_unique().alias("groups"),
+                RESPONSE_LEN.sum().alias("response_tokens"),
+                TRAINABLE.sum().alias("trainable_tokens"),
+            )
+            .sort("agent"),
+        ]
+    )
+    status_counts = {s: 0 for s in STATUS_VALUES}
+    status_counts.update({r["status"]: r["rows"] for r in status.iter_rows(named=True)})
+    agents = {}
+    for r in by_agent.iter_rows(named=True):
+        agent = r.pop("agent")
+        agents[agent] = _clean(r)
+    return {
+        "dataset": ds.storage.uri,
+        "schema_version": ds.schema_version,
+        "fingerprint": ds.fingerprint,
+        "shards": len(ds.shards),
+        "writers": len(ds.manifests),
+        "rows": ds.num_rows,
+        "groups": ds.num_groups,
+        "prompt_tokens": ds.num_prompt_tokens,
+        "response_tokens": ds.num_response_tokens,
+        "tokens": ds.num_tokens,
+        "bytes": ds.num_bytes,
+        "status": status_counts,
+        "agents": agents,
+    }
+
+
+def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
+    """Everything ``rollshard-store inspect`` shows; ``["stats"]`` is :func:`dataset_stats`."""
+    lf = ds.scan()
+    per_group = lf.group_by("group_id").agg(
+        pl.col("agent").first(),
+        (FINITE_REWARD.n_unique() <= 1).alias("zero_variance"),
+    )
+    finish, by_round, lengths, zero_var, versions, times = pl.collect_all(
+        [
+            lf.group_by("finish_reason").agg(pl.len().alias("rows")).sort("rows", descending=True),
+            lf.group_by("agent", "round").agg(*_reward_aggs()).sort("agent", "round"),
+            lf.select("agent", "status", RESPONSE_LEN.alias("n"))
+            .group_by("agent")
+            .agg(
+                pl.len().alias("rows"),
+                pl.col("n").mean().alias("mean"),
+                pl.col("n").quantile(0.5, "nearest").alias("p50"),
+                pl.col("n").quantile(0.9, "nearest").alias("p90"),
+                pl.col("n").max().alias("max"),
+                (pl.col("status") == Status.TRUNCATED.value).mean().alias("truncated_frac"),
+            )
+            .sort("agent"),
+            per_group.group_by("agent")
+            .agg(pl.len().alias("groups"), pl.col("zero_variance").sum().cast(pl.Int64).alias("zero_variance"))
+            .sort("agent"),
+            lf.group_by("weight_version")
+            .agg(pl.len().alias("rows"), (pl.col("weight_versions").list.len() > 1).sum().alias("multi_version_rows"))
+            .sort("weight_version"),
+            lf.select(pl.col("created_at").min().alias("first"), pl.col("created_at").max().alias("last")),
+        ]
+    )
+    zv_by_agent = {
+        r["agent"]: {**r, "fraction": r["zero_variance"] / r["groups"]} for r in zero_var.iter_rows(named=True)
+    }
+    for v in zv_by_agent.values():
+        v.pop("agent")
+    n_groups = sum(v["groups"] for v in zv_by_agent.values())
+    n_zero = sum(v["zero_variance"] for v in zv_by_agent.values())
+    t = times.row(0, named=True) if times.height else {"first": None, "last": None}
+    return {
+        "stats": dataset_stats(ds),
+        "config": ds.config,
+        "writers": [
+            {
+                "writer_id": m.writer_id,
+                "shards": len(m.shards),
+                "rows": sum(s.rows for s in m.shards),
+                "groups": sum(s.groups for s in m.shards),
+                "tokens": sum(s.tokens for s in m.shards),
+                "bytes": sum(s.bytes for s in m.shards),
+            }
+            for m in ds.manifests
+        ],
+        "finish_reason": {r["finish_reason"]: r["rows"] for r in finish.iter_rows(named=True)},
+        "reward_by_agent_round": [_clean(r) for r in by_round.iter_rows(named=True)],
+        "response_length": [_clean(r) for r in lengths.iter_rows(named=True)],
+        "zero_variance_groups": {
+            "groups": n_groups,
+            "zero_variance": n_zero,
+            "fraction": n_zero / n_groups if n_groups else None,
+            "by_agent": zv_by_agent,
+        },
+        "weight_version": [dict(r) for r in versions.iter_rows(named=True)],
+        "created_at": {k: v.isoformat() if v is not None else None for k, v in t.items()},
+    }
+
+
+def find_sample(ds: RolloutDataset, sample_id: str) -> dict[str, Any] | None:
+    """One row by ``sample_id`` (predicate pushed into the scan: row groups whose
+    sample_id statistics exclude it are skipped), or None."""
+    df = ds.scan().filter(pl.col("sample_id") == sample_id).head(1).collect()
+    return df.row(0, named=True) if df.height else None
+
+
+def tokenizer_path(config: dict[str, Any]) -> str | None:
+    """A local model/tokenizer directory named anywhere in a run config, or None."""
+    found: list[tuple[int, str]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, str):
+                    rank = next((i for i, h in enumerate(TOKENIZER_KEY_HINTS) if h in str(k).lower()), None)
+                    if rank is not None:
+                        found.append((rank, v))
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(config)
+    for _, path in sorted(found, key=lambda x: x[0]):
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer from a local folder (never downloads)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def decode_each(tokenizer, ids: list[int]) -> list[str]:
+    """The text of each token on its own (byte-level pieces of one character may show as U+FFFD)."""
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    """NaN -> None so the dict is valid JSON."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}

@@ -1,0 +1,305 @@
+"""The shard writer: whole GRPO groups in, committed Parquet shards and a manifest out.
+
+Rows are buffered up to ``row_group_bytes`` (Arrow memory) and flushed as one Parquet
+row group; a shard is committed (fsync, rename, manifest rewritten) when it reaches
+``shard_bytes`` on disk, on :meth:`ShardWriter.commit` and on :meth:`ShardWriter.close`.
+Groups are the unit: :meth:`ShardWriter.write_group` takes every row of one group, so
+a group never spans two shards and a crash loses whole groups only.
+
+Leaving a ``with`` block on an exception discards the shard being written; shards
+committed before stay committed. A writer re-opened with the same ``writer_id``
+continues its manifest, and adopts a shard that a crash left renamed but not yet in
+the manifest (the rename happens after fsync, so such a shard is complete).
+
+Settings (measured in tests/bench/bench_store.py, see the README): zstd level 1 and
+no dictionary encoding on the list columns (token ids are high-cardinality; the
+dictionary pages are dead weight) while the short string columns keep it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import fcntl
+import os
+import re
+import socket
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, ShardInfo
+from rollshard.store.schema import (
+    LIST_COLUMNS,
+    ROW_SCHEMA,
+    Row,
+    RowInvariantError,
+    cast_table,
+    check_table,
+    check_schema_version,
+    file_metadata,
+    rows_to_table,
+)
+from rollshard.store.storage import PendingFile, Storage, TMP_DIR
+
+DICTIONARY_COLUMNS = [n for n in ROW_SCHEMA.names if n not in LIST_COLUMNS]
+
+
+@dataclasses.dataclass(kw_only=True)
+class WriterOptions:
+    """Parquet and commit settings of a :class:`ShardWriter`."""
+
+    compression: str = "zstd"
+    compression_level: int | None = 1
+    row_group_bytes: int = 64 << 20  # Arrow bytes buffered before a row group is written
+    shard_bytes: int = 512 << 20  # a shard is committed once this many bytes are on disk
+    dictionary_lists: bool = False  # dictionary-encode the list columns too (measured: worse)
+    validate: bool = True  # check every invariant before a row is buffered
+
+
+def default_writer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ShardWriter:
+    """Writes whole GRPO groups of rows into a dataset directory; see the module docstring."""
+
+    def __init__(
+        self,
+        dataset: str | os.PathLike | Storage,
+        *,
+        writer_id: str | None = None,
+        config: dict[str, Any] | None = None,
+        options: WriterOptions | None = None,
+    ):
+        self.storage = dataset if isinstance(dataset, Storage) else Storage(dataset)
+        self.writer_id = writer_id or default_writer_id()
+        if not WRITER_ID_RE.match(self.writer_id):
+            raise ValueError(
+                f"writer id {self.writer_id!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
+            )
+        self.options = options or WriterOptions()
+        self.config = config or {}
+        self._schema = ROW_SCHEMA.with_metadata(file_metadata(self.config))
+        self.storage.makedirs(SHARD_DIR)
+        self._lock = self._acquire_lock()
+        existing = Manifest.load(self.storage, self.writer_id)
+        self.manifest = existing or Manifest(writer_id=self.writer_id)
+        self.manifest.config = self.config or self.manifest.config
+        if existing is None:  # the dataset exists (empty) from the moment a writer opens it
+            self.manifest.save(self.storage)
+        self._adopt_orphans()
+        self._buffer: list[pa.Table] = []
+        self._buffer_bytes = 0
+        self._pending: PendingFile | None = None
+        self._pq: pq.ParquetWriter | None = None
+        self._shard_stats = _Counts()
+        self._closed = False
+
+    # -- public API -------------------------------------------------------------------------
+
+    def write_group(self, rows: Iterable[Row | dict[str, Any]] | pa.Table) -> None:
+        """Buffer every row of one GRPO group; raises :class:`RowInvariantError` on a bad row."""
+        table = rows if isinstance(rows, pa.Table) else rows_to_table(rows)
+        table = cast_table(table)
+        if table.num_rows == 0:
+            return
+        groups = pc.unique(table.column("group_id"))
+        if len(groups) != 1:
+            raise ValueError(f"write_group takes the rows of one group; got groups {groups.to_pylist()[:5]}")
+        self._append(table, n_groups=1)
+
+    def write_groups(self, table: pa.Table) -> None:
+        """Buffer a table holding whole groups (every row of each group present)."""
+        table = cast_table(table)
+        if table.num_rows:
+            self._append(table, n_groups=len(pc.unique(table.column("group_id"))))
+
+    def flush(self) -> None:
+        """Write the buffered rows as one row group of the open shard (not yet committed)."""
+        if not self._buffer:
+            return
+        table = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+        self._buffer, self._buffer_bytes = [], 0
+        if self._pq is None:
+            rel = f"{SHARD_DIR}/{self.writer_id}-{self._next_seq():05d}.parquet"
+            self._pending = PendingFile(self.storage, rel)
+            o = self.options
+            self._pq = pq.ParquetWriter(
+                self._pending.file,
+                self._schema,
+                compression=o.compression,
+                compression_level=o.compression_level,
+                use_dictionary=True if o.dictionary_lists else DICTIONARY_COLUMNS,
+                write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
+            )
+        self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
+        if self._pending.file.tell() >= self.options.shard_bytes:
+            self.commit()
+
+    def commit(self) -> ShardInfo | None:
+        """Flush and commit the open shard: after this returns its rows survive a crash."""
+        self._check_open()
+        self.flush()
+        if self._pq is None:
+            return None
+        pending, counts = self._pending, self._shard_stats
+        self._pq.close()
+        sha, size = pending.commit()
+        self._pq, self._pending, self._shard_stats = None, None, _Counts()
+        info = ShardInfo(
+            path=pending.rel,
+            rows=counts.rows,
+            groups=counts.groups,
+            prompt_tokens=counts.prompt_tokens,
+            response_tokens=counts.response_tokens,
+            bytes=size,
+            sha256=sha,
+            writer_id=self.writer_id,
+            created_at=_now(),
+        )
+        self.manifest.shards.append(info)
+        self.manifest.save(self.storage)
+        return info
+
+    def close(self) -> None:
+        """Commit what is buffered and release the writer id."""
+        if self._closed:
+            return
+        try:
+            self.commit()
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Discard buffered rows and the open shard; committed shards stay."""
+        if self._closed:
+            return
+        self._buffer, self._buffer_bytes = [], 0
+        try:
+            if self._pq is not None:
+                try:
+                    self._pq.close()
+                finally:
+                    self._pending.discard()
+        finally:
+            self._pq, self._pending = None, None
+            self._release()
+
+    @property
+    def committed_shards(self) -> list[ShardInfo]:
+        return list(self.manifest.shards)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _append(self, table: pa.Table, n_groups: int) -> None:
+        self._check_open()
+        if self.options.validate:
+            problems = check_table(table)
+            if problems:
+                raise RowInvariantError(problems)
+        self._shard_stats.add(table, n_groups)
+        self._buffer.append(table)
+        self._buffer_bytes += table.nbytes
+        if self._buffer_bytes >= self.options.row_group_bytes:
+            self.flush()
+
+    def _next_seq(self) -> int:
+        seqs = [int(s.path.rsplit("-", 1)[1].split(".")[0]) for s in self.manifest.shards]
+        return max(seqs, default=-1) + 1
+
+    def _adopt_orphans(self) -> None:
+        """A crash between rename and manifest save leaves a complete shard outside the manifest."""
+        known = {s.path for s in self.manifest.shards}
+        prefix = f"{SHARD_DIR}/{self.writer_id}-"
+        orphans = [
+            p
+            for p in self.storage.list(SHARD_DIR, ".parquet")
+            if p.startswith(prefix) and p not in known and p[len(prefix):-len(".parquet")].isdigit()
+        ]
+        for rel in orphans:
+            with self.storage.fs.open_input_file(self.storage.path(rel)) as f:
+                pf = pq.ParquetFile(f)
+                check_schema_version(pf.schema_arrow.metadata, self.storage.path(rel))
+                counts = _Counts()
+                for i in range(pf.num_row_groups):
+                    counts.add(pf.read_row_group(i, columns=["group_id", "prompt_tokens", "response_tokens"]), None)
+            self.manifest.shards.append(
+                ShardInfo(
+                    path=rel,
+                    rows=counts.rows,
+                    groups=len(counts.group_ids),
+                    prompt_tokens=counts.prompt_tokens,
+                    response_tokens=counts.response_tokens,
+                    bytes=self.storage.size(rel),
+                    sha256=self.storage.sha256(rel),
+                    writer_id=self.writer_id,
+                    created_at=_now(),
+                )
+            )
+        if orphans:
+            self.manifest.save(self.storage)
+        if self.storage.local:  # temp files of an earlier crashed run of this writer id are garbage
+            mine = re.compile(rf"^{TMP_DIR}/[0-9a-f]+~{re.escape(self.writer_id)}-\d+\.parquet$")
+            for rel in self.storage.list(TMP_DIR, ".parquet"):
+                if mine.match(rel):
+                    self.storage.delete(rel)
+
+    def _acquire_lock(self):
+        if not self.storage.local:
+            return None
+        self.storage.makedirs("_manifests")
+        fd = os.open(self.storage.path(f"_manifests/{self.writer_id}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise RuntimeError(
+                f"another process is writing into {self.storage.uri} as writer {self.writer_id!r}; "
+                "give each process its own writer id"
+            ) from e
+        return fd
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"writer {self.writer_id!r} is closed")
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.rows = self.groups = self.prompt_tokens = self.response_tokens = 0
+        self.group_ids: set[str] = set()
+
+    def add(self, table: pa.Table, n_groups: int | None) -> None:
+        self.rows += table.num_rows
+        if n_groups is None:
+            self.group_ids.update(table.column("group_id").to_pylist())
+        else:
+            self.groups += n_groups
+        self.prompt_tokens += _total_len(table.column("prompt_tokens"))
+        self.response_tokens += _total_len(table.column("response_tokens"))
+
+
+def _total_len(col: pa.ChunkedArray) -> int:
+    return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")

@@ -1,0 +1,215 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.manifest import Manifest
+from rollshard.store.schema import RowInvariantError, SchemaVersionError
+from rollshard.store.storage import Storage
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter, WriterOptions
+
+SMALL = dict(prompt_len=(3, 9), response_len=(2, 30))
+
+
+def groups_of(table: pa.Table) -> list[pa.Table]:
+    ids = table.column("group_id").to_pylist()
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            out.append(table.slice(start, i - start))
+            start = i
+    return out
+
+
+def test_write_commit_and_manifest_counts(tmp_path):
+    table = synthetic_table(6, 3, seed=1, **SMALL)
+    with ShardWriter(tmp_path, writer_id="w0", config={"task": "toy"}) as w:
+        for g in groups_of(table):
+            w.write_group(g)
+    ds = RolloutDataset.open(tmp_path)
+    assert [s.path for s in ds.shards] == ["shards/w0-00000.parquet"]
+    shard = ds.shards[0]
+    assert (shard.rows, shard.groups) == (18, 6)
+    assert shard.response_tokens == pc.sum(pc.list_value_length(table["response_tokens"])).as_py()
+    assert shard.prompt_tokens == pc.sum(pc.list_value_length(table["prompt_tokens"])).as_py()
+    assert shard.bytes == os.path.getsize(tmp_path / shard.path)
+    assert shard.sha256 == Storage(tmp_path).sha256(shard.path)
+    assert ds.config == {"task": "toy"}
+    meta = pq.read_schema(tmp_path / shard.path).metadata
+    assert meta[b"rollshard.schema_version"] == b"1.0"
+    assert json.loads(meta[b"rollshard.config"]) == {"task": "toy"}
+    assert ds.read().equals(table)
+
+
+def test_row_group_per_flush_and_shard_roll_over_keeps_groups_whole(tmp_path):
+    table = synthetic_table(40, 4, seed=2, uneven_groups=True, **SMALL)
+    opts = WriterOptions(row_group_bytes=4_000, shard_bytes=8_000)
+    with ShardWriter(tmp_path, writer_id="w0", options=opts) as w:
+        for g in groups_of(table):
+            w.write_group(g)
+    ds = RolloutDataset.open(tmp_path)
+    assert len(ds.shards) > 2
+    owner: dict[str, str] = {}
+    for s in ds.shards:
+        pf = pq.ParquetFile(tmp_path / s.path)
+        assert pf.metadata.num_row_groups >= 1
+        for gid in set(pf.read(columns=["group_id"]).column("group_id").to_pylist()):
+            assert owner.setdefault(gid, s.path) == s.path, f"group {gid} split across shards"
+    assert ds.num_rows == table.num_rows
+    assert sorted(ds.read()["sample_id"].to_pylist()) == sorted(table["sample_id"].to_pylist())
+
+
+def test_write_group_refuses_dropped_logprobs_naming_the_sample(tmp_path):
+    # The seed's bug: the engine returned logprobs, the rows kept only the token ids.
+    table = synthetic_table(1, 2, seed=3, **SMALL)
+    lp = table["rollout_logprobs"].to_pylist()
+    lp[1] = []
+    bad = table.set_column(table.schema.get_field_index("rollout_logprobs"), "rollout_logprobs", pa.array(lp, pa.list_(pa.float32())))
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        with pytest.raises(RowInvariantError) as err:
+            w.write_group(bad)
+    n = len(table["response_tokens"][1])
+    assert str(err.value) == (
+        f"sample 'p0-policy-0-1': rollout_logprobs: length 0 and loss_mask length {n} must both equal "
+        f"response_tokens length {n}; keep the engine's logprob of every response token"
+    )
+    assert RolloutDataset.open(tmp_path).num_rows == 0
+
+
+def test_write_group_takes_exactly_one_group(tmp_path):
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        with pytest.raises(ValueError, match="rows of one group"):
+            w.write_group(synthetic_table(2, 2, **SMALL))
+
+
+def test_exception_in_with_block_leaves_no_visible_shard(tmp_path):
+    table = synthetic_table(4, 2, seed=4, **SMALL)
+    with pytest.raises(KeyboardInterrupt):
+        with ShardWriter(tmp_path, writer_id="w0", options=WriterOptions(row_group_bytes=1)) as w:
+            w.write_groups(table)  # flushed to a temporary file, not committed
+            raise KeyboardInterrupt
+    assert os.listdir(tmp_path / "shards") == []
+    assert os.listdir(tmp_path / "_tmp") == []
+    assert RolloutDataset.open(tmp_path).shards == []
+
+
+def test_same_writer_id_is_locked(tmp_path):
+    with ShardWriter(tmp_path, writer_id="w0"):
+        with pytest.raises(RuntimeError, match="another process is writing .* as writer 'w0'; give each process its own writer id"):
+            ShardWriter(tmp_path, writer_id="w0")
+    ShardWriter(tmp_path, writer_id="w0").close()  # released
+
+
+def test_reopened_writer_continues_its_manifest(tmp_path):
+    a, b = synthetic_table(2, 2, seed=5, **SMALL), synthetic_table(2, 2, seed=6, prefix="x", **SMALL)
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        w.write_groups(a)
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        w.write_groups(b)
+    ds = RolloutDataset.open(tmp_path)
+    assert [s.path for s in ds.shards] == ["shards/w0-00000.parquet", "shards/w0-00001.parquet"]
+    assert ds.num_rows == 8
+
+
+def test_crash_between_rename_and_manifest_is_adopted(tmp_path, monkeypatch):
+    table = synthetic_table(3, 2, seed=7, **SMALL)
+
+    def crash(self, storage):
+        raise OSError("disk vanished")
+
+    with pytest.raises(OSError):
+        with ShardWriter(tmp_path, writer_id="w0") as w:
+            monkeypatch.setattr(Manifest, "save", crash)
+            w.write_groups(table)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "shards") == ["w0-00000.parquet"]  # renamed, not in a manifest
+    ShardWriter(tmp_path, writer_id="w0").close()
+    ds = RolloutDataset.open(tmp_path)
+    assert [(s.path, s.rows, s.groups) for s in ds.shards] == [("shards/w0-00000.parquet", 6, 3)]
+    assert ds.read().equals(table)
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rollshard.store.synthetic import synthetic_table
+    from rollshard.store.writer import ShardWriter, WriterOptions
+    path, writer_id, seed, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    table = synthetic_table(30, 3, seed=seed, prefix=writer_id, prompt_len=(3, 9), response_len=(2, 30))
+    w = ShardWriter(path, writer_id=writer_id, options=WriterOptions(row_group_bytes=2_000, shard_bytes=1 << 40))
+    w.write_groups(table.slice(0, 45))
+    w.commit()
+    w.write_groups(table.slice(45))  # several row groups flushed into the next shard's temporary file
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    w.close()
+    """
+)
+
+
+def run_child(path, writer_id, seed, mode):
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(path), writer_id, str(seed), mode])
+
+
+def test_killed_writer_leaves_no_partial_shard_and_a_consistent_manifest(tmp_path):
+    proc = run_child(tmp_path, "w0", 8, "kill")
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    assert len(os.listdir(tmp_path / "_tmp")) == 1  # the partial shard, invisible
+    assert os.listdir(tmp_path / "shards") == ["w0-00000.parquet"]
+    ds = RolloutDataset.open(tmp_path)
+    assert ds.num_rows == 45
+    assert ds.read()["sample_id"].to_pylist() == synthetic_table(30, 3, seed=8, prefix="w0", **SMALL)["sample_id"].to_pylist()[:45]
+    # A standard reader pointed at the directory sees only the committed shard.
+    import pyarrow.dataset as pads
+
+    assert pads.dataset(tmp_path / "shards", format="parquet").count_rows() == 45
+    ShardWriter(tmp_path, writer_id="w0").close()  # a restarted writer clears its own garbage
+    assert os.listdir(tmp_path / "_tmp") == []
+
+
+def test_two_writer_processes_into_one_dataset(tmp_path):
+    procs = [run_child(tmp_path, f"host{i}", 10 + i, "close") for i in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ds = RolloutDataset.open(tmp_path)
+    assert sorted(m.writer_id for m in ds.manifests) == ["host0", "host1"]
+    assert ds.num_rows == 180 and len(ds.shards) == 4
+    ids = ds.read(columns=["sample_id"])["sample_id"].to_pylist()
+    assert len(set(ids)) == 180
+
+
+def test_newer_schema_major_is_refused(tmp_path):
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        w.write_groups(synthetic_table(1, 2, **SMALL))
+    path = tmp_path / RolloutDataset.open(tmp_path).shards[0].path
+    t = pq.read_table(path)
+    pq.write_table(t.replace_schema_metadata({b"rollshard.schema_version": b"2.0"}), path)
+    with pytest.raises(SchemaVersionError, match="schema 2.0, this rollshard reads schema 1.x; upgrade rollshard"):
+        RolloutDataset.open(tmp_path)
+
+
+def test_remote_filesystem_path_writes_directly(tmp_path):
+    # Any non-local pyarrow filesystem takes the object-store path (upload visible on close).
+    fs = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    storage = Storage("data", filesystem=fs)
+    assert not storage.local
+    table = synthetic_table(3, 2, seed=9, **SMALL)
+    with ShardWriter(storage, writer_id="w0") as w:
+        w.write_groups(table)
+    ds = RolloutDataset.open(Storage("data", filesystem=fs))
+    assert ds.read().equals(table)
+    assert ds.shards[0].sha256 == Storage(tmp_path / "data").sha256(ds.shards[0].path)
+
+
+def test_bad_writer_id():
+    with pytest.raises(ValueError, match="writer id 'a/b' must be"):
+        ShardWriter("/nonexistent-never-created", writer_id="a/b")

@@ -1,0 +1,5 @@
+import sys
+
+from rollshard.train.cli import main
+
+sys.exit(main())
