@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
@@ -65,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
             return _stats(ds, args, out, err)
         return _inspect(ds, args, out, err)
     except (DatasetNotFoundError, SchemaVersionError, _UsageError) as e:
-        err.print(f"{PROG}: error: {e}", markup=False)
+        _error(f"{e}")
         return EXIT_USAGE
     except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
-        err.print(f"{PROG}: error: cannot read {args.path}: {_one_line(e)}; run `{PROG} validate`", markup=False)
+        _error(f"cannot read {args.path}: {_one_line(e)}; run `{PROG} validate {args.path}`")
         return EXIT_PROBLEMS
     except ValueError as e:  # a location pyarrow cannot open, an unreadable manifest
-        err.print(f"{PROG}: error: {e}", markup=False)
+        _error(f"{e}")
         return EXIT_USAGE
 
 
@@ -102,8 +103,10 @@ def _validate(args, out: Console, err: Console) -> int:
     shards = Table(title=f"{report.dataset}: {len(report.shards)} shards")
     for col in ("shard", "writer", "rows", "bytes", "result"):
         shards.add_column(col, justify="right" if col in ("rows", "bytes") else "left")
+    involved = Counter(path for p in report.problems for path in p.shards)  # cross-shard ones too
     for s in report.shards:
-        result = "[green]ok[/]" if s.ok else f"[red]{len(s.problems)} problem{'s' * (len(s.problems) > 1)}[/]"
+        n = involved[s.path]
+        result = "[green]ok[/]" if not n else f"[red]{n} problem{'s' * (n > 1)}[/]"
         shards.add_row(s.path, s.writer_id, f"{s.rows:,}", f"{s.bytes:,}", result)
     out.print(shards)
     if report.problems:
@@ -214,7 +217,8 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
         lengths.add_column(c, justify="left" if c == "agent" else "right")
     for r in summary["response_length"]:
         lengths.add_row(
-            r["agent"], *(_fmt(r[c]) for c in ("rows", "mean", "p50", "p90", "max")), f"{r['truncated_frac']:.1%}"
+            r["agent"], _fmt(r["rows"]), f"{r['mean']:,.1f}", *(_fmt(r[c]) for c in ("p50", "p90", "max")),
+            f"{r['truncated_frac']:.1%}",
         )
     out.print(lengths)
     zv = summary["zero_variance_groups"]
@@ -249,7 +253,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         except (OSError, ValueError) as e:
             if args.tokenizer:
                 raise _UsageError(f"cannot load a tokenizer from {path}: {_one_line(e)}") from e
-            err.print(f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}")
+            print(f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}", file=sys.stderr)
     tokens = [
         {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
         for i, (t, lp, m) in enumerate(zip(ids, row["rollout_logprobs"], row["loss_mask"]))
@@ -296,6 +300,11 @@ def _logprob_cell(lp: float, mask: int) -> str:
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _error(message: str) -> None:
+    """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def _print_json(out: Console, doc: Any) -> None:

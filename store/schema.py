@@ -184,7 +184,8 @@ def rows_to_table(rows: Iterable[Row | dict[str, Any]]) -> pa.Table:
 
 def cast_table(table: pa.Table) -> pa.Table:
     """Cast any table with the schema's columns to :data:`ROW_SCHEMA` (column order, types)."""
-    missing = [n for n in ROW_SCHEMA.names if n not in table.column_names]
+    names = set(table.column_names)
+    missing = [n for n in ROW_SCHEMA.names if n not in names]
     if missing:
         raise ValueError(f"table lacks columns {missing}; a rollout table needs every column of schema v{SCHEMA_VERSION}")
     table = table.select(ROW_SCHEMA.names)
@@ -196,27 +197,35 @@ def cast_table(table: pa.Table) -> pa.Table:
         raise ValueError(f"table does not cast to schema v{SCHEMA_VERSION}: {e}") from e
 
 
-def _flat(list_array: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """Flattened values and per-row offsets of a list column (one contiguous copy at most)."""
-    arr = list_array.combine_chunks() if isinstance(list_array, pa.ChunkedArray) else list_array
-    lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return pc.list_flatten(arr).to_numpy(zero_copy_only=False), offsets
+def _flat(list_array: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened values and row offsets (from 0) of a list column, without copying when possible."""
+    arr = list_array
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()  # combine copies even one chunk
+    offsets = arr.offsets.to_numpy()  # [rows + 1], relative to the (possibly sliced) values buffer
+    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
+    return values, (offsets - offsets[0]).astype(np.int64)
 
 
 def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
-    """Every invariant break in a table of :data:`ROW_SCHEMA` rows (at most ``limit`` reported)."""
+    """Every invariant break in a table of :data:`ROW_SCHEMA` rows (at most ``limit`` reported).
+
+    Written for the common case of a clean table: a handful of whole-column numpy checks,
+    and per-row detail only for the rows that fail.
+    """
     problems: list[Problem] = []
-    ids = table.column("sample_id").to_pylist()
+    ids: list[str] | None = None
 
     def add(rows: np.ndarray | Iterable[int], field: str, detail_of) -> None:
+        nonlocal ids
+        ids = table.column("sample_id").to_pylist() if ids is None else ids
         for i in list(rows)[: max(0, limit - len(problems))]:
             problems.append(Problem(ids[i], field, detail_of(int(i))))
 
-    n_resp = pc.list_value_length(table.column("response_tokens")).fill_null(0).to_numpy(zero_copy_only=False)
-    n_lp = pc.list_value_length(table.column("rollout_logprobs")).fill_null(0).to_numpy(zero_copy_only=False)
-    n_mask = pc.list_value_length(table.column("loss_mask")).fill_null(0).to_numpy(zero_copy_only=False)
+    resp, resp_off = _flat(table.column("response_tokens"))
+    lp, lp_off = _flat(table.column("rollout_logprobs"))
+    mask, mask_off = _flat(table.column("loss_mask"))
+    n_resp, n_lp, n_mask = np.diff(resp_off), np.diff(lp_off), np.diff(mask_off)
     bad_len = np.flatnonzero((n_resp != n_lp) | (n_resp != n_mask))
     add(
         bad_len,
@@ -227,69 +236,71 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
 
     for col in ("sample_id", "group_id", "prompt_id", "agent"):
         vals = table.column(col)
-        empty = np.flatnonzero(
-            pc.or_(pc.is_null(vals), pc.equal(pc.utf8_length(vals.fill_null("")), 0)).to_numpy(zero_copy_only=False)
-        )
-        add(empty, col, lambda i: "is empty")
+        lengths = pc.utf8_length(vals).to_numpy(zero_copy_only=False)  # null -> NaN
+        if vals.null_count or not (lengths > 0).all():
+            add(np.flatnonzero(~(lengths > 0)), col, lambda i: "is empty")
 
-    if not bad_len.size:
-        lp, _ = _flat(table.column("rollout_logprobs"))
-        mask, offsets = _flat(table.column("loss_mask"))
-        row_of = lambda flat_idx: int(np.searchsorted(offsets, flat_idx, side="right") - 1)  # noqa: E731
-        bad_mask = np.flatnonzero(mask > 1)
-        if bad_mask.size:
-            rows = sorted({row_of(j) for j in bad_mask[:limit]})
-            add(rows, "loss_mask", lambda i: "values must be 0 or 1")
-        on = mask == 1
-        with np.errstate(invalid="ignore"):
-            bad_on = np.flatnonzero(on & ~(np.isfinite(lp) & (lp <= 0.0)))
-        if bad_on.size:
-            first = {}
-            for j in bad_on[: limit * 8]:
-                first.setdefault(row_of(j), j)
-            add(
-                sorted(first),
-                "rollout_logprobs",
-                lambda i: f"token {first[i] - offsets[i]} has logprob {float(lp[first[i]]):.6g} under loss_mask 1; "
-                "engine logprobs must be finite and <= 0",
-            )
-        bad_off = np.flatnonzero(~on & (lp != 0.0))
-        if bad_off.size:
-            first_off = {}
-            for j in bad_off[: limit * 8]:
-                first_off.setdefault(row_of(j), j)
-            add(
-                sorted(first_off),
-                "rollout_logprobs",
-                lambda i: f"token {first_off[i] - offsets[i]} has logprob {float(lp[first_off[i]]):.6g} under loss_mask 0; "
-                "tool/environment tokens carry logprob 0.0",
-            )
+    def row_of(flat_idx: int) -> int:
+        return int(np.searchsorted(mask_off, flat_idx, side="right") - 1)
 
-    for col in ("prompt_tokens", "response_tokens"):
-        flat, offsets = _flat(table.column(col))
-        neg = np.flatnonzero(flat < 0)
-        if neg.size:
-            rows = sorted({int(np.searchsorted(offsets, j, side="right") - 1) for j in neg[:limit]})
+    if not bad_len.size and mask.size:
+        if mask.max() > 1:
+            add(sorted({row_of(j) for j in np.flatnonzero(mask > 1)[:limit]}), "loss_mask", lambda i: "values must be 0 or 1")
+        # Fast path: reductions only (NaN propagates through max/min and fails both tests).
+        all_on = mask.min() == 1
+        lp_on = lp if all_on else lp[mask == 1]
+        on_ok = lp_on.size == 0 or (lp_on.max() <= 0.0 and lp_on.min() > -np.inf)
+        off_ok = all_on or not np.count_nonzero(lp[mask != 1])
+        if not (on_ok and off_ok):
+            on = mask == 1
+            with np.errstate(invalid="ignore"):
+                ok_on = np.isfinite(lp) & (lp <= 0.0)
+            for bad, what, why in (
+                (on & ~ok_on, "under loss_mask 1", "engine logprobs must be finite and <= 0"),
+                (~on & (lp != 0.0), "under loss_mask 0", "tool/environment tokens carry logprob 0.0"),
+            ):
+                if bad.any():
+                    first: dict[int, int] = {}
+                    for j in np.flatnonzero(bad)[: limit * 8]:
+                        first.setdefault(row_of(j), int(j))
+                    add(
+                        sorted(first),
+                        "rollout_logprobs",
+                        lambda i, first=first, what=what, why=why: (
+                            f"token {first[i] - mask_off[i]} has logprob {float(lp[first[i]]):.6g} {what}; {why}"
+                        ),
+                    )
+
+    for col, (flat, offsets) in (("prompt_tokens", _flat(table.column("prompt_tokens"))), ("response_tokens", (resp, resp_off))):
+        if flat.size and flat.min() < 0:
+            rows = sorted({int(np.searchsorted(offsets, j, side="right") - 1) for j in np.flatnonzero(flat < 0)[:limit]})
             add(rows, col, lambda i: "token ids must be non-negative")
 
     status = table.column("status")
-    bad_status = np.flatnonzero(
-        pc.invert(pc.is_in(status.fill_null(""), value_set=pa.array(STATUS_VALUES))).to_numpy(zero_copy_only=False)
-    )
-    statuses = status.to_pylist() if bad_status.size else None
-    add(bad_status, "status", lambda i: f"{statuses[i]!r} is not one of {', '.join(STATUS_VALUES)}")
+    known = pc.is_in(status, value_set=_STATUS_SET).to_numpy(zero_copy_only=False)
+    if not known.all():
+        statuses = status.to_pylist()
+        add(np.flatnonzero(~known), "status", lambda i: f"{statuses[i]!r} is not one of {', '.join(STATUS_VALUES)}")
 
-    reward = table.column("reward")
-    failed = pc.equal(status.fill_null(""), Status.FAILED.value)
-    reward_np = reward.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
-    no_reward = np.flatnonzero(~np.isfinite(reward_np) & ~failed.to_numpy(zero_copy_only=False))
-    add(no_reward, "reward", lambda i: f"is {reward[i].as_py()!r}; only a failed row may lack a finite reward")
+    reward = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+    no_reward = ~np.isfinite(reward)
+    if no_reward.any():
+        failed = pc.equal(status, Status.FAILED.value).to_numpy(zero_copy_only=False)
+        add(
+            np.flatnonzero(no_reward & ~(failed == True)),  # noqa: E712  (null status counts as not failed)
+            "reward",
+            lambda i: f"is {table.column('reward')[i].as_py()!r}; only a failed row may lack a finite reward",
+        )
 
-    if len(set(ids)) != len(ids):
+    if table.num_rows > 1 and len(pc.unique(table.column("sample_id"))) != table.num_rows:
         seen: set[str] = set()
-        dup = [i for i, s in enumerate(ids) if s in seen or seen.add(s)]  # type: ignore[func-returns-value]
+        all_ids = table.column("sample_id").to_pylist()
+        dup = [i for i, s in enumerate(all_ids) if s in seen or seen.add(s)]  # type: ignore[func-returns-value]
         add(dup, "sample_id", lambda i: "appears more than once")
     return problems
+
+
+_STATUS_SET = pa.array(STATUS_VALUES)
 
 
 def file_metadata(config: dict[str, Any] | None) -> dict[bytes, bytes]:

@@ -95,8 +95,8 @@ def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
             .agg(
                 pl.len().alias("rows"),
                 pl.col("n").mean().alias("mean"),
-                pl.col("n").quantile(0.5, "nearest").alias("p50"),
-                pl.col("n").quantile(0.9, "nearest").alias("p90"),
+                pl.col("n").quantile(0.5, "nearest").cast(pl.Int64).alias("p50"),
+                pl.col("n").quantile(0.9, "nearest").cast(pl.Int64).alias("p90"),
                 pl.col("n").max().alias("max"),
                 (pl.col("status") == Status.TRUNCATED.value).mean().alias("truncated_frac"),
             )

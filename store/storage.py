@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import queue
+import threading
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -24,29 +26,61 @@ TMP_DIR = "_tmp"  # underscore: pyarrow.dataset and most readers skip it
 class HashingFile(io.RawIOBase):
     """A write-only file that feeds every byte to sha256 on its way to ``sink``.
 
-    Hashing while writing saves re-reading a shard to checksum it.
+    Hashing while writing saves re-reading a shard to checksum it. The hash and the
+    write run on a background thread (hashlib and file writes release the GIL), so they
+    overlap with Parquet encoding instead of adding to it; at most ``max_pending``
+    buffers wait in between.
     """
 
-    def __init__(self, sink: BinaryIO):
+    def __init__(self, sink: BinaryIO, max_pending: int = 16):
         self._sink = sink
         self._pos = 0
         self.sha256 = hashlib.sha256()
+        self._queue: queue.Queue[bytes | None] = queue.Queue(max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="rollshard-shard-io", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    self.sha256.update(data)
+                    self._sink.write(data)
+            except BaseException as e:  # re-raised on the writer's thread at the next call
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
-        view = memoryview(data)
-        self.sha256.update(view)  # releases the GIL for large buffers
-        self._sink.write(view)
-        self._pos += view.nbytes
-        return view.nbytes
+        self._raise_pending()
+        chunk = bytes(data)  # the caller may reuse its buffer once write returns
+        self._queue.put(chunk)
+        self._pos += len(chunk)
+        return len(chunk)
 
     def tell(self) -> int:
         return self._pos
 
     def flush(self) -> None:
+        self._queue.join()
+        self._raise_pending()
         self._sink.flush()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        super().close()
+        self._raise_pending()
 
 
 class Storage:
@@ -134,6 +168,7 @@ class PendingFile:
     def commit(self) -> tuple[str, int]:
         """Make the file visible; returns (sha256 hex, size in bytes)."""
         size = self.file.tell()
+        self.file.close()  # drains the background writes and hash
         if self._tmp is not None:
             self._raw.flush()
             os.fsync(self._raw.fileno())
@@ -150,7 +185,10 @@ class PendingFile:
         """Drop the file; nothing becomes visible. Object stores only abort an upload on close
         when it has not completed, which pyarrow cannot express, so a remote partial is deleted."""
         try:
-            self._raw.close()
+            try:
+                self.file.close()
+            finally:
+                self._raw.close()
         finally:
             if self._tmp is not None:
                 self._tmp.unlink(missing_ok=True)

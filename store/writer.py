@@ -115,7 +115,7 @@ class ShardWriter:
         """Buffer a table holding whole groups (every row of each group present)."""
         table = cast_table(table)
         if table.num_rows:
-            self._append(table, n_groups=len(pc.unique(table.column("group_id"))))
+            self._append(table, n_groups=pc.count_distinct(table.column("group_id")).as_py())
 
     def flush(self) -> None:
         """Write the buffered rows as one row group of the open shard (not yet committed)."""
@@ -298,7 +298,11 @@ class _Counts:
 
 
 def _total_len(col: pa.ChunkedArray) -> int:
-    return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+    total = 0
+    for chunk in col.chunks:
+        offsets = chunk.offsets
+        total += offsets[len(offsets) - 1].as_py() - offsets[0].as_py()
+    return total
 
 
 def _now() -> str:

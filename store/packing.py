@@ -1,0 +1,199 @@
+"""Token-budget packing: whole sequences concatenated into flat micro-batches, no padding.
+
+A micro-batch (:class:`PackedBatch`) holds S sequences, each the row's prompt tokens
+followed by its response tokens, concatenated into one stream of T tokens. The
+boundaries are ``cu_seqlens`` (``[S+1]``, int32, the layout of flash-attention's
+varlen kernels and of ``transformers``' packed-sequence path) and ``position_ids``
+restart at 0 for every sequence, so attention never crosses a sequence.
+
+Alignment convention (the trainer depends on it): ``loss_mask[t]`` and
+``rollout_logprobs[t]`` describe token ``input_ids[t]`` as a *target*. The logprob of
+``input_ids[t]`` is predicted by the logits at position ``t - 1``, so the trainer
+computes ``logp[t] = log_softmax(logits[t - 1] / temperature[t])[input_ids[t]]`` and
+never shifts across a ``cu_seqlens`` boundary. Prompt positions carry mask 0 and
+logprob 0. A row with an empty prompt has no position that predicts its first
+response token; that token's mask is set to 0.
+
+Sequences are assigned to micro-batches by first-fit-decreasing bin packing on
+their lengths, within one optimizer step. A sequence longer than the budget gets a
+micro-batch of its own (it is never cut: cutting would lose the context of its
+tail). Packing efficiency = real tokens / sum over micro-batches of
+``max(budget, tokens in it)``: 1.0 means no budget left unused; an oversize
+micro-batch counts as full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_TEMPERATURE = 1.0  # rows without a recorded temperature were sampled at the engine default
+
+
+@dataclasses.dataclass(kw_only=True)
+class PackedBatch:
+    """One micro-batch: S sequences packed into T tokens, no padding."""
+
+    input_ids: torch.Tensor  # [T] int64, prompt then response tokens of each sequence
+    position_ids: torch.Tensor  # [T] int64, restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # [S+1] int32, sequence boundaries in the flat stream
+    loss_mask: torch.Tensor  # [T] float32, row's loss_mask at response positions, 0 at prompt positions
+    rollout_logprobs: torch.Tensor  # [T] float32, stored logprob of input_ids[t] at response positions, else 0
+    temperature: torch.Tensor  # [T] float32, row's sampling temperature (1.0 when null; 0 = greedy kept as 0)
+    response_start: torch.Tensor  # [S] int64, flat index of each sequence's first response token
+    seq_group: torch.Tensor  # [S] int64, index of the sequence's group in Step.group_ids
+    rewards: torch.Tensor  # [S] float32
+    agents: list[str]  # [S]
+    sample_ids: list[str]  # [S]
+    weight_versions: list[str | None]  # [S]
+    num_tokens: int  # T
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sample_ids)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+        """A copy with every tensor on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+    def pin_memory(self) -> "PackedBatch":
+        """A copy with every tensor in page-locked memory (faster, asynchronous host-to-GPU copies)."""
+        pinned = {
+            f.name: getattr(self, f.name).pin_memory()
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **pinned)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Sequences:
+    """The S sequences of one step, column by column; token arrays are views into the read row groups."""
+
+    prompt: list[np.ndarray]  # S arrays of int32 token ids
+    response: list[np.ndarray]  # S arrays of int32 token ids
+    logprobs: list[np.ndarray]  # S arrays of float32, one per response token
+    mask: list[np.ndarray]  # S arrays of uint8, one per response token
+    temperature: np.ndarray  # [S] float32, NaN where the row has none
+    reward: np.ndarray  # [S] float32
+    group: np.ndarray  # [S] int64
+    agent: list[str]
+    sample_id: list[str]
+    weight_version: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(p) + len(r) for p, r in zip(self.prompt, self.response)), np.int64, len(self))
+
+
+def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
+    """Bins of sequence indices, each bin's lengths summing to at most ``budget``.
+
+    Longest first, each into the first bin with room; a sequence longer than the budget
+    gets a bin of its own. Bins come out in creation order, members in index order.
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch budget must be at least 1 token, got {budget}")
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    remaining = np.zeros(len(order), np.int64)  # room left in each open bin
+    members: list[list[int]] = []
+    for i in order.tolist():
+        n = int(lengths[i])
+        fits = np.flatnonzero(remaining[: len(members)] >= n) if n <= budget else ()
+        if len(fits):
+            b = int(fits[0])
+            remaining[b] -= n
+            members[b].append(i)
+        else:
+            remaining[len(members)] = max(budget - n, 0)
+            members.append([i])
+    return [np.sort(np.asarray(m, np.int64)) for m in members]
+
+
+def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
+    """Micro-batches of ``seqs`` under a token budget, and the packing efficiency (module docstring)."""
+    if len(seqs) == 0:
+        return [], 1.0
+    lengths = seqs.lengths()
+    bins = first_fit_decreasing(lengths, budget)
+    batches = [_pack_one(seqs, idx) for idx in bins]
+    capacity = int(sum(max(budget, b.num_tokens) for b in batches))
+    return batches, float(lengths.sum()) / capacity
+
+
+def _pack_one(seqs: Sequences, idx: np.ndarray) -> PackedBatch:
+    idx_list = idx.tolist()
+    p_len = np.fromiter((len(seqs.prompt[i]) for i in idx_list), np.int64, len(idx_list))
+    r_len = np.fromiter((len(seqs.response[i]) for i in idx_list), np.int64, len(idx_list))
+    seq_len = p_len + r_len  # [S]
+    cu = np.zeros(len(idx_list) + 1, np.int64)  # [S+1]
+    np.cumsum(seq_len, out=cu[1:])
+    total = int(cu[-1])
+    input_ids = np.empty(total, np.int64)  # [T]
+    loss_mask = np.zeros(total, np.float32)  # [T]
+    logprobs = np.zeros(total, np.float32)  # [T]
+    for k, i in enumerate(idx_list):
+        start, mid, end = int(cu[k]), int(cu[k] + p_len[k]), int(cu[k + 1])
+        input_ids[start:mid] = seqs.prompt[i]
+        input_ids[mid:end] = seqs.response[i]
+        loss_mask[mid:end] = seqs.mask[i]
+        logprobs[mid:end] = seqs.logprobs[i]
+        if mid == start and end > start:  # empty prompt: nothing predicts the first token
+            loss_mask[mid] = 0.0
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_len)  # [T]
+    temp = seqs.temperature[idx]
+    temp = np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32)
+    return PackedBatch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        loss_mask=torch.from_numpy(loss_mask),
+        rollout_logprobs=torch.from_numpy(logprobs),
+        temperature=torch.from_numpy(np.repeat(temp, seq_len)),
+        response_start=torch.from_numpy(cu[:-1] + p_len),
+        seq_group=torch.from_numpy(seqs.group[idx].astype(np.int64)),
+        rewards=torch.from_numpy(seqs.reward[idx].astype(np.float32)),
+        agents=[seqs.agent[i] for i in idx_list],
+        sample_ids=[seqs.sample_id[i] for i in idx_list],
+        weight_versions=[seqs.weight_version[i] for i in idx_list],
+        num_tokens=total,
+    )
+
+
+def unpack(batch: PackedBatch) -> list[dict]:
+    """The sequences of a micro-batch as row-like dicts (tests, debugging): the inverse of packing."""
+    cu = batch.cu_seqlens.tolist()
+    out = []
+    for k in range(batch.num_sequences):
+        start, mid, end = cu[k], int(batch.response_start[k]), cu[k + 1]
+        out.append(
+            {
+                "sample_id": batch.sample_ids[k],
+                "agent": batch.agents[k],
+                "weight_version": batch.weight_versions[k],
+                "group": int(batch.seq_group[k]),
+                "reward": float(batch.rewards[k]),
+                "temperature": float(batch.temperature[start]) if end > start else None,
+                "prompt_tokens": batch.input_ids[start:mid].tolist(),
+                "response_tokens": batch.input_ids[mid:end].tolist(),
+                "rollout_logprobs": batch.rollout_logprobs[mid:end].tolist(),
+                "loss_mask": [int(m) for m in batch.loss_mask[mid:end].tolist()],
+            }
+        )
+    return out
+
+
+def packing_efficiency(token_counts: Sequence[int], budget: int) -> float:
+    """Real tokens / sum of ``max(budget, tokens)`` over micro-batches (the module's definition)."""
+    cap = sum(max(budget, n) for n in token_counts)
+    return sum(token_counts) / cap if cap else 1.0

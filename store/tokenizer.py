@@ -1,0 +1,86 @@
+"""The tokenizer helper shared by generate and train: load a model folder's tokenizer, chat messages -> ids.
+
+Generation and training must tokenize the same way, so both go through here. The
+chat template is rendered to text and then encoded without adding special tokens:
+the template already writes every marker, and encoding the text (rather than
+transformers' ``apply_chat_template(tokenize=True)``, whose return type changed
+between transformers 4 and 5) gives the same ids on both major versions.
+
+Loading is offline (``local_files_only``): a model folder must hold its tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+Message = dict[str, Any]  # {"role": ..., "content": ...}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be loaded or has no chat template."""
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(
+            f"cannot load a tokenizer from {path!r} ({e.__class__.__name__}); pass a model folder holding "
+            "tokenizer.json, e.g. one built by `rollshard-generate init-model --preset tiny PATH`"
+        ) from e
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a local model folder (cached per resolved path)."""
+    return _load(str(Path(path).expanduser().resolve()))
+
+
+def render_chat(tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True, **kwargs) -> str:
+    """The chat template applied to ``messages``, as text."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+            "use a chat model folder or set tokenizer.chat_template"
+        )
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+
+
+def apply_chat_template(
+    tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
+    """Chat messages -> prompt token ids (the template's markers become their special-token ids)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    return encode(tokenizer, text)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Plain text -> ids, adding no BOS/EOS (templates and callers add what they need)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def eos_token_ids(tokenizer, model_path: str | os.PathLike | None = None) -> list[int]:
+    """Ids that end a generation: the tokenizer's eos plus ``generation_config.json``'s ``eos_token_id``."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    folder = Path(model_path if model_path is not None else getattr(tokenizer, "name_or_path", ""))
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids

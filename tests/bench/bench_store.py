@@ -1,0 +1,166 @@
+"""Store benchmark: shard writer vs bare pyarrow, Parquet vs JSON lines and pickle, scan speed.
+
+    .venv/bin/python tests/bench/bench_store.py [--groups 250] [--group-size 8] [--repeat 3]
+
+Synthetic rows with realistic shapes (store/synthetic.py): prompts 200-1,000 tokens,
+responses 100-4,000, Zipf token ids over a 150k vocabulary, policy-like logprobs.
+Prints markdown tables (the README's Performance section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle  # only to measure slime's dump format; rollshard never stores data as pickle
+import shutil
+import tempfile
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.schema import LIST_COLUMNS, ROW_SCHEMA
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import DICTIONARY_COLUMNS, ShardWriter, WriterOptions
+
+
+def best_of(repeat: int, fn) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def groups(table: pa.Table, group_size: int) -> list[pa.Table]:
+    return [table.slice(i, group_size) for i in range(0, table.num_rows, group_size)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=1000)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+
+    table = synthetic_table(args.groups, args.group_size, seed=0)
+    resp_tokens = pc.sum(pc.list_value_length(table["response_tokens"])).as_py()
+    all_tokens = resp_tokens + pc.sum(pc.list_value_length(table["prompt_tokens"])).as_py()
+    mb = table.nbytes / 1e6
+    print(f"rows {table.num_rows}, response tokens {resp_tokens:,}, all tokens {all_tokens:,}, arrow {mb:.0f} MB\n")
+    tmp = tempfile.mkdtemp(prefix="rollshard-bench-")
+    parts = groups(table, args.group_size)
+    results = []
+
+    def bare(path: str, **kw) -> None:
+        with pq.ParquetWriter(path, ROW_SCHEMA, **kw) as w:
+            # the same row-group boundaries as the shard writer (64 MiB of Arrow data)
+            buf, size = [], 0
+            for g in parts:
+                buf.append(g)
+                size += g.nbytes
+                if size >= 64 << 20:
+                    w.write_table(pa.concat_tables(buf), row_group_size=sum(b.num_rows for b in buf))
+                    buf, size = [], 0
+            if buf:
+                w.write_table(pa.concat_tables(buf), row_group_size=sum(b.num_rows for b in buf))
+
+    settings = {
+        "zstd-1, dict off on lists (default)": dict(compression="zstd", compression_level=1, use_dictionary=DICTIONARY_COLUMNS),
+        "zstd-3, dict off on lists": dict(compression="zstd", compression_level=3, use_dictionary=DICTIONARY_COLUMNS),
+        "zstd-1, dict on everywhere": dict(compression="zstd", compression_level=1, use_dictionary=True),
+        "snappy, dict on everywhere": dict(compression="snappy", use_dictionary=True),
+        "zstd-1, byte-stream-split logprobs": dict(
+            compression="zstd",
+            compression_level=1,
+            use_dictionary=DICTIONARY_COLUMNS,
+            use_byte_stream_split=["rollout_logprobs"],
+        ),
+    }
+    print("| bare ParquetWriter setting | write MB/s | bytes / response token |")
+    print("|---|---:|---:|")
+    for name, kw in settings.items():
+        path = os.path.join(tmp, "bare.parquet")
+        t = best_of(args.repeat, lambda: bare(path, **kw))
+        print(f"| {name} | {mb / t:.0f} | {os.path.getsize(path) / resp_tokens:.2f} |")
+        if name.endswith("(default)"):
+            bare_time, bare_bytes = t, os.path.getsize(path)
+
+    def shard_writer(per_call: int) -> None:
+        d = os.path.join(tmp, "ds")
+        shutil.rmtree(d, ignore_errors=True)
+        with ShardWriter(d, writer_id="bench", config={"bench": True}, options=WriterOptions(shard_bytes=1 << 40)) as w:
+            if per_call == 1:
+                for g in parts:
+                    w.write_group(g)
+            else:
+                for i in range(0, table.num_rows, per_call * args.group_size):
+                    w.write_groups(table.slice(i, per_call * args.group_size))
+
+    writer_time_1 = best_of(args.repeat, lambda: shard_writer(1))
+    writer_time = best_of(args.repeat, lambda: shard_writer(32))
+    ds = RolloutDataset.open(os.path.join(tmp, "ds"))
+    writer_bytes = ds.num_bytes
+
+    jsonl = os.path.join(tmp, "rows.jsonl")
+    rows = table.to_pylist()  # the conversion is not timed: only the dump
+
+    def dump_jsonl() -> None:
+        with open(jsonl, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=str) + "\n")
+
+    pkl = os.path.join(tmp, "rows.pkl")
+
+    def dump_pickle() -> None:
+        with open(pkl, "wb") as f:
+            pickle.dump(rows, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    jsonl_time = best_of(1, dump_jsonl)
+    pickle_time = best_of(args.repeat, dump_pickle)
+    results = [
+        ("rollshard ShardWriter, write_groups of 32 groups (validated, checksummed, committed)", writer_time, writer_bytes),
+        ("rollshard ShardWriter, write_group per group", writer_time_1, writer_bytes),
+        ("bare pyarrow ParquetWriter, same settings", bare_time, bare_bytes),
+        ("JSON lines", jsonl_time, os.path.getsize(jsonl)),
+        ("pickle of a list of dicts (slime's dump)", pickle_time, os.path.getsize(pkl)),
+    ]
+    print("\n| format | write MB/s (arrow MB) | write s | bytes / response token | size vs bare |")
+    print("|---|---:|---:|---:|---:|")
+    for name, t, size in results:
+        print(f"| {name} | {mb / t:.0f} | {t:.2f} | {size / resp_tokens:.2f} | {size / bare_bytes:.3f}x |")
+    print(f"\nwriter / bare throughput ratio: {bare_time / writer_time:.3f} (target >= 0.90); "
+          f"one group per call: {bare_time / writer_time_1:.3f}")
+    print(f"writer / bare bytes ratio: {writer_bytes / bare_bytes:.4f} (target <= 1.03)")
+
+    cols = ["group_id", "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "reward"]
+
+    def scan() -> None:
+        n = 0
+        for batch in pads.dataset(ds.files, format="parquet").to_batches(columns=cols):
+            n += batch.num_rows
+        assert n == table.num_rows
+
+    scan_time = best_of(args.repeat, scan)
+    print(
+        f"scan (pyarrow.dataset, training columns): {all_tokens / scan_time / 1e6:.1f} M tokens/s, "
+        f"{writer_bytes / scan_time / 1e6:.0f} MB/s of file"
+    )
+
+    import polars as pl
+
+    def polars_scan() -> None:
+        pl.scan_parquet(ds.files).select(pl.col("response_tokens").list.len().sum()).collect()
+
+    pscan = best_of(args.repeat, polars_scan)
+    print(f"scan (polars, response lengths): {resp_tokens / pscan / 1e6:.1f} M tokens/s")
+    shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""rollshard-store stats / inspect on a small hand-built dataset whose numbers are worked out below."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollshard.store.cli import main
+from rollshard.store.schema import Row, Status
+from rollshard.store.stats import tokenizer_path
+from rollshard.store.writer import ShardWriter
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("rollshard-store")
+WORDS = ["[UNK]", "the", "answer", "is", "42", "<tool>", "</tool>", "calc", "ok", "done"]
+
+
+def _row(sid, group, agent, rnd, n_prompt, mask, reward, status=Status.COMPLETED, finish="stop", wv="0"):
+    n = len(mask)
+    # logprob -0.1 * (position + 1) under mask 1, 0.0 under mask 0 (tool tokens)
+    lp = [-0.1 * (i + 1) if m else 0.0 for i, m in enumerate(mask)]
+    return Row(
+        sample_id=sid,
+        prompt_id=group.split("/")[0],
+        group_id=group,
+        agent=agent,
+        round=rnd,
+        prompt_tokens=[1] * n_prompt,
+        response_tokens=[(i % 9) + 1 for i in range(n)],
+        rollout_logprobs=lp,
+        loss_mask=mask,
+        reward=reward,
+        status=status,
+        finish_reason=finish,
+        weight_version=wv,
+        temperature=1.0,
+    )
+
+
+# Worked dataset (prompt p0 by writer w0, prompt p1 by writer w1):
+#   row                 group        round len mask   reward status     wv
+#   p0-solver-0         p0/solver    0     3   111    1.0    completed  0
+#   p0-solver-1         p0/solver    0     5   11001  0.0    completed  0
+#   p0-rewriter-0       p0/rewriter  1     2   11     1.0    completed  0
+#   p0-rewriter-1       p0/rewriter  1     4   1111   1.0    truncated  0
+#   p0-selector-0       p0/selector  2     1   1      1.0    completed  0
+#   p1-solver-0         p1/solver    0     2   11     0.5    completed  1
+#   p1-solver-1         p1/solver    0     2   11     0.0    completed  1
+#   p1-solver-2         p1/solver    0     0   -      None   failed     1
+# prompt tokens: 5 rows x 4 + 3 rows x 3 = 29; response tokens 3+5+2+4+1 + 2+2+0 = 19.
+P0 = [
+    ("p0/solver", [_row("p0-solver-0", "p0/solver", "solver", 0, 4, [1, 1, 1], 1.0),
+                   _row("p0-solver-1", "p0/solver", "solver", 0, 4, [1, 1, 0, 0, 1], 0.0)]),
+    ("p0/rewriter", [_row("p0-rewriter-0", "p0/rewriter", "rewriter", 1, 4, [1, 1], 1.0),
+                     _row("p0-rewriter-1", "p0/rewriter", "rewriter", 1, 4, [1, 1, 1, 1], 1.0,
+                          status=Status.TRUNCATED, finish="length")]),
+    ("p0/selector", [_row("p0-selector-0", "p0/selector", "selector", 2, 4, [1], 1.0)]),
+]
+P1 = [
+    ("p1/solver", [_row("p1-solver-0", "p1/solver", "solver", 0, 3, [1, 1], 0.5, wv="1"),
+                   _row("p1-solver-1", "p1/solver", "solver", 0, 3, [1, 1], 0.0, wv="1"),
+                   _row("p1-solver-2", "p1/solver", "solver", 0, 3, [], None, status=Status.FAILED,
+                        finish=None, wv="1")]),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A word-level tokenizer over WORDS, saved as a transformers tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def worked(tmp_path_factory, tokenizer_dir) -> Path:
+    root = tmp_path_factory.mktemp("worked") / "ds"
+    tok = str(tokenizer_dir)
+    for writer_id, groups in (("w0", P0), ("w1", P1)):
+        config = {"engine": {"kind": "embedded", "model": tok}, "agent_system": "multi_agent"}
+        with ShardWriter(root, writer_id=writer_id, config=config) as w:
+            for _, rows in groups:
+                w.write_group(rows)
+    return root
+
+
+def run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+    cmd = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "rollshard.store"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stats_json(worked) -> dict:
+    res = run("stats", worked, "--json", script=True)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_stats_json_worked_values(worked, stats_json):
+    st = stats_json
+    assert (st["rows"], st["groups"], st["shards"], st["writers"]) == (8, 4, 2, 2)
+    assert (st["prompt_tokens"], st["response_tokens"], st["tokens"]) == (29, 19, 48)
+    assert st["bytes"] == sum(p.stat().st_size for p in (worked / "shards").glob("*.parquet"))
+    assert st["status"] == {"completed": 6, "truncated": 1, "aborted": 0, "failed": 1}
+    assert st["schema_version"] == "1.0"
+    solver, rewriter, selector = (st["agents"][a] for a in ("solver", "rewriter", "selector"))
+    # solver: 5 rows, 2 groups, response 3+5+2+2+0 = 12, trainable 3+3+2+2 = 10
+    assert (solver["rows"], solver["groups"], solver["response_tokens"], solver["trainable_tokens"]) == (5, 2, 12, 10)
+    # finite rewards [1, 0, 0.5, 0]: mean 0.375; squared deviations .390625+.140625+.015625+.140625 = .6875 / 4
+    assert solver["reward_rows"] == 4
+    assert solver["reward_mean"] == pytest.approx(0.375, abs=1e-12)
+    assert solver["reward_std"] == pytest.approx(math.sqrt(0.171875), abs=1e-12)
+    assert (rewriter["rows"], rewriter["response_tokens"], rewriter["reward_mean"], rewriter["reward_std"]) == (
+        2, 6, 1.0, 0.0)
+    assert (selector["rows"], selector["groups"], selector["response_tokens"]) == (1, 1, 1)
+    # by-agent lengths (from loss_mask) add up to the manifest's response token count
+    assert sum(a["response_tokens"] for a in st["agents"].values()) == st["response_tokens"]
+
+
+def test_inspect_json_matches_stats_and_worked_values(worked, stats_json):
+    stats = stats_json
+    res = run("inspect", worked, "--json")
+    assert res.returncode == 0, res.stderr
+    ins = json.loads(res.stdout)
+    assert ins["stats"] == stats
+    assert ins["config"]["agent_system"] == "multi_agent"
+    assert [(w["writer_id"], w["shards"], w["rows"], w["groups"]) for w in ins["writers"]] == [
+        ("w0", 1, 5, 3), ("w1", 1, 3, 1)]
+    assert ins["finish_reason"] == {"stop": 6, "length": 1, "null": 1}  # the failed row has none
+    by_round = {(r["agent"], r["round"]): r for r in ins["reward_by_agent_round"]}
+    assert sorted(by_round) == [("rewriter", 1), ("selector", 2), ("solver", 0)]
+    assert (by_round["solver", 0]["rows"], by_round["solver", 0]["reward_rows"]) == (5, 4)
+    assert by_round["solver", 0]["reward_mean"] == pytest.approx(0.375, abs=1e-12)
+    assert sum(r["rows"] for r in by_round.values()) == stats["rows"]
+    lengths = {r["agent"]: r for r in ins["response_length"]}
+    # solver lengths [0, 2, 2, 3, 5]: mean 2.4, nearest p50 -> 2, p90 -> index round(3.6) = 4 -> 5
+    assert (lengths["solver"]["mean"], lengths["solver"]["p50"], lengths["solver"]["p90"]) == (2.4, 2, 5)
+    assert lengths["rewriter"]["truncated_frac"] == 0.5 and lengths["solver"]["truncated_frac"] == 0.0
+    for agent, r in lengths.items():  # the same tokens as stats, counted another way
+        assert r["mean"] * r["rows"] == pytest.approx(stats["agents"][agent]["response_tokens"])
+    # zero variance: p0/rewriter [1, 1] and p0/selector [1]; not p0/solver [1, 0] nor p1/solver [0.5, 0]
+    zv = ins["zero_variance_groups"]
+    assert (zv["groups"], zv["zero_variance"], zv["fraction"]) == (4, 2, 0.5)
+    assert {a: z["zero_variance"] for a, z in zv["by_agent"].items()} == {"rewriter": 1, "selector": 1, "solver": 0}
+    assert {r["weight_version"]: r["rows"] for r in ins["weight_version"]} == {"0": 5, "1": 3}
+
+
+def test_inspect_and_stats_tables(worked, capsys):
+    res = run("inspect", worked)
+    assert res.returncode == 0, res.stderr
+    for needle in ("schema_version", "1.0", "engine.model", "multi_agent", "w0", "w1", "0.3750", "truncated",
+                   "zero reward variance", "50.0%", "weight_version"):
+        assert needle in res.stdout, needle
+    assert main(["stats", str(worked)]) == 0
+    out = capsys.readouterr().out
+    assert "0.3750" in out and "0.4146" in out  # sqrt(.171875)
+
+
+def test_inspect_sample_decodes_with_run_config_tokenizer(worked, tokenizer_dir, capsys):
+    assert tokenizer_path(json.loads((worked / "_manifests" / "w0.json").read_text())["config"]) == str(tokenizer_dir)
+    assert main(["inspect", str(worked), "--sample", "p0-solver-1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sample"]["group_id"] == "p0/solver" and doc["sample"]["reward"] == 0.0
+    assert doc["tokenizer"] == str(tokenizer_dir)
+    toks = doc["tokens"]
+    assert [t["id"] for t in toks] == [1, 2, 3, 4, 5]
+    assert [t["text"] for t in toks] == ["the", "answer", "is", "42", "<tool>"]
+    assert [t["mask"] for t in toks] == [1, 1, 0, 0, 1]
+    assert [t["logprob"] for t in toks] == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.5], abs=1e-6)
+
+    assert main(["inspect", str(worked), "--sample", "p0-solver-1", "--max-tokens", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "answer" in text and "-0.2000" in text and "2 more tokens" in text
+
+
+def test_inspect_sample_ids_without_tokenizer(worked, capsys):
+    assert tokenizer_path({"engine": {"model": "/no/such/model"}}) is None
+    assert main(["inspect", str(worked), "--sample", "p1-solver-0", "--json", "--tokenizer", str(worked)]) == 2
+    assert "cannot load a tokenizer" in capsys.readouterr().err
+    assert main(["inspect", str(worked), "--sample", "nope"]) == 2
+    assert "no sample_id 'nope'" in capsys.readouterr().err
+
+
+def test_not_a_dataset_is_one_line_exit_2(tmp_path):
+    res = run("stats", tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "no rollshard dataset here" in res.stderr
+
+
+
+def test_argument_errors_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["inspect"])
+    assert e.value.code == 2 and "usage:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(c in out for c in ("validate", "stats", "inspect"))
