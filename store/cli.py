@@ -19,13 +19,19 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.schema import SchemaVersionError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 PROG = "rollshard-store"
+
+
+class _UsageError(Exception):
+    """A bad argument value found after parsing (an unknown sample id, a tokenizer that does not load)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-class _UsageError(Exception):
-    pass
-
-
 # -- validate -------------------------------------------------------------------------------
 
 
@@ -100,14 +102,14 @@ def _validate(args, out: Console, err: Console) -> int:
         _print_json(out, report.to_dict())
         return EXIT_OK if report.ok else EXIT_PROBLEMS
 
-    shards = Table(title=f"{report.dataset}: {len(report.shards)} shards")
+    shards = Table(title=escape(f"{report.dataset}: {len(report.shards)} shards"))
     for col in ("shard", "writer", "rows", "bytes", "result"):
         shards.add_column(col, justify="right" if col in ("rows", "bytes") else "left")
     involved = Counter(path for p in report.problems for path in p.shards)  # cross-shard ones too
     for s in report.shards:
         n = involved[s.path]
-        result = "[green]ok[/]" if not n else f"[red]{n} problem{'s' * (n > 1)}[/]"
-        shards.add_row(s.path, s.writer_id, f"{s.rows:,}", f"{s.bytes:,}", result)
+        result = Text("ok", style="green") if not n else Text(f"{n} problem{'s' * (n > 1)}", style="red")
+        _row(shards, s.path, s.writer_id, f"{s.rows:,}", f"{s.bytes:,}", result)
     out.print(shards)
     if report.problems:
         problems = Table(title="problems", show_lines=False)
@@ -115,15 +117,15 @@ def _validate(args, out: Console, err: Console) -> int:
         problems.add_column("check", style="bold")
         problems.add_column("detail", overflow="fold")
         for p in report.problems:
-            problems.add_row("\n".join(p.shards) or "dataset", p.check, p.detail)
+            _row(problems, "\n".join(p.shards) or "dataset", p.check, p.detail)
         out.print(problems)
     for w in report.warnings:
-        out.print(f"[yellow]warning:[/] {w}", markup=True)
+        out.print(Text("warning: ", style="yellow") + Text(w))
     rows = sum(s.rows for s in report.shards)
     if report.ok:
         out.print(f"[green]ok[/]: {len(report.shards)} shards, {rows:,} rows, every check passed")
         return EXIT_OK
-    out.print(f"[red]FAILED[/]: {len(report.problems)} problems in {report.dataset}")
+    out.print(Text("FAILED", style="red") + Text(f": {len(report.problems)} problems in {report.dataset}"))
     return EXIT_PROBLEMS
 
 
@@ -145,13 +147,13 @@ def _stats(ds: RolloutDataset, args, out: Console, err: Console) -> int:
 
 
 def _totals_table(st: dict[str, Any]) -> Table:
-    t = Table(title=f"dataset {st['dataset']}", show_header=False)
+    t = Table(title=escape(f"dataset {st['dataset']}"), show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value", justify="right")
     for key in ("schema_version", "fingerprint", "writers", "shards", "rows", "groups"):
-        t.add_row(key, _fmt(st[key]))
+        _row(t, key, _fmt(st[key]))
     for key in ("prompt_tokens", "response_tokens", "tokens", "bytes"):
-        t.add_row(key, _fmt(st[key]))
+        _row(t, key, _fmt(st[key]))
     return t
 
 
@@ -161,7 +163,7 @@ def _counts_table(title: str, name: str, counts: dict[str, int], total: int) -> 
     t.add_column("rows", justify="right")
     t.add_column("share", justify="right")
     for k, n in counts.items():
-        t.add_row(str(k), f"{n:,}", f"{n / total:.1%}" if total else "-")
+        _row(t, str(k), f"{n:,}", f"{n / total:.1%}" if total else "-")
     return t
 
 
@@ -172,7 +174,7 @@ def _agents_table(st: dict[str, Any]) -> Table:
     for c in cols:
         t.add_column(c.replace("_", " "), justify="right")
     for agent, a in st["agents"].items():
-        t.add_row(agent, *(_fmt(a[c]) for c in cols))
+        _row(t, agent, *(_fmt(a[c]) for c in cols))
     return t
 
 
@@ -195,13 +197,13 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
     config.add_column("key", style="bold")
     config.add_column("value", overflow="fold")
     for key, value in _flatten(summary["config"]):
-        config.add_row(key, str(value))
+        _row(config, key, str(value))
     out.print(config)
     writers = Table(title="writers")
     for c in ("writer", "shards", "rows", "groups", "tokens", "bytes"):
         writers.add_column(c, justify="left" if c == "writer" else "right")
     for w in summary["writers"]:
-        writers.add_row(w["writer_id"], *(_fmt(w[c]) for c in ("shards", "rows", "groups", "tokens", "bytes")))
+        _row(writers, w["writer_id"], *(_fmt(w[c]) for c in ("shards", "rows", "groups", "tokens", "bytes")))
     out.print(writers)
     out.print(_counts_table("rows by status", "status", st["status"], st["rows"]))
     out.print(_counts_table("rows by finish reason", "finish_reason", summary["finish_reason"], st["rows"]))
@@ -210,40 +212,41 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
     for c in ("agent", "round", "rows", "reward rows", "mean", "std"):
         rounds.add_column(c, justify="left" if c == "agent" else "right")
     for r in summary["reward_by_agent_round"]:
-        rounds.add_row(r["agent"], *(_fmt(r[c]) for c in ("round", "rows", "reward_rows", "reward_mean", "reward_std")))
+        _row(rounds, r["agent"], *(_fmt(r[c]) for c in ("round", "rows", "reward_rows", "reward_mean", "reward_std")))
     out.print(rounds)
     lengths = Table(title="response length (tokens)")
     for c in ("agent", "rows", "mean", "p50", "p90", "max", "truncated"):
         lengths.add_column(c, justify="left" if c == "agent" else "right")
     for r in summary["response_length"]:
-        lengths.add_row(
-            r["agent"], _fmt(r["rows"]), f"{r['mean']:,.1f}", *(_fmt(r[c]) for c in ("p50", "p90", "max")),
-            f"{r['truncated_frac']:.1%}",
-        )
+        spread = (_fmt(r[c]) for c in ("p50", "p90", "max"))
+        _row(lengths, r["agent"], _fmt(r["rows"]), f"{r['mean']:,.1f}", *spread, f"{r['truncated_frac']:.1%}")
     out.print(lengths)
     zv = summary["zero_variance_groups"]
     zero = Table(title="groups with zero reward variance (no learning signal)")
     for c in ("agent", "groups", "zero variance", "fraction"):
         zero.add_column(c, justify="left" if c == "agent" else "right")
     for agent, z in zv["by_agent"].items():
-        zero.add_row(agent, _fmt(z["groups"]), _fmt(z["zero_variance"]), f"{z['fraction']:.1%}")
-    zero.add_row("all", _fmt(zv["groups"]), _fmt(zv["zero_variance"]), f"{zv['fraction']:.1%}" if zv["groups"] else "-")
+        _row(zero, agent, _fmt(z["groups"]), _fmt(z["zero_variance"]), f"{z['fraction']:.1%}")
+    _row(zero, "all", _fmt(zv["groups"]), _fmt(zv["zero_variance"]), f"{zv['fraction']:.1%}" if zv["groups"] else "-")
     out.print(zero)
     versions = Table(title="rows by weight_version")
     for c in ("weight_version", "rows", "multi-version rows"):
         versions.add_column(c, justify="left" if c == "weight_version" else "right")
     for r in summary["weight_version"]:
-        versions.add_row(str(r["weight_version"]), _fmt(r["rows"]), _fmt(r["multi_version_rows"]))
+        _row(versions, str(r["weight_version"]), _fmt(r["rows"]), _fmt(r["multi_version_rows"]))
     out.print(versions)
     return EXIT_OK
 
 
 def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int:
-    from rollshard.store.stats import decode_each, find_sample, load_tokenizer, tokenizer_path
+    from rollshard.store.stats import decode_each, find_sample, tokenizer_path
+    from rollshard.store.tokenizer import load_tokenizer
 
     row = find_sample(ds, args.sample)
     if row is None:
-        raise _UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}; list ids with polars or `inspect --json`")
+        first = ds.scan().select("sample_id").head(1).collect()["sample_id"].to_list()
+        hint = f"; ids look like {first[0]!r}" if first else "; the dataset has no rows"
+        raise _UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}{hint}")
     ids = list(row["response_tokens"])
     path = args.tokenizer or tokenizer_path(ds.config)
     texts, decoded_with = None, None
@@ -253,7 +256,8 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         except (OSError, ValueError) as e:
             if args.tokenizer:
                 raise _UsageError(f"cannot load a tokenizer from {path}: {_one_line(e)}") from e
-            print(f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}", file=sys.stderr)
+            note = f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}"
+            print(note, file=sys.stderr)
     tokens = [
         {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
         for i, (t, lp, m) in enumerate(zip(ids, row["rollout_logprobs"], row["loss_mask"]))
@@ -264,7 +268,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         _print_json(out, {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens})
         return EXIT_OK
 
-    head = Table(title=f"sample {row['sample_id']}", show_header=False)
+    head = Table(title=escape(f"sample {row['sample_id']}"), show_header=False)
     head.add_column("field", style="bold")
     head.add_column("value", overflow="fold")
     for k, v in scalars.items():
@@ -272,34 +276,40 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
             v = f"{len(v):,} tokens"
         elif k in ("prompt_text", "response_text") and v and len(v) > 400:
             v = v[:400] + f"... ({len(v):,} characters)"
-        head.add_row(k, "-" if v is None else str(v))
+        _row(head, k, "-" if v is None else str(v))
     on = [t["logprob"] for t in tokens if t["mask"] == 1]
-    head.add_row("response", f"{len(tokens):,} tokens, {len(on):,} under loss_mask 1")
+    _row(head, "response", f"{len(tokens):,} tokens, {len(on):,} under loss_mask 1")
     if on:
-        head.add_row("mean logprob (mask 1)", f"{sum(on) / len(on):.4f}")
+        _row(head, "mean logprob (mask 1)", f"{sum(on) / len(on):.4f}")
     out.print(head)
     limit = args.max_tokens if args.max_tokens > 0 else len(tokens)
-    tt = Table(title=f"response tokens ({'decoded with ' + decoded_with if decoded_with else 'ids; no tokenizer'})")
+    source = f"decoded with {decoded_with}" if decoded_with else "ids; no tokenizer"
+    tt = Table(title=escape(f"response tokens ({source})"))
     for c in ("pos", "id", "text", "logprob", "mask"):
         tt.add_column(c, justify="right" if c in ("pos", "id", "logprob", "mask") else "left")
     for t in tokens[:limit]:
         style = "dim" if t["mask"] == 0 else None
         text = repr(t["text"])[1:-1] if t["text"] is not None else ""
-        tt.add_row(str(t["pos"]), str(t["id"]), text, _logprob_cell(t["logprob"], t["mask"]), str(t["mask"]), style=style)
+        _row(tt, t["pos"], t["id"], text, _logprob_cell(t["logprob"], t["mask"]), t["mask"], style=style)
     out.print(tt)
     if limit < len(tokens):
         out.print(f"... {len(tokens) - limit:,} more tokens (--max-tokens 0 shows all)")
     return EXIT_OK
 
 
-def _logprob_cell(lp: float, mask: int) -> str:
+def _logprob_cell(lp: float, mask: int) -> Text:
     if mask == 0:
-        return f"{lp:.4f}"
+        return Text(f"{lp:.4f}")
     color = "green" if lp > -0.5 else "yellow" if lp > -2.5 else "red"  # p > 0.61, p > 0.08, rarer
-    return f"[{color}]{lp:.4f}[/]"
+    return Text(f"{lp:.4f}", style=color)
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _row(table: Table, *cells: Any, style: str | None = None) -> None:
+    """Add a row of data: strings are shown as they are, never parsed as rich markup."""
+    table.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in cells), style=style)
 
 
 def _error(message: str) -> None:

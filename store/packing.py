@@ -121,53 +121,70 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
 
 
 def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
-    """Micro-batches of ``seqs`` under a token budget, and the packing efficiency (module docstring)."""
+    """Micro-batches of ``seqs`` under a token budget, and the packing efficiency (module docstring).
+
+    The step is written once, in micro-batch order, into flat arrays; each micro-batch's
+    tensors are views of one contiguous slice of them (one allocation per step, one pass
+    over the tokens).
+    """
     if len(seqs) == 0:
         return [], 1.0
-    lengths = seqs.lengths()
-    bins = first_fit_decreasing(lengths, budget)
-    batches = [_pack_one(seqs, idx) for idx in bins]
-    capacity = int(sum(max(budget, b.num_tokens) for b in batches))
-    return batches, float(lengths.sum()) / capacity
-
-
-def _pack_one(seqs: Sequences, idx: np.ndarray) -> PackedBatch:
-    idx_list = idx.tolist()
-    p_len = np.fromiter((len(seqs.prompt[i]) for i in idx_list), np.int64, len(idx_list))
-    r_len = np.fromiter((len(seqs.response[i]) for i in idx_list), np.int64, len(idx_list))
-    seq_len = p_len + r_len  # [S]
-    cu = np.zeros(len(idx_list) + 1, np.int64)  # [S+1]
+    bins = first_fit_decreasing(seqs.lengths(), budget)
+    order = np.concatenate(bins)  # [S] sequences in micro-batch order
+    p_len = np.fromiter((len(seqs.prompt[i]) for i in order), np.int64, len(order))  # [S]
+    seq_len = p_len + np.fromiter((len(seqs.response[i]) for i in order), np.int64, len(order))  # [S]
+    cu = np.zeros(len(order) + 1, np.int64)  # [S+1] over the whole step
     np.cumsum(seq_len, out=cu[1:])
     total = int(cu[-1])
     input_ids = np.empty(total, np.int64)  # [T]
-    loss_mask = np.zeros(total, np.float32)  # [T]
-    logprobs = np.zeros(total, np.float32)  # [T]
-    for k, i in enumerate(idx_list):
+    position_ids = np.empty(total, np.int64)  # [T]
+    loss_mask = np.empty(total, np.float32)  # [T]
+    logprobs = np.empty(total, np.float32)  # [T]
+    positions = np.arange(int(seq_len.max()), dtype=np.int64)
+    for k, i in enumerate(order.tolist()):
         start, mid, end = int(cu[k]), int(cu[k] + p_len[k]), int(cu[k + 1])
         input_ids[start:mid] = seqs.prompt[i]
         input_ids[mid:end] = seqs.response[i]
+        position_ids[start:end] = positions[: end - start]
+        loss_mask[start:mid] = 0.0
         loss_mask[mid:end] = seqs.mask[i]
+        logprobs[start:mid] = 0.0
         logprobs[mid:end] = seqs.logprobs[i]
         if mid == start and end > start:  # empty prompt: nothing predicts the first token
             loss_mask[mid] = 0.0
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_len)  # [T]
-    temp = seqs.temperature[idx]
+    temp = seqs.temperature[order]
     temp = np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32)
-    return PackedBatch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(position_ids),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        loss_mask=torch.from_numpy(loss_mask),
-        rollout_logprobs=torch.from_numpy(logprobs),
-        temperature=torch.from_numpy(np.repeat(temp, seq_len)),
-        response_start=torch.from_numpy(cu[:-1] + p_len),
-        seq_group=torch.from_numpy(seqs.group[idx].astype(np.int64)),
-        rewards=torch.from_numpy(seqs.reward[idx].astype(np.float32)),
-        agents=[seqs.agent[i] for i in idx_list],
-        sample_ids=[seqs.sample_id[i] for i in idx_list],
-        weight_versions=[seqs.weight_version[i] for i in idx_list],
-        num_tokens=total,
-    )
+    flat = {
+        "input_ids": torch.from_numpy(input_ids),
+        "position_ids": torch.from_numpy(position_ids),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "rollout_logprobs": torch.from_numpy(logprobs),
+        "temperature": torch.from_numpy(np.repeat(temp, seq_len)),
+    }
+    response_start = cu[:-1] + p_len  # [S] step-wide
+    group = seqs.group[order].astype(np.int64)
+    reward = seqs.reward[order].astype(np.float32)
+    batches, first = [], 0
+    for b in bins:
+        last = first + len(b)
+        lo, hi = int(cu[first]), int(cu[last])
+        ids = order[first:last].tolist()
+        batches.append(
+            PackedBatch(
+                **{name: t[lo:hi] for name, t in flat.items()},
+                cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
+                response_start=torch.from_numpy(response_start[first:last] - lo),
+                seq_group=torch.from_numpy(group[first:last]),
+                rewards=torch.from_numpy(reward[first:last]),
+                agents=[seqs.agent[i] for i in ids],
+                sample_ids=[seqs.sample_id[i] for i in ids],
+                weight_versions=[seqs.weight_version[i] for i in ids],
+                num_tokens=hi - lo,
+            )
+        )
+        first = last
+    capacity = sum(max(budget, b.num_tokens) for b in batches)
+    return batches, total / capacity
 
 
 def unpack(batch: PackedBatch) -> list[dict]:

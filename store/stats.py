@@ -29,6 +29,7 @@ TRAINABLE = pl.col("loss_mask").list.sum().cast(pl.Int64)
 FINITE_REWARD = pl.col("reward").filter(pl.col("reward").is_finite())
 # Where a run config may name the model whose tokenizer wrote the token ids, best first.
 TOKENIZER_KEY_HINTS = ("tokenizer", "model", "path")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holding one is a tokenizer folder
 
 
 def _reward_aggs() -> list[pl.Expr]:
@@ -154,7 +155,8 @@ def find_sample(ds: RolloutDataset, sample_id: str) -> dict[str, Any] | None:
 
 
 def tokenizer_path(config: dict[str, Any]) -> str | None:
-    """A local model/tokenizer directory named anywhere in a run config, or None."""
+    """A local tokenizer folder named anywhere in a run config (``tokenizer`` keys first, then
+    ``model`` ones), or None; load it with :func:`rollshard.store.tokenizer.load_tokenizer`."""
     found: list[tuple[int, str]] = []
 
     def walk(node: Any) -> None:
@@ -172,16 +174,9 @@ def tokenizer_path(config: dict[str, Any]) -> str | None:
 
     walk(config)
     for _, path in sorted(found, key=lambda x: x[0]):
-        if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
             return path
     return None
-
-
-def load_tokenizer(path: str):
-    """A transformers tokenizer from a local folder (never downloads)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def decode_each(tokenizer, ids: list[int]) -> list[str]:

@@ -2,7 +2,8 @@
 
 Math final answer (:func:`math_verify`): the answer is the content of the last
 ``\\boxed{...}`` (or ``\\fbox{...}``) in the response, braces balanced; without one, the
-last number in the response. Answer and label are normalized before comparison:
+last number (integer, decimal, ``a/b`` or ``\\frac{a}{b}``) in the response. Answer and
+label are normalized before comparison:
 
 * LaTeX wrappers and noise are dropped: ``$``, ``\\left``/``\\right``, ``\\!``, ``\\,``,
   ``\\text{...}`` / ``\\mathrm{...}`` (kept: their content), ``^\\circ``, ``\\%``, a trailing
@@ -28,7 +29,10 @@ from fractions import Fraction
 from typing import Any
 
 BOXED_COMMANDS = ("\\boxed", "\\fbox")
-NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?")
+NUMBER_RE = re.compile(
+    r"-?\\[dt]?frac\s*\{\s*-?\d+\s*\}\s*\{\s*-?\d+\s*\}"  # \frac{a}{b} is one number, not two
+    r"|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?"
+)
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%", "\\displaystyle")
@@ -92,15 +96,21 @@ def _to_fraction(s: str) -> Fraction | None:
         return None
 
 
+def _frac_to_slash(m: re.Match) -> str:
+    num, den = m.group(1).strip(), m.group(2).strip()
+    plain = re.compile(r"-?[\d.,]+")
+    return f"{num}/{den}" if plain.fullmatch(num) and plain.fullmatch(den) else f"({num})/({den})"
+
+
 def normalize_math(answer: str) -> str:
     """Canonical string of a math answer; equal strings mean equal answers (rules in the docstring)."""
     s = answer.strip()
     s = _TEXT_RE.sub(r"\1", s)
     for noise in _NOISE:
         s = s.replace(noise, "")
-    s = _FRAC_RE.sub(r"(\1)/(\2)", s)
+    s = _FRAC_RE.sub(_frac_to_slash, s)
     s = s.strip().rstrip(".").strip()
-    bare = re.sub(r"^\((-?[\d.,]+)\)/\((-?[\d.,]+)\)$", r"\1/\2", s.replace(" ", ""))
+    bare = s.replace(" ", "")
     if re.fullmatch(r"[-+]?[\d.,]+(/[-+]?[\d.,]+)?", bare):
         value = _to_fraction(bare)
         if value is not None:

@@ -60,6 +60,7 @@ P0 = [
                           status=Status.TRUNCATED, finish="length")]),
     ("p0/selector", [_row("p0-selector-0", "p0/selector", "selector", 2, 4, [1], 1.0)]),
 ]
+P0[0][1][1].prompt_text = "Compute 6 x 7 [/] [bold]now"  # shown as is, never parsed as rich markup
 P1 = [
     ("p1/solver", [_row("p1-solver-0", "p1/solver", "solver", 0, 3, [1, 1], 0.5, wv="1"),
                    _row("p1-solver-1", "p1/solver", "solver", 0, 3, [1, 1], 0.0, wv="1"),
@@ -180,14 +181,17 @@ def test_inspect_sample_decodes_with_run_config_tokenizer(worked, tokenizer_dir,
     assert main(["inspect", str(worked), "--sample", "p0-solver-1", "--max-tokens", "3"]) == 0
     text = capsys.readouterr().out
     assert "answer" in text and "-0.2000" in text and "2 more tokens" in text
+    assert "Compute 6 x 7 [/] [bold]now" in text
 
 
 def test_inspect_sample_ids_without_tokenizer(worked, capsys):
     assert tokenizer_path({"engine": {"model": "/no/such/model"}}) is None
+    assert tokenizer_path({"model": str(worked)}) is None  # a folder, but no tokenizer files in it
     assert main(["inspect", str(worked), "--sample", "p1-solver-0", "--json", "--tokenizer", str(worked)]) == 2
     assert "cannot load a tokenizer" in capsys.readouterr().err
     assert main(["inspect", str(worked), "--sample", "nope"]) == 2
-    assert "no sample_id 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no sample_id 'nope'" in err and "ids look like 'p0-solver-0'" in err
 
 
 def test_not_a_dataset_is_one_line_exit_2(tmp_path):

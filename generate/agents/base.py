@@ -1,0 +1,243 @@
+"""What every agent system shares: one episode's context, agent calls, and rows built from them.
+
+An agent system turns one prompt into the rows of one *episode*. It talks to the
+engine only through :meth:`Episode.call` (one model turn from chat messages) and
+:meth:`Episode.extend` (environment text, then another model turn of the same
+trajectory), and turns each finished :class:`AgentCall` into a row with
+:meth:`Episode.row`.
+
+Identity (DESIGN.md "The row"): an agent call is named by ``(prompt_id, agent, round,
+index)``; ``sample_id = "{prompt_id}/{agent}/{round}/{index}"`` and ``group_id =
+"{prompt_id}/{agent}/{round}"``, so GRPO groups never mix prompts, roles or rounds,
+and a rerun names every call the same way. Each request carries
+``sampling_seed`` derived from the run seed, the sample id and the turn, so a
+deterministic engine (the embedded one) regenerates a lost row token for token.
+
+Token accounting: ``prompt_tokens`` are exactly the ids sent for the first turn (chat
+template applied); ``response_tokens`` are every id after them -- model turns
+(loss_mask 1, the engine's logprob) and environment text between turns (loss_mask 0,
+logprob 0.0), as slime builds multi-turn samples.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+from typing import Any, ClassVar
+
+from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
+from rollshard.generate.tasks.base import Prompt, Task
+from rollshard.store.schema import Row, Status, WeightSpan
+from rollshard.store.tokenizer import encode, render_chat
+
+SEED_MODULUS = 2**31 - 1  # engines take the seed as a signed 32-bit int (torch and SGLang both accept it)
+
+
+def derive_seed(run_seed: int, sample_id: str, turn: int) -> int:
+    """Per-request sampling seed: a hash of (run seed, sample id, turn), stable across runs and hosts."""
+    digest = hashlib.blake2b(f"{run_seed}\x00{sample_id}\x00{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_MODULUS
+
+
+@dataclasses.dataclass(kw_only=True)
+class AgentCall:
+    """One trajectory of one agent: what was sent, and every response token after it."""
+
+    sample_id: str
+    group_id: str
+    agent: str
+    round: int
+    prompt_ids: list[int]
+    prompt_text: str
+    sampling: SamplingParams
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # whole response as text: model turns and environment text
+    last_text: str = ""  # the last model turn's text (what a verifier reads)
+    finish_reason: str = "abort"
+    finish_detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+    weight_version: str | None = None
+    weight_spans: list[WeightSpan] = dataclasses.field(default_factory=list)
+    turns: int = 0
+
+    def add_turn(self, result: GenerateResult) -> None:
+        start = len(self.response_ids)
+        self.response_ids += result.output_ids
+        self.logprobs += result.logprobs
+        self.loss_mask += [1] * len(result.output_ids)
+        self.text += result.text
+        self.last_text = result.text
+        self.finish_reason = result.finish_reason
+        self.finish_detail = dict(result.finish_detail)
+        self.weight_version = result.weight_version or self.weight_version
+        spans = result.weight_versions or (
+            [WeightSpan(version=result.weight_version, start=0, end=len(result.output_ids))]
+            if result.weight_version is not None
+            else []
+        )
+        for s in spans:
+            self._add_span(s.version, start + s.start, start + s.end)
+        self.turns += 1
+
+    def add_environment(self, ids: list[int], text: str) -> None:
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.text += text
+
+    def _add_span(self, version: str, start: int, end: int) -> None:
+        # One span per version run: environment tokens between two turns of one version join them.
+        if self.weight_spans and self.weight_spans[-1].version == version:
+            self.weight_spans[-1].end = end
+        else:
+            self.weight_spans.append(WeightSpan(version=version, start=start, end=end))
+
+    @property
+    def status(self) -> Status:
+        return Status.from_finish_reason(self.finish_reason)
+
+
+class ContextFullError(ValueError):
+    """A prompt leaves no room for a response within the model's context."""
+
+
+class Episode:
+    """Everything one agent system needs to turn one prompt into rows."""
+
+    def __init__(
+        self,
+        *,
+        prompt: Prompt,
+        task: Task,
+        engine: Engine,
+        tokenizer,
+        sampling: SamplingParams,
+        seed: int = 0,
+        attempt: int = 0,
+        max_context_len: int | None = None,
+        system: str = "",
+    ):
+        self.prompt = prompt
+        self.task = task
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.seed = seed
+        self.attempt = attempt
+        self.max_context_len = max_context_len
+        self.system = system
+
+    def ids(self, agent: str, round: int, index: int) -> tuple[str, str]:
+        group_id = f"{self.prompt.prompt_id}/{agent}/{round}"
+        return f"{group_id}/{index}", group_id
+
+    async def call(
+        self,
+        agent: str,
+        round: int,
+        index: int,
+        messages: list[dict[str, Any]],
+        *,
+        sampling: SamplingParams | None = None,
+        required: bool = True,
+    ) -> AgentCall | None:
+        """One model turn on ``messages`` (chat template applied).
+
+        If the prompt leaves no room for a response within ``max_context_len``: raises
+        :class:`ContextFullError` when ``required``, else returns None (the call is skipped).
+        """
+        sample_id, group_id = self.ids(agent, round, index)
+        prompt_text = render_chat(self.tokenizer, messages)
+        call = AgentCall(
+            sample_id=sample_id,
+            group_id=group_id,
+            agent=agent,
+            round=round,
+            prompt_ids=encode(self.tokenizer, prompt_text),  # = store.tokenizer.apply_chat_template, rendered once
+            prompt_text=prompt_text,
+            sampling=sampling or self.sampling,
+        )
+        if await self._turn(call):
+            return call
+        if required:
+            raise ContextFullError(
+                f"the {agent} prompt is {len(call.prompt_ids)} tokens and the context {self.max_context_len}: "
+                "no room for a response; shorten the prompt or raise --max-context-len"
+            )
+        return None
+
+    async def extend(self, call: AgentCall, environment_text: str) -> bool:
+        """Append environment text (mask 0) and one more model turn; False if the context is full."""
+        ids = encode(self.tokenizer, environment_text)
+        if self._budget(len(call.prompt_ids) + len(call.response_ids) + len(ids)) <= 0:
+            return False
+        call.add_environment(ids, environment_text)
+        return await self._turn(call)
+
+    async def _turn(self, call: AgentCall) -> bool:
+        input_ids = call.prompt_ids + call.response_ids
+        budget = self._budget(len(input_ids))
+        if budget <= 0:
+            return False
+        sampling = dataclasses.replace(
+            call.sampling,
+            max_new_tokens=min(call.sampling.max_new_tokens, budget),
+            sampling_seed=derive_seed(self.seed, call.sample_id, call.turns),
+        )
+        rid = f"{call.sample_id}/turn{call.turns}/try{self.attempt}"
+        call.add_turn(await self.engine.generate(input_ids, sampling, rid=rid))
+        return True
+
+    def _budget(self, used: int) -> int:
+        if self.max_context_len is None:
+            return 1 << 30
+        return self.max_context_len - used
+
+    def verify(self, text: str):
+        return self.task.verify(text, self.prompt.label)
+
+    def row(self, call: AgentCall, reward: float, metadata: dict[str, Any]) -> Row:
+        meta = {"task": self.task.name, "system": self.system, "label": self.prompt.label, "turns": call.turns}
+        meta.update(metadata)
+        return Row(
+            sample_id=call.sample_id,
+            prompt_id=self.prompt.prompt_id,
+            group_id=call.group_id,
+            agent=call.agent,
+            round=call.round,
+            prompt_tokens=call.prompt_ids,
+            response_tokens=call.response_ids,
+            rollout_logprobs=call.logprobs,
+            loss_mask=call.loss_mask,
+            reward=reward,
+            status=call.status,
+            finish_reason=call.finish_reason,
+            weight_version=call.weight_version,
+            weight_versions=call.weight_spans or None,
+            temperature=call.sampling.temperature,
+            top_p=call.sampling.top_p,
+            top_k=call.sampling.top_k,
+            prompt_text=call.prompt_text,
+            response_text=call.text,
+            metadata=meta,
+        )
+
+
+class AgentSystem(abc.ABC):
+    """Turns one prompt into the rows of one episode."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def run(self, episode: Episode) -> list[Row]: ...
+
+    @property
+    @abc.abstractmethod
+    def max_parallel_calls(self) -> int:
+        """Most engine requests one episode has in flight at once (sizes the episode pool)."""
+
+    def config(self) -> dict[str, Any]:
+        """The system's settings, for the run config stored with the dataset."""
+        return {"name": self.name, **dataclasses.asdict(self.options)}  # type: ignore[attr-defined]

@@ -1,0 +1,207 @@
+"""``multi_agent``: solvers -> rewriters -> selector on one problem, after slime's examples/multi_agent.
+
+Flow of one episode (``k`` = ``num_solvers`` = ``num_rewriters``, ``--n-samples``):
+
+1. round 0: ``k`` solvers answer the task's prompt;
+2. round 1: ``k`` rewriters each see the problem and every solver answer that parsed,
+   and write an improved solution;
+3. round 2: one selector sees the rewrites that parsed, numbered 1..m, and must end with
+   ``Judgment: IDX``.
+
+Answer parsing: a response's answer is the text after the last ``reasoning_end``
+(``</think>``) when the response has one, else the whole response, stripped; an empty
+answer counts as none. slime counts a response without a reasoning block as no answer;
+``require_reasoning=true`` restores that (models without a reasoning format, such as the
+tiny test model, would then never reach the rewriters).
+
+Rewards (the exact rule, tested in tests/generate/test_agents.py):
+
+* solver and rewriter: ``v`` = the task verifier's reward on the call's answer (on ``""``
+  when none parsed);
+* selector: its judgment is the integer of the **last** ``Judgment: N`` in its answer
+  (slime takes the first; the prompt asks for it at the end, so an earlier one is
+  reasoning, not the decision). It is malformed when there is none or ``N`` is outside
+  ``1..m``. A valid judgment selects the N-th rewrite shown, and the selector's ``v`` is
+  that rewrite's verifier reward; a malformed one gets ``v = 0``;
+* the selector was right when the rewrite it selected is correct by the verifier
+  (``Verdict.correct``; for 0/1 verifiers this is slime's ``reward == 1``);
+* episode weight (slime's ``correct_reward_weight`` / ``incorrect_reward_weight``): every
+  row's reward is ``v * correct_weight`` (1.2) when the selector was right, else
+  ``v * incorrect_weight`` (0.8). An episode stopped early -- no solver answer parsed, or
+  no rewrite parsed -- has no selector and takes ``incorrect_weight``, as in slime.
+  The raw ``v`` and the weight are kept in each row's metadata.
+
+Why the weight is kept although it mostly cancels: groups here are per (prompt, role,
+round), so all rows of a group share one episode weight, and GRPO's std-normalized
+advantage ``(r - mean) / std`` is unchanged by it (up to the epsilon); it changes the
+advantage scale only without std normalization (Dr. GRPO) and the reported reward
+means. It is on by default so rewards match slime's; ``correct_weight=1
+incorrect_weight=1`` turns it off.
+
+Groups: solvers of a prompt form one group (round 0), rewriters another (round 1), the
+selector a group of one (round 2). A call whose prompt would not fit the context
+(``--max-context-len``) is skipped and has no row; a skipped solver prompt fails the
+episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+
+from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode
+from rollshard.store.schema import Row
+
+SOLVER, REWRITER, SELECTOR = "solver", "rewriter", "selector"
+JUDGMENT_RE = re.compile(r"Judgment:\s*(\d+)")
+
+REWRITE_TEMPLATE = """\
+Problem:
+{problem}
+
+Here are {count} candidate solutions to the problem.
+
+{candidates}
+
+Read the candidates, find their mistakes, and write one improved, correct solution to the problem."""
+
+SELECT_TEMPLATE = """\
+Problem:
+{problem}
+
+Here are {count} candidate solutions to the problem.
+
+{candidates}
+
+Compare the candidates and decide which one is most likely correct. End your reply with exactly one line:
+Judgment: IDX
+where IDX is the number (1 to {count}) of the best solution."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class MultiAgentOptions:
+    num_solvers: int = 4
+    num_rewriters: int = 4
+    correct_weight: float = 1.2  # slime's correct_reward_weight
+    incorrect_weight: float = 0.8  # slime's incorrect_reward_weight
+    reasoning_end: str = "</think>"
+    require_reasoning: bool = False
+    max_candidate_chars: int = 2000  # each candidate is cut to its last N characters, where the answer is
+
+
+def final_answer(text: str, reasoning_end: str, require_reasoning: bool) -> str | None:
+    """The answer part of a response (module docstring); None if empty."""
+    if reasoning_end and reasoning_end in text:
+        answer = text.rsplit(reasoning_end, 1)[1]
+    elif require_reasoning:
+        return None
+    else:
+        answer = text
+    return answer.strip() or None
+
+
+def parse_judgment(text: str | None, num_candidates: int) -> int | None:
+    """0-based index of the candidate selected by the last ``Judgment: N``; None if malformed."""
+    matches = JUDGMENT_RE.findall(text or "")
+    if not matches:
+        return None
+    n = int(matches[-1])
+    return n - 1 if 1 <= n <= num_candidates else None
+
+
+def format_candidates(answers: list[str], max_chars: int) -> str:
+    parts = []
+    for i, answer in enumerate(answers, 1):
+        if len(answer) > max_chars:
+            answer = "..." + answer[-max_chars:]
+        parts.append(f"### Solution {i}\n{answer}")
+    return "\n\n".join(parts)
+
+
+@dataclasses.dataclass
+class _Scored:
+    call: AgentCall
+    answer: str | None
+    reward: float
+    correct: bool
+    meta: dict
+
+
+class MultiAgent(AgentSystem):
+    name = "multi_agent"
+
+    def __init__(self, options: MultiAgentOptions):
+        if options.num_solvers < 1 or options.num_rewriters < 1:
+            raise ValueError("multi_agent needs num_solvers >= 1 and num_rewriters >= 1")
+        self.options = options
+
+    @property
+    def max_parallel_calls(self) -> int:
+        return max(self.options.num_solvers, self.options.num_rewriters)
+
+    async def run(self, episode: Episode) -> list[Row]:
+        o = self.options
+        problem = episode.task.messages(episode.prompt)[-1]["content"]
+        solvers = await self._round(
+            episode, SOLVER, 0, o.num_solvers, episode.task.messages(episode.prompt), required=True
+        )
+        solver_answers = [s for s in solvers if s.answer is not None]
+        rewriters: list[_Scored] = []
+        selector: _Scored | None = None
+        if solver_answers:
+            shown = [s.answer for s in solver_answers]
+            prompt = REWRITE_TEMPLATE.format(
+                problem=problem, count=len(shown), candidates=format_candidates(shown, o.max_candidate_chars)
+            )
+            rewriters = await self._round(episode, REWRITER, 1, o.num_rewriters, episode.task.chat(prompt))
+            for r in rewriters:
+                r.meta["candidates"] = [s.call.sample_id for s in solver_answers]
+            rewrites = [r for r in rewriters if r.answer is not None]
+            if rewrites:
+                selector = await self._select(episode, problem, rewrites)
+
+        right = selector is not None and selector.correct
+        weight = o.correct_weight if right else o.incorrect_weight
+        rows = []
+        for s in solvers + rewriters + ([selector] if selector else []):
+            meta = {"reward_raw": s.reward, "episode_weight": weight, "selector_right": right, **s.meta}
+            rows.append(episode.row(s.call, s.reward * weight, meta))
+        return rows
+
+    async def _round(
+        self, episode: Episode, agent: str, round: int, count: int, messages: list[dict], required: bool = False
+    ) -> list[_Scored]:
+        calls = await asyncio.gather(
+            *(episode.call(agent, round, i, messages, required=required) for i in range(count))
+        )
+        return [self._score(episode, c) for c in calls if c is not None]
+
+    def _score(self, episode: Episode, call: AgentCall) -> _Scored:
+        o = self.options
+        answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
+        verdict = episode.verify(answer or "")
+        return _Scored(call, answer, verdict.reward, verdict.correct, {"answer": answer, "verdict": verdict.to_json()})
+
+    async def _select(self, episode: Episode, problem: str, rewrites: list[_Scored]) -> _Scored | None:
+        o = self.options
+        prompt = SELECT_TEMPLATE.format(
+            problem=problem,
+            count=len(rewrites),
+            candidates=format_candidates([r.answer for r in rewrites], o.max_candidate_chars),
+        )
+        call = await episode.call(SELECTOR, 2, 0, episode.task.chat(prompt), required=False)
+        if call is None:
+            return None
+        answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
+        idx = parse_judgment(answer, len(rewrites))
+        picked = rewrites[idx] if idx is not None else None
+        meta = {
+            "answer": answer,
+            "candidates": [r.call.sample_id for r in rewrites],
+            "judgment": None if idx is None else idx + 1,
+            "selected": picked.call.sample_id if picked else None,
+        }
+        if picked is None:
+            return _Scored(call, answer, 0.0, False, meta)
+        return _Scored(call, answer, picked.reward, picked.correct, meta)

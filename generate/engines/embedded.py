@@ -1,0 +1,477 @@
+"""The embedded engine: a transformers causal LM in this process (CPU or one GPU), batched with a KV cache.
+
+Requests from any number of coroutines go to one background thread that runs the
+model. The thread batches continuously: between two decode steps it prefills the
+requests that arrived (left-padded), merges their KV cache into the running batch
+and drops the rows that finished, so a long generation never holds back new
+requests. Positions are tracked per row, so left padding changes no logit.
+
+Logprobs follow SGLang's definition (:mod:`.base`): log softmax(logits / T) of the
+sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T = 0) takes
+the argmax and reports log softmax(logits). Top-k and top-p filter exactly as
+SGLang's torch sampler does (top-p on the untruncated cumulative probabilities).
+
+Each request draws its random numbers from its own generator, seeded by
+``sampling_seed`` or, when absent, by the engine seed and the request's arrival
+order; so a seeded request's tokens do not depend on what else is in the batch
+(up to float rounding of the batched forward).
+
+Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
+``/update_weights_from_disk``: requests already running finish on the old weights,
+new ones wait, and the swap happens when the batch is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import queue
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
+from rollshard.store.schema import WeightSpan
+from rollshard.store.tokenizer import decode, eos_token_ids, load_tokenizer
+
+GREEDY_EPS = 1e-6  # temperatures at or below this are greedy, as in SGLang
+MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
+IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
+
+
+def load_causal_lm(path: str | Path, device: str = "cpu"):
+    """fp32 causal LM from a local folder, in eval mode."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{dtype_kw: torch.float32})
+    except (OSError, ValueError) as e:
+        raise EngineError(f"cannot load a causal LM from {str(path)!r}: {e}") from e
+    return model.to(device).eval()
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [B, V] fp32
+    temperature: torch.Tensor,  # [B]; <= GREEDY_EPS means greedy
+    top_p: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B] long; <= 0 means no top-k
+    uniform: torch.Tensor,  # [B] in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob (SGLang's definition). Returns ``(tokens [B], logprobs [B])``."""
+    greedy = temperature <= GREEDY_EPS  # [B]
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
+
+    probs_sort, probs_idx = logp.exp().sort(dim=-1, descending=True)  # [B, V]
+    cum = probs_sort.cumsum(dim=-1)  # [B, V]
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))  # [B]
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    drop = (rank >= k[:, None]) | ((cum - probs_sort) > top_p[:, None])  # [B, V]; SGLang's rule
+    kept = probs_sort.masked_fill(drop, 0.0)  # [B, V]; a prefix of the sorted order
+    kept_cum = kept.cumsum(dim=-1)  # [B, V]
+    target = uniform * kept_cum[:, -1]  # [B]
+    pos = (kept_cum <= target[:, None]).sum(dim=-1)  # [B]; first index whose cumsum exceeds target
+    pos = torch.minimum(pos, (~drop).sum(dim=-1) - 1)  # [B]; rounding at the top end stays inside the kept set
+    sampled = probs_idx.gather(-1, pos[:, None]).squeeze(-1)  # [B]
+
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    start: float
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    out_lps: list[float] = dataclasses.field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    cancelled: bool = False
+    generator: torch.Generator | None = None
+    weight_version: str = "0"
+
+
+class _Batch:
+    """The running batch: rows, their KV cache, attention mask and next positions."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Request] = []
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer ([B, H, L, D], [B, H, L, D])
+        self.mask = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
+        self.pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the next input token
+        self.last = torch.zeros(0, dtype=torch.long)  # [B] next input token
+
+
+def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _out_cache(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    if hasattr(DynamicCache, "from_legacy_cache"):
+        return DynamicCache.from_legacy_cache(tuple(kv))
+    return DynamicCache(kv)
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([torch.full(shape, value, dtype=t.dtype, device=t.device), t], dim=dim)
+
+
+class EmbeddedEngine(Engine):
+    """transformers causal LM served in process; see the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "cpu",
+        seed: int = 0,
+        max_batch_size: int = 32,
+        weight_version: str = "0",
+    ) -> None:
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.weight_version = str(weight_version)
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_ids = eos_token_ids(self.tokenizer, model_path)
+        self.model = load_causal_lm(model_path, device)
+        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self._last_logit_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._seeds = random.Random(seed)
+        self._queue: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._swap: tuple[Any, str, str, threading.Event] | None = None  # (model, path, version, done)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_in_flight = 0  # submitted and not yet answered; read by the server's /get_model_info
+
+    # ---- public API -------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
+        rid = rid or uuid.uuid4().hex
+        if self._closed.is_set():
+            raise EngineError(f"request {rid}: the embedded engine is closed")
+        if not input_ids:
+            raise EngineError(f"request {rid}: empty input_ids")
+        if len(input_ids) >= self.context:
+            raise EngineError(
+                f"request {rid}: prompt of {len(input_ids)} tokens does not fit the model's context of {self.context}"
+            )
+        vocab = self.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise EngineError(f"request {rid}: input_ids must lie in [0, {vocab})")
+        if sampling.max_new_tokens < 0:
+            raise EngineError(f"request {rid}: max_new_tokens must be >= 0")
+        loop = asyncio.get_running_loop()
+        seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._seeds.getrandbits(62)
+        req = _Request(
+            rid=rid,
+            input_ids=list(input_ids),
+            sampling=sampling,
+            seed=seed,
+            loop=loop,
+            future=loop.create_future(),
+            start=time.perf_counter(),
+            stop_ids=frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
+            max_new_tokens=min(sampling.max_new_tokens, self.context - len(input_ids)),
+        )
+
+        def _mark(fut: asyncio.Future, req: _Request = req) -> None:
+            req.cancelled = fut.cancelled()
+
+        req.future.add_done_callback(_mark)
+        self._ensure_thread()
+        self.num_in_flight += 1
+        try:
+            self._queue.put(req)
+            return await req.future
+        finally:
+            self.num_in_flight -= 1
+
+    async def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "engine": "embedded",
+            "max_context_length": self.context,
+            "eos_token_ids": list(self.eos_ids),
+        }
+
+    async def load_weights(self, path: str | Path, weight_version: str | None = None) -> str:
+        """Load a checkpoint from disk; running requests finish on the old weights. Returns the new version."""
+        model = await asyncio.to_thread(load_causal_lm, path, str(self.device))
+        old, new = self.model.config.vocab_size, model.config.vocab_size
+        if old != new:
+            raise EngineError(f"checkpoint {str(path)!r} has vocab size {new}, the served model {old}; load a checkpoint of the same model")
+        if weight_version is None:
+            weight_version = str(int(self.weight_version) + 1) if self.weight_version.isdigit() else self.weight_version
+        done = threading.Event()
+        with self._lock:
+            self._swap = (model, str(path), str(weight_version), done)
+        self._ensure_thread()
+        await asyncio.to_thread(done.wait)
+        return self.weight_version
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.weight_version = str(new_version)
+
+    async def flush_cache(self) -> bool:
+        """No prefix cache is kept between requests, so there is nothing to flush."""
+        return True
+
+    async def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ---- the worker thread ------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="rollshard-embedded-engine", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        batch = _Batch()
+        waiting: list[_Request] = []
+        while True:
+            if self._closed.is_set():
+                for req in batch.rows + waiting + self._drain():
+                    self._fail(req, EngineError(f"request {req.rid}: the embedded engine was closed"))
+                return
+            swap_pending = self._swap is not None
+            if swap_pending and not batch.rows:
+                self._do_swap()
+                continue
+            if not swap_pending:
+                waiting += self._drain(block=not batch.rows and not waiting)
+            room = self.max_batch_size - len(batch.rows)
+            admit, waiting = (waiting[:room], waiting[room:]) if not swap_pending else ([], waiting)
+            try:
+                with torch.inference_mode():
+                    if admit:
+                        batch = self._admit(batch, admit)
+                    if batch.rows:
+                        batch = self._finish_rows(batch)
+                    if batch.rows:
+                        self._decode(batch)
+                        batch = self._finish_rows(batch)
+            except Exception as e:  # a failed forward fails its requests, never the worker
+                for req in batch.rows + admit:
+                    if req.finish is None:
+                        self._fail(req, EngineError(f"request {req.rid}: embedded engine error: {e!r}"))
+                batch = _Batch()
+
+    def _drain(self, block: bool = False) -> list[_Request]:
+        out: list[_Request] = []
+        if block:
+            try:
+                out.append(self._queue.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                return out
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return [r for r in out if not r.cancelled]
+
+    def _do_swap(self) -> None:
+        with self._lock:
+            model, path, version, done = self._swap
+            self._swap = None
+        self.model = model
+        self.model_path = path
+        self.weight_version = version
+        done.set()
+
+    def _admit(self, batch: _Batch, new: list[_Request]) -> _Batch:
+        """Prefill ``new`` (in chunks of MAX_PREFILL_TOKENS), sample each first token, merge into ``batch``."""
+        for req in new:
+            req.generator = torch.Generator().manual_seed(req.seed)
+            req.weight_version = self.weight_version
+            if req.max_new_tokens == 0:
+                req.finish = {"type": "length", "length": 0}
+                self._answer(req)
+        chunks: list[list[_Request]] = [[]]
+        for req in sorted((r for r in new if r.finish is None), key=lambda r: len(r.input_ids)):
+            longest = max([len(r.input_ids) for r in chunks[-1]] + [len(req.input_ids)])
+            if chunks[-1] and longest * (len(chunks[-1]) + 1) > MAX_PREFILL_TOKENS:
+                chunks.append([])
+            chunks[-1].append(req)
+        for chunk in chunks:
+            if chunk:
+                batch = self._merge(batch, self._prefill(chunk))
+        return batch
+
+    def _prefill(self, rows: list[_Request]) -> _Batch:
+        length = max(len(r.input_ids) for r in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (length - len(r.input_ids)) + r.input_ids for r in rows], device=self.device)  # [n, L]
+        mask = torch.tensor(
+            [[False] * (length - len(r.input_ids)) + [True] * len(r.input_ids) for r in rows], device=self.device
+        )  # [n, L]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
+        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, **self._last_logit_kw)
+        # Padding slots never influence a real token, but zero them so a NaN there cannot leak through 0 * NaN.
+        keep = mask[:, None, :, None]  # [n, 1, L, 1]
+        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in _cache_tensors(_out_cache(out))]
+        new = _Batch()
+        new.rows, new.kv, new.mask = list(rows), kv, mask
+        new.pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)
+        new.last = self._sample(rows, out.logits[:, -1, :])
+        return new
+
+    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
+        if not a.rows:
+            return b
+        length = max(a.mask.shape[1], b.mask.shape[1])
+        m = _Batch()
+        m.rows = a.rows + b.rows
+        m.mask = torch.cat([_left_pad(a.mask, length, 1, False), _left_pad(b.mask, length, 1, False)])
+        m.kv = [
+            (torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)]), torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)]))
+            for (ka, va), (kb, vb) in zip(a.kv, b.kv)
+        ]
+        m.pos = torch.cat([a.pos, b.pos])
+        m.last = torch.cat([a.last, b.last])
+        return m
+
+    def _decode(self, batch: _Batch) -> None:
+        batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)  # [B, L+1]
+        out = self.model(
+            input_ids=batch.last[:, None],
+            attention_mask=batch.mask.long(),
+            position_ids=batch.pos[:, None],
+            use_cache=True,
+            **{self._cache_kw: _make_cache(batch.kv)},
+        )
+        batch.kv = _cache_tensors(_out_cache(out))
+        batch.pos = batch.pos + 1
+        batch.last = self._sample(batch.rows, out.logits[:, -1, :])
+
+    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token per row, append it and its logprob to the row, check the stop rules."""
+        dev = logits.device
+        s = [r.sampling for r in rows]
+        tokens, logprobs = sample_tokens(
+            logits.float(),
+            torch.tensor([p.temperature for p in s], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in s], dtype=torch.long, device=dev),
+            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64).float() for r in rows]).to(dev),
+        )
+        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            req.out_ids.append(tok)
+            req.out_lps.append(lp)
+            self._check_stop(req, tok)
+        return tokens
+
+    def _check_stop(self, req: _Request, tok: int) -> None:
+        if tok in req.stop_ids:
+            req.finish = {"type": "stop", "matched": tok}
+            return
+        for stop in req.sampling.stop or ():
+            # A stop string of n characters spans at most 4n byte-level tokens plus one partial token.
+            tail = self.tokenizer.decode(req.out_ids[-(4 * len(stop) + 2) :], skip_special_tokens=False)
+            if stop and stop in tail:
+                req.finish = {"type": "stop", "matched": stop}
+                return
+        if len(req.out_ids) >= req.max_new_tokens:
+            req.finish = {"type": "length", "length": len(req.out_ids)}
+
+    def _finish_rows(self, batch: _Batch) -> _Batch:
+        keep = []
+        for i, req in enumerate(batch.rows):
+            if req.finish is not None:
+                self._answer(req)
+            elif not req.cancelled:
+                keep.append(i)
+        if len(keep) == len(batch.rows):
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        out = _Batch()
+        out.rows = [batch.rows[i] for i in keep]
+        if not keep:
+            return out
+        mask = batch.mask[idx]  # [B', L]
+        start = int((mask.any(dim=0).long().cumsum(0) == 0).sum())  # leading columns that are padding in every row
+        out.mask = mask[:, start:]
+        out.kv = [(k[idx, :, start:], v[idx, :, start:]) for k, v in batch.kv]
+        out.pos, out.last = batch.pos[idx], batch.last[idx]
+        return out
+
+    # ---- answers ----------------------------------------------------------------------------
+
+    def _answer(self, req: _Request) -> None:
+        result = self._result(req)
+        req.loop.call_soon_threadsafe(_set_result, req.future, result)
+
+    def _fail(self, req: _Request, err: Exception) -> None:
+        req.loop.call_soon_threadsafe(_set_exception, req.future, err)
+
+    def _result(self, req: _Request) -> GenerateResult:
+        sp, finish = req.sampling, dict(req.finish or {})
+        ids = req.out_ids
+        trim_ids = ids[:-1] if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and not sp.no_stop_trim else ids
+        text = decode(self.tokenizer, trim_ids, skip_special_tokens=sp.skip_special_tokens)
+        matched = finish.get("matched")
+        if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]
+        n = len(ids)
+        return GenerateResult(
+            output_ids=list(ids),
+            logprobs=list(req.out_lps),
+            text=text,
+            finish_reason=finish.get("type", "abort"),
+            finish_detail={k: v for k, v in finish.items() if k != "type"},
+            weight_version=req.weight_version,
+            weight_versions=[WeightSpan(version=req.weight_version, start=0, end=n)],
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=n,
+            meta={"id": req.rid, "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.start},
+        )
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, err: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(err)

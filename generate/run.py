@@ -1,0 +1,311 @@
+"""``rollshard-generate``: run an agent system over a prompt set against an engine into a dataset.
+
+    rollshard-generate --engine embedded:MODEL --agents multi_agent --task math --out DATASET
+
+Steps: parse -> load task, agent system and prompts -> reach the engine -> load the
+tokenizer -> open the dataset (resume) -> run -> commit, report.
+
+Rerunning the same command resumes: prompts already in DATASET are skipped, the rest
+(including those in the failure ledger) are generated. ``--shard-index i --num-shards
+n`` on n hosts split the prompts (by position modulo n) into the one dataset, each
+host writing as writer ``gen-i-of-n``.
+
+Exit status: 0 every prompt is in the dataset; 1 some prompts failed (listed in
+``DATASET/_failures/``; rerun to retry); 2 a usage error (bad arguments, a malformed
+prompt file, an unreachable engine, a dataset made with other settings) -- nothing is
+written then; 130 interrupted (complete episodes are committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from importlib import metadata
+from typing import Any
+
+import aiohttp
+
+from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
+from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
+from rollshard.generate.runner import (
+    EXIT_FAILURES,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigMismatchError,
+    Runner,
+    RunnerOptions,
+    RunResult,
+    check_resume_config,
+    shard_prompts,
+    writer_id_for,
+)
+from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
+from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.schema import SchemaVersionError
+from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+from rollshard.store.writer import ShardWriter
+
+PROG = "rollshard-generate"
+CONTEXT_KEYS = ("max_context_length", "context_length", "max_context_len")  # model_info names for the context
+MAX_SANE_CONTEXT = 1 << 24  # tokenizers without a limit report ~1e30 as model_max_length
+
+
+class UsageError(Exception):
+    """Something the user can fix; printed as one line, exit status 2, nothing written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Generate rollouts with an agent system into a rollshard dataset (resumable: rerun to continue). "
+        "Subcommands: `serve` (the embedded engine behind SGLang's HTTP API), `init-model` (a tiny local model).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument("--engine", required=True, metavar="SPEC", help="embedded:MODEL_DIR, or SGLang URL[,URL...]")
+    g.add_argument("--agents", default="single", choices=sorted(SYSTEMS), help="agent system")
+    g.add_argument(
+        "--agent-option", action="append", default=[], metavar="KEY=VALUE",
+        help="an option of the agent system, e.g. correct_weight=1.0 (repeatable)",
+    )
+    g.add_argument("--task", default="math", choices=sorted(TASKS), help="task: prompt format and verifier")
+    g.add_argument("--prompts", metavar="SOURCE", help="JSONL or Parquet file, or a HF dataset name (default: the task's own prompts)")
+    g.add_argument("--input-key", default="prompt", help="prompt field (a string or chat messages)")
+    g.add_argument("--label-key", default="label", help="label field")
+    g.add_argument("--id-key", default="id", help="prompt id field (default when absent: position in the source)")
+    g.add_argument("--split", default="train", help="split of a HF dataset")
+    g.add_argument("--limit", type=int, metavar="N", help="use the first N prompts of the source")
+    g.add_argument("--out", required=True, metavar="DATASET", help="dataset directory or pyarrow filesystem URI")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--n-samples", type=int, default=4, help="samples per prompt (multi_agent: solvers and rewriters)")
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1, help="-1: no top-k")
+    s.add_argument("--max-new-tokens", type=int, default=256, help="per model turn")
+    s.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    s.add_argument("--seed", type=int, default=0, help="run seed; each request's sampling seed derives from it and the sample id")
+    s.add_argument("--max-context-len", type=int, metavar="N", help="prompt + response token limit (default: the engine's)")
+    s.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the engine's model path)")
+
+    r = p.add_argument_group("running")
+    r.add_argument("--concurrency", type=int, default=64, help="engine requests in flight")
+    r.add_argument("--shard-index", type=int, default=0, help="this host's part of the prompts")
+    r.add_argument("--num-shards", type=int, default=1, help="hosts splitting the prompts")
+    r.add_argument("--commit-every", type=int, default=256, metavar="EPISODES", help="commit a shard after this many prompts")
+    r.add_argument("--commit-interval", type=float, default=60.0, metavar="SECONDS", help="commit a shard at least this often")
+    r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="per engine request")
+    r.add_argument("--retries", type=int, default=2, help="extra attempts of a prompt after an engine or transport error")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_model_loading()
+    try:
+        _check_args(args)
+        task, system, prompts = _load_inputs(args)
+        return asyncio.run(_run(args, task, system, prompts))
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _quiet_model_loading() -> None:
+    """transformers' own bars (loading weights) would interleave with the run's progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
+        raise UsageError(f"--shard-index must be in [0, --num-shards); got {args.shard_index} of {args.num_shards}")
+    for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.retries < 0:
+        raise UsageError("--retries must be >= 0")
+
+
+def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, list[Prompt]]:
+    """Task, agent system and this host's prompts; every error here is the user's to fix."""
+    try:
+        task = get_task(args.task)
+        options = dict(_key_value(o) for o in args.agent_option)
+        system = make_agent_system(args.agents, n_samples=args.n_samples, options=options)
+        source = args.prompts or task.default_prompts()
+        prompts = load_prompts(
+            source,
+            input_key=args.input_key,
+            label_key=args.label_key,
+            id_key=args.id_key,
+            label_required=task.label_required,
+            split=args.split,
+        )
+    except (ValueError, PromptSourceError) as e:
+        raise UsageError(str(e)) from e
+    args.prompts = str(source)
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    return task, system, shard_prompts(prompts, args.shard_index, args.num_shards)
+
+
+def _key_value(option: str) -> tuple[str, str]:
+    key, sep, value = option.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--agent-option {option!r}: expected KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompts: list[Prompt]) -> int:
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+    )
+    config = _generation_config(args, system, task, sampling)
+    _check_existing(args.out, config)  # before the engine: a refused resume costs no model load
+    engine = await _connect(args)
+    try:
+        info = await _model_info(engine, args.engine)
+        tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+        try:
+            tokenizer = load_tokenizer(tokenizer_path)
+        except TokenizerError as e:
+            raise UsageError(f"{e} (or pass --tokenizer)") from e
+        config.update(
+            model=info.get("model_path"),
+            tokenizer=str(tokenizer_path),
+            weight_version=info.get("weight_version"),
+            max_context_len=_context_len(args, info, tokenizer),
+        )
+        writer_id = writer_id_for(args.shard_index, args.num_shards)
+        try:
+            writer = ShardWriter(args.out, writer_id=writer_id, config=config)
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(str(e)) from e
+        with writer:
+            runner = Runner(
+                system=system,
+                task=task,
+                engine=engine,
+                tokenizer=tokenizer,
+                sampling=sampling,
+                writer=writer,
+                options=RunnerOptions(
+                    concurrency=args.concurrency,
+                    request_timeout=args.request_timeout,
+                    retries=args.retries,
+                    commit_every=args.commit_every,
+                    commit_interval=args.commit_interval,
+                    seed=args.seed,
+                    max_context_len=config["max_context_len"],
+                    progress=not args.no_progress,
+                ),
+            )
+            result = await runner.run(prompts)
+        _report(args, result)
+        return result.exit_code
+    finally:
+        await engine.close()
+
+
+async def _connect(args: argparse.Namespace) -> Engine:
+    from rollshard.generate.engines import make_engine
+
+    options: dict[str, Any] = {}
+    if not args.engine.strip().startswith("embedded:"):
+        from rollshard.generate.engines.sglang import SGLangConfig
+
+        # The runner bounds requests in flight; the client must not bound them lower.
+        options["config"] = SGLangConfig(max_concurrency=args.concurrency, request_timeout_s=args.request_timeout)
+    try:
+        return make_engine(args.engine, **options)
+    except (EngineError, ValueError, OSError) as e:
+        raise UsageError(f"cannot start engine {args.engine!r}: {e}") from e
+
+
+async def _model_info(engine: Engine, spec: str) -> dict[str, Any]:
+    """The engine's model info, after checking every server answers (one line if one does not)."""
+    try:
+        if hasattr(engine, "health_check"):
+            return (await engine.health_check())[0]
+        return await engine.model_info()
+    except (EngineError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        raise UsageError(f"cannot reach engine {spec!r}: {e}") from e
+
+
+def _context_len(args: argparse.Namespace, info: dict[str, Any], tokenizer) -> int | None:
+    if args.max_context_len is not None:
+        return args.max_context_len
+    for key in CONTEXT_KEYS:
+        if info.get(key):
+            return int(info[key])
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < MAX_SANE_CONTEXT else None
+
+
+def _generation_config(args, system: AgentSystem, task: Task, sampling: SamplingParams) -> dict[str, Any]:
+    """The run config (stored with every shard); the engine's fields are added once it answers."""
+    try:
+        version = metadata.version("rollshard")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {
+        "command": PROG,
+        "rollshard_version": version,
+        "engine": args.engine,
+        "agents": system.config(),
+        "task": task.name,
+        "prompts": args.prompts,
+        "input_key": args.input_key,
+        "label_key": args.label_key,
+        "id_key": args.id_key,
+        "limit": args.limit,
+        "sampling": {k: v for k, v in dataclasses.asdict(sampling).items() if k != "sampling_seed"},
+        "seed": args.seed,
+        "n_samples": args.n_samples,
+        "shard_index": args.shard_index,
+        "num_shards": args.num_shards,
+        "concurrency": args.concurrency,
+    }
+
+
+def _check_existing(out: str, config: dict[str, Any]) -> None:
+    try:
+        dataset = RolloutDataset.open(out)
+    except DatasetNotFoundError:
+        return
+    except (SchemaVersionError, ValueError, OSError) as e:
+        raise UsageError(f"cannot resume into {out}: {e}") from e
+    try:
+        check_resume_config(dataset, config)
+    except ConfigMismatchError as e:
+        raise UsageError(str(e)) from e
+
+
+def _report(args: argparse.Namespace, r: RunResult) -> None:
+    rate = f"{r.rows / r.seconds:.1f} rows/s, {r.response_tokens / r.seconds:.0f} response tokens/s" if r.seconds else ""
+    skipped = f"; {r.prompts_skipped} already there" if r.prompts_skipped else ""
+    print(
+        f"{PROG}: {r.episodes} of {r.prompts_total} prompts done in {r.seconds:.1f} s{skipped}: "
+        f"{r.rows} rows, {r.response_tokens} response tokens ({rate}) -> {args.out}",
+        file=sys.stderr,
+    )
+    if r.exit_code == EXIT_INTERRUPTED:
+        print(f"{PROG}: interrupted; complete prompts are committed; rerun the same command to finish", file=sys.stderr)
+    if r.failed:
+        first_id, first = next(iter(r.failed.items()))
+        print(
+            f"{PROG}: {len(r.failed)} prompts failed (first: {first_id}: {first['error']}); "
+            f"ledger {r.ledger}; rerun the same command to retry them",
+            file=sys.stderr,
+        )
+    assert r.exit_code in (EXIT_OK, EXIT_FAILURES, EXIT_INTERRUPTED)

@@ -1,0 +1,363 @@
+"""The batch runner: episodes of an agent system over prompts, written to a dataset, resumable.
+
+Unit of work and of resume: the *episode* (every row one prompt produces). An
+episode's rows are handed to the writer in one ``write_groups`` call, and shards are
+committed only between such calls, so a committed shard never holds part of an
+episode. A prompt is done when its ``prompt_id`` is in the dataset; a rerun of the
+same command skips done prompts and runs the rest. Sample ids and sampling seeds are
+functions of (prompt, agent, round, index), so the rerun names and (on a deterministic
+engine) samples every row as an uninterrupted run would.
+
+Concurrency: at most ``concurrency`` engine requests in flight (:class:`GatedEngine`);
+episodes are started while fewer than ``2 * ceil(concurrency / calls per round)`` run,
+so later rounds (one selector) do not leave request slots idle.
+
+Failures: a transient error (engine, transport, timeout) retries the whole episode
+with exponential backoff; an episode that still fails, or fails with a permanent error
+(a row breaking an invariant, a prompt longer than the context), goes to the failure
+ledger ``DATASET/_failures/<writer_id>.jsonl`` (prompt id, error, attempts), rewritten
+after each failure and at the end to hold exactly the prompts of this writer still
+missing. Nothing is dropped silently: a rerun retries them.
+
+Interrupt (SIGINT/SIGTERM): stop starting episodes, cancel those in flight (a rerun
+regenerates them), commit every complete one, and return :data:`EXIT_INTERRUPTED`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import json
+import math
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import pyarrow as pa
+from tqdm import tqdm
+
+from rollshard.generate.agents import AgentSystem, Episode
+from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
+from rollshard.generate.tasks import Prompt, Task
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.schema import RowInvariantError, rows_to_table
+from rollshard.store.writer import ShardWriter
+
+EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+FAILURE_DIR = "_failures"
+TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, ConnectionError, OSError)
+BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
+# Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs.
+GENERATION_KEYS = ("agents", "task", "sampling", "seed", "input_key", "label_key", "id_key")
+
+
+class ConfigMismatchError(ValueError):
+    """The dataset was generated with other settings than this run's."""
+
+
+def writer_id_for(shard_index: int, num_shards: int) -> str:
+    return f"gen-{shard_index}-of-{num_shards}"
+
+
+def shard_prompts(prompts: list[Prompt], shard_index: int, num_shards: int) -> list[Prompt]:
+    """This host's prompts: those whose position in the source is ``shard_index`` modulo ``num_shards``."""
+    return [p for p in prompts if p.index % num_shards == shard_index]
+
+
+class GatedEngine(Engine):
+    """An engine behind a concurrency limit and a per-request timeout, counting what passes."""
+
+    def __init__(self, engine: Engine, *, concurrency: int, request_timeout: float | None):
+        self.inner = engine
+        self.request_timeout = request_timeout
+        self._slots = asyncio.Semaphore(concurrency)
+        self.requests = 0
+        self.completion_tokens = 0
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
+        async with self._slots:
+            try:
+                result = await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
+            except asyncio.TimeoutError as e:
+                raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
+        self.requests += 1
+        self.completion_tokens += len(result.output_ids)
+        return result
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.inner.model_info()
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunnerOptions:
+    concurrency: int = 64
+    request_timeout: float | None = 600.0
+    retries: int = 2  # extra attempts of an episode after a transient error
+    backoff_s: float = 0.5  # delay before the first retry; doubles each attempt
+    commit_every: int = 256  # episodes between shard commits
+    commit_interval: float = 60.0  # seconds between shard commits
+    seed: int = 0
+    max_context_len: int | None = None
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class RunResult:
+    exit_code: int
+    prompts_total: int = 0
+    prompts_skipped: int = 0  # already in the dataset
+    episodes: int = 0
+    rows: int = 0
+    response_tokens: int = 0
+    failed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    interrupted: bool = False
+    ledger: str | None = None
+
+
+class Runner:
+    """Runs ``system`` over ``prompts`` against ``engine`` into ``writer``."""
+
+    def __init__(
+        self,
+        *,
+        system: AgentSystem,
+        task: Task,
+        engine: Engine,
+        tokenizer,
+        sampling: SamplingParams,
+        writer: ShardWriter,
+        options: RunnerOptions,
+    ):
+        self.system = system
+        self.task = task
+        self.engine = GatedEngine(engine, concurrency=options.concurrency, request_timeout=options.request_timeout)
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.writer = writer
+        self.options = options
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def done_prompt_ids(self) -> set[str]:
+        """Prompts with rows in the dataset (read after the writer adopted its crash orphans)."""
+        ds = RolloutDataset.open(self.writer.storage)
+        if not ds.shards:
+            return set()
+        return set(ds.read(columns=["prompt_id"]).column("prompt_id").unique().to_pylist())
+
+    # -- the run ----------------------------------------------------------------------------
+
+    async def run(self, prompts: list[Prompt]) -> RunResult:
+        start = time.monotonic()
+        done = self.done_prompt_ids()
+        todo = [p for p in prompts if p.prompt_id not in done]
+        result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
+        ledger = Ledger(self.writer)
+        bar = tqdm(
+            total=len(prompts),
+            initial=result.prompts_skipped,
+            unit="prompt",
+            desc="generate",
+            disable=not self.options.progress,
+            dynamic_ncols=True,
+        )
+        self._install_signal_handlers()
+        last_commit, since_commit = time.monotonic(), 0
+        in_flight_max = 2 * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
+        queue = iter(todo)
+        try:
+            while True:
+                while not self._stopping and len(self._tasks) < in_flight_max:
+                    prompt = next(queue, None)
+                    if prompt is None:
+                        break
+                    task = asyncio.ensure_future(self._episode(prompt))
+                    task.prompt = prompt  # type: ignore[attr-defined]
+                    self._tasks.add(task)
+                if not self._tasks:
+                    break
+                finished, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    self._tasks.discard(task)
+                    if task.cancelled():
+                        continue
+                    prompt = task.prompt  # type: ignore[attr-defined]
+                    outcome = task.result()
+                    if isinstance(outcome, pa.Table):
+                        outcome = self._write(prompt, outcome)
+                    if isinstance(outcome, pa.Table):
+                        result.episodes += 1
+                        result.rows += outcome.num_rows
+                        result.response_tokens += _response_tokens(outcome)
+                        since_commit += 1
+                        done.add(prompt.prompt_id)
+                    else:
+                        result.failed[prompt.prompt_id] = outcome
+                        ledger.record(prompt.prompt_id, outcome)
+                    bar.update(1)
+                    elapsed = max(time.monotonic() - start, 1e-9)
+                    bar.set_postfix(
+                        rows=result.rows, tok_s=f"{result.response_tokens / elapsed:.0f}", failed=len(result.failed),
+                        refresh=False,
+                    )
+                if since_commit and (
+                    since_commit >= self.options.commit_every
+                    or time.monotonic() - last_commit >= self.options.commit_interval
+                ):
+                    self.writer.commit()
+                    last_commit, since_commit = time.monotonic(), 0
+        finally:
+            self._remove_signal_handlers()
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            bar.close()
+        self.writer.commit()
+        result.ledger = ledger.finish(done)
+        result.interrupted = self._stopping
+        result.seconds = time.monotonic() - start
+        if result.interrupted:
+            result.exit_code = EXIT_INTERRUPTED
+        elif result.failed:
+            result.exit_code = EXIT_FAILURES
+        return result
+
+    async def _episode(self, prompt: Prompt) -> pa.Table | dict[str, Any]:
+        """The episode's rows as one table, or a failure record after the last attempt."""
+        attempts = self.options.retries + 1
+        for attempt in range(attempts):
+            episode = Episode(
+                prompt=prompt,
+                task=self.task,
+                engine=self.engine,
+                tokenizer=self.tokenizer,
+                sampling=self.sampling,
+                seed=self.options.seed,
+                attempt=attempt,
+                max_context_len=self.options.max_context_len,
+                system=self.system.name,
+            )
+            try:
+                rows = await self.system.run(episode)
+                if not rows:
+                    raise ValueError(f"agent system {self.system.name!r} produced no rows")
+                return rows_to_table(rows)
+            except TRANSIENT_ERRORS as e:
+                error = e
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(min(self.options.backoff_s * 2**attempt, BACKOFF_MAX_S))
+            except Exception as e:  # permanent (ContextFullError, a verifier or system error): recorded, not retried
+                return _failure(e, attempt + 1)
+        return _failure(error, attempts)
+
+    def _write(self, prompt: Prompt, table: pa.Table) -> pa.Table | dict[str, Any]:
+        try:
+            self.writer.write_groups(table)  # validates every row before buffering any
+        except RowInvariantError as e:
+            return _failure(e, 1)
+        return table
+
+    # -- interrupt --------------------------------------------------------------------------
+
+    def _interrupt(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        self._remove_signal_handlers()  # a second Ctrl-C raises KeyboardInterrupt as usual
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._interrupt)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal here
+                pass
+
+    def _remove_signal_handlers(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+
+class Ledger:
+    """``DATASET/_failures/<writer_id>.jsonl``: one line per prompt of this writer that has no rows yet."""
+
+    def __init__(self, writer: ShardWriter):
+        self.storage = writer.storage
+        self.rel = f"{FAILURE_DIR}/{writer.writer_id}.jsonl"
+        self.writer_id = writer.writer_id
+        self.entries: dict[str, dict[str, Any]] = {}
+        if self.storage.exists(self.rel):
+            for line in self.storage.read_bytes(self.rel).decode().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self.entries[entry["prompt_id"]] = entry
+        self._before = dict(self.entries)
+
+    @property
+    def path(self) -> str:
+        return self.storage.path(self.rel)
+
+    def record(self, prompt_id: str, failure: dict[str, Any]) -> None:
+        previous = self._before.get(prompt_id, {}).get("attempts", 0)
+        self.entries[prompt_id] = {
+            "prompt_id": prompt_id,
+            "error": failure["error"],
+            "attempts": previous + failure["attempts"],
+            "writer_id": self.writer_id,
+            "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        self._save()
+
+    def finish(self, done: set[str]) -> str | None:
+        """Drop prompts that now have rows; return the ledger's path if any prompt is left in it."""
+        self.entries = {k: v for k, v in self.entries.items() if k not in done}
+        if self.entries:
+            self._save()
+            return self.path
+        if self.storage.exists(self.rel):
+            self.storage.delete(self.rel)
+        return None
+
+    def _save(self) -> None:
+        self.storage.makedirs(FAILURE_DIR)
+        data = "".join(json.dumps(e, sort_keys=True) + "\n" for e in self.entries.values())
+        self.storage.write_atomic(self.rel, data.encode())
+
+
+def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None:
+    """Refuse to add rows made with other generation settings to an existing dataset."""
+    for manifest in dataset.manifests:
+        old = manifest.config or {}
+        if not manifest.shards or "agents" not in old:
+            continue
+        for key in GENERATION_KEYS:
+            if old.get(key) != config.get(key):
+                raise ConfigMismatchError(
+                    f"{dataset.storage.uri} holds rows generated with another {key} "
+                    f"({json.dumps(old.get(key), sort_keys=True)} there, {json.dumps(config.get(key), sort_keys=True)} now; "
+                    f"writer {manifest.writer_id}); resume with the original settings or write to a new --out"
+                )
+
+
+def _failure(error: BaseException, attempts: int) -> dict[str, Any]:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return {"error": f"{type(error).__name__}: {text}", "attempts": attempts}
+
+
+def _response_tokens(table: pa.Table) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(table.column("response_tokens"))).as_py() or 0)

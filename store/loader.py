@@ -1,0 +1,936 @@
+"""The streaming loader: committed shards in, optimizer steps of whole GRPO groups out.
+
+The trainer never holds the dataset. :class:`RolloutLoader` reads one block (a Parquet
+row group; several when a group spans row groups of one shard) at a time on a
+background thread, keeps at most one shuffle window of groups, and packs each step's
+sequences into flat micro-batches (store/packing.py) on a second background thread.
+
+**One global stream, read by every rank.** Every rank computes the same stream of
+groups: blocks in an order drawn from ``(seed, epoch)``, their groups cut into
+consecutive windows of ``shuffle_window`` groups, each window permuted by
+``(seed, epoch, window)``. The stream is cut into global steps of
+``groups_per_step * world_size`` groups that pass the filters, and rank ``r`` takes
+the ``r``-th slice of ``groups_per_step``. So the ranks' groups are disjoint, their
+union over an epoch is the filtered dataset with each group once, and every rank has
+the same number of steps. The price is that every rank reads every block (it must
+see the whole stream to know its share); reading runs far ahead of training (see
+the README's Performance figures). Groups never span steps, ranks or epochs: a group
+is the unit of everything here, and the writer's contract (a group never spans
+shards) is checked when the loader opens the dataset.
+
+**Tail.** An epoch rarely holds a whole number of global steps. ``tail="drop"`` (the
+default) drops the last incomplete global step (counted as ``tail_dropped_groups`` in
+:attr:`RolloutLoader.epoch_stats`); ``tail="partial"`` yields it as a smaller last step,
+split as evenly as possible, so a rank may get fewer groups, or none (a step with no
+micro-batches; the trainer still takes part in the step). Nothing is ever duplicated.
+
+**Filters**, in this order, each counted by reason in ``Step.metrics``: row status
+(``statuses``), agent (``agents``), staleness (rows whose integer ``weight_version``
+is more than ``max_staleness`` behind the current policy version are skipped; rows
+without a version too, counted apart), then groups left empty, then (optionally)
+groups whose remaining rewards are all equal (zero variance: no GRPO signal; a group
+of one row is one). Filter counts are of the global stream, the same on every rank;
+packing figures (``groups``, ``tokens``, ``packing_efficiency``, ...) are this rank's.
+
+**Exact resume.** The cursor is ``(epoch, position in the epoch's stream, step index)``:
+the position counts raw groups (before filtering), so a resume re-reads only the
+current window's blocks. The policy version may change between steps
+(:meth:`RolloutLoader.set_current_version`); a step is always planned with the
+version in effect when the trainer asks for it. Prefetched steps record the range of
+versions their staleness decisions hold for, and are re-planned when a version change
+falls outside it.
+
+**Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps,
+independent of the dataset's size (plus one 8-byte hash per group while the dataset
+is opened, to check that no group spans two shards).
+
+HF ``datasets`` users can get the same groups through :func:`hf_groups`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import queue
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.packing import PackedBatch, Sequences, pack
+from rollshard.store.schema import STATUS_VALUES, check_schema_version
+
+__all__ = ["LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
+
+STATE_FORMAT = "rollshard-loader"
+STATE_VERSION = 1
+SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
+TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
+NO_VERSION = np.iinfo(np.int64).min  # a row without weight_version: its staleness is unknown
+POLL_S = 0.1  # how often a blocked background thread checks whether it was told to stop
+JOIN_S = 10.0  # how long close() waits for a thread to finish the read it is in
+OPEN_FILES = 16  # Parquet files a reader keeps open (shards are read block by block, in shuffled order)
+SCAN_THREADS = 8  # shards scanned at once when the loader opens a dataset (I/O bound)
+_TAG_BLOCKS, _TAG_WINDOW = 1, 2  # random streams: block order, window permutation
+
+FILTER_KEYS = (
+    "groups_examined",
+    "rows_examined",
+    "filtered_rows/status",
+    "filtered_rows/agent",
+    "filtered_rows/stale",
+    "filtered_rows/no_version",
+    "filtered_groups/empty",
+    "filtered_groups/zero_variance",
+    "filtered_rows/zero_variance",
+)
+
+
+class LoaderStateError(ValueError):
+    """A loader state does not fit this loader (world size, seed, dataset, order settings)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoaderConfig:
+    """Settings of a :class:`RolloutLoader`; see the module docstring for what each one means."""
+
+    groups_per_step: int = 8  # whole GRPO groups per optimizer step (per rank)
+    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (prompt + response tokens)
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_window: int = 1024  # groups in the bounded shuffle window
+    statuses: tuple[str, ...] = ("completed", "truncated")
+    agents: tuple[str, ...] | None = None  # None: every agent
+    max_staleness: int | None = None  # needs current_version
+    current_version: str | None = None
+    drop_zero_variance: bool = False
+    num_epochs: int | None = 1  # None: loop forever
+    prefetch: int = 4  # blocks read ahead, and packed steps ready ahead
+    tail: Literal["drop", "partial"] = "drop"  # the last incomplete global step of an epoch
+    pin_memory: bool = False  # page-lock the packed tensors (when CUDA is available)
+
+    def check(self) -> None:
+        for name in ("groups_per_step", "micro_batch_tokens", "shuffle_window", "prefetch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoaderConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"LoaderConfig.seed must be non-negative, got {self.seed}")
+        bad = [s for s in self.statuses if s not in STATUS_VALUES]
+        if bad or not self.statuses:
+            raise ValueError(f"LoaderConfig.statuses {self.statuses!r}: choose one or more of {', '.join(STATUS_VALUES)}")
+        if self.agents is not None and not self.agents:
+            raise ValueError("LoaderConfig.agents is empty; use None for every agent")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"LoaderConfig.max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"LoaderConfig.num_epochs must be >= 1 or None (forever), got {self.num_epochs}")
+        if self.tail not in ("drop", "partial"):
+            raise ValueError(f"LoaderConfig.tail must be 'drop' or 'partial', got {self.tail!r}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Step:
+    """One optimizer step on one rank: whole groups, packed into micro-batches."""
+
+    micro_batches: list[PackedBatch]
+    group_ids: list[str]  # [G]; PackedBatch.seq_group indexes this
+    epoch: int
+    index: int  # step index, counted across epochs
+    metrics: dict[str, float]  # module docstring: filter counts (global) and packing figures (this rank)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.micro_batches)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(b.num_sequences for b in self.micro_batches)
+
+
+# -- the dataset's blocks ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Row groups of one shard that hold whole groups (one row group unless a group spans several)."""
+
+    shard: int
+    row_groups: tuple[int, ...]
+    num_groups: int
+
+
+def _open(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
+    path = dataset.storage.path(dataset.shards[shard].path)
+    f = dataset.storage.fs.open_input_file(path)
+    return f, pq.ParquetFile(f)
+
+
+def _shard_blocks(pf: pq.ParquetFile) -> tuple[list[tuple[tuple[int, ...], int]], list[str]]:
+    """Blocks of one shard as (row groups, group count), and its group ids; reads only group_id."""
+    n = pf.metadata.num_row_groups
+    first: dict[str, int] = {}
+    reach = list(range(n))  # reach[i]: last row group holding a group that starts in row group i
+    for rg in range(n):
+        for g in pc.unique(pf.read_row_group(rg, columns=["group_id"]).column(0)).to_pylist():
+            start = first.setdefault(g, rg)
+            reach[start] = max(reach[start], rg)
+    starts = np.bincount(np.fromiter(first.values(), np.int64, len(first)), minlength=n)
+    blocks, s = [], 0
+    while s < n:
+        end, i = reach[s], s
+        while i <= end:
+            end, i = max(end, reach[i]), i + 1
+        blocks.append((tuple(range(s, end + 1)), int(starts[s : end + 1].sum())))
+        s = end + 1
+    return blocks, list(first)
+
+
+def _scan_blocks(dataset: RolloutDataset) -> list[_Block]:
+    """Every block of the dataset; raises when a group has rows in two shards."""
+
+    def scan(i: int):
+        f, pf = _open(dataset, i)
+        with f:
+            check_schema_version(pf.schema_arrow.metadata, dataset.files[i])
+            blocks, ids = _shard_blocks(pf)
+        return blocks, np.fromiter((hash(g) for g in ids), np.int64, len(ids))
+
+    with ThreadPoolExecutor(max_workers=min(SCAN_THREADS, max(1, len(dataset.shards)))) as pool:
+        scanned = list(pool.map(scan, range(len(dataset.shards))))
+    hashes = np.concatenate([h for _, h in scanned]) if scanned else np.zeros(0, np.int64)
+    uniq, counts = np.unique(hashes, return_counts=True)
+    if (counts > 1).any():
+        _raise_split_groups(dataset, set(uniq[counts > 1].tolist()))
+    return [_Block(shard=i, row_groups=rgs, num_groups=ng) for i, (bl, _) in enumerate(scanned) for rgs, ng in bl]
+
+
+def _raise_split_groups(dataset: RolloutDataset, suspects: set[int]) -> None:
+    where: dict[str, list[str]] = collections.defaultdict(list)
+    for i, shard in enumerate(dataset.shards):
+        f, pf = _open(dataset, i)
+        with f:
+            for g in _shard_blocks(pf)[1]:
+                if hash(g) in suspects:
+                    where[g].append(shard.path)
+    split = {g: paths for g, paths in where.items() if len(paths) > 1}
+    if split:  # otherwise two ids only shared a 64-bit hash
+        g, paths = next(iter(split.items()))
+        raise ValueError(
+            f"group {g!r} has rows in shards {', '.join(paths)} ({len(split)} groups span shards); a GRPO group must "
+            "lie in one shard: write every group with one ShardWriter.write_group call"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Filters:
+    statuses: pa.Array
+    agents: pa.Array | None
+    staleness: bool
+    drop_zero_variance: bool
+
+    @classmethod
+    def of(cls, cfg: LoaderConfig) -> "_Filters":
+        return cls(
+            statuses=pa.array(list(cfg.statuses), pa.string()),
+            agents=None if cfg.agents is None else pa.array(list(cfg.agents), pa.string()),
+            staleness=cfg.max_staleness is not None,
+            drop_zero_variance=cfg.drop_zero_variance,
+        )
+
+
+def _single(col: pa.ChunkedArray) -> pa.Array:
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
+def _bool(arr: pa.Array) -> np.ndarray:
+    return arr.fill_null(False).to_numpy(zero_copy_only=False)
+
+
+class _BlockData:
+    """One block in memory: the filter columns as numpy, token columns as flat values + offsets."""
+
+    def __init__(self, small: pa.Table, filters: _Filters):
+        enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance
+        codes = enc.indices.to_numpy()
+        self.group_ids: list[str] = enc.dictionary.to_pylist()
+        order = np.argsort(codes, kind="stable")
+        self.group_rows = np.split(order, np.cumsum(np.bincount(codes, minlength=len(self.group_ids)))[:-1])
+        self.pass_status = _bool(pc.is_in(_single(small.column("status")), value_set=filters.statuses))
+        self.pass_agent = (
+            None if filters.agents is None else _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
+        )
+        self.version = _versions(small.column("weight_version")) if filters.staleness else None
+        self.reward = small.column("reward").to_numpy().astype(np.float32)  # null (failed rows) -> NaN
+        self.temperature = small.column("temperature").to_numpy().astype(np.float32)  # null -> NaN
+        self.sample_id: list[str] = small.column("sample_id").to_pylist()
+        self.agent: list[str] = small.column("agent").to_pylist()
+        self.weight_version: list[str | None] = small.column("weight_version").to_pylist()
+        passing = self.pass_status if self.pass_agent is None else self.pass_status & self.pass_agent
+        self.needs_tokens = bool(passing.any())
+        self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def set_tokens(self, table: pa.Table) -> None:
+        self.tokens = {}
+        for name in TOKEN_COLUMNS:
+            arr = _single(table.column(name))
+            self.tokens[name] = (arr.values.to_numpy(), arr.offsets.to_numpy())
+
+    def row_tokens(self, name: str, row: int) -> np.ndarray:
+        values, offsets = self.tokens[name]
+        return values[offsets[row] : offsets[row + 1]]
+
+
+def _versions(col: pa.ChunkedArray) -> np.ndarray:
+    enc = pc.dictionary_encode(_single(col))
+    idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
+    values = np.array([_parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()] + [NO_VERSION], np.int64)
+    return values[idx]  # index -1 (null) picks NO_VERSION
+
+
+def _parse_version(version: Any, what: str) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{what} {version!r} is not an integer; the staleness filter (max_staleness) compares integer policy "
+            "versions: record the training step as the engine's weight_version, or turn max_staleness off"
+        ) from e
+
+
+def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters) -> _BlockData:
+    """Column projection: the filter columns first, the token columns only when some row passes."""
+    data = _BlockData(pf.read_row_groups(block.row_groups, columns=SMALL_COLUMNS), filters)
+    if data.needs_tokens:
+        data.set_tokens(pf.read_row_groups(block.row_groups, columns=TOKEN_COLUMNS))
+    return data
+
+
+# -- order ---------------------------------------------------------------------------------
+
+
+def _random_keys(n: int, *words: int) -> np.ndarray:
+    """``n`` random 64-bit keys from a bit generator whose stream numpy keeps stable across versions."""
+    return np.random.PCG64(np.random.SeedSequence(list(words))).random_raw(n)
+
+
+class _EpochPlan:
+    """Block order and window permutations of one epoch (the same on every rank)."""
+
+    def __init__(self, blocks: list[_Block], cfg: LoaderConfig, epoch: int):
+        self.cfg, self.epoch = cfg, epoch
+        n = len(blocks)
+        keys = _random_keys(n, cfg.seed, epoch, _TAG_BLOCKS)
+        self.order = np.argsort(keys, kind="stable") if cfg.shuffle else np.arange(n)
+        self.cum = np.zeros(n + 1, np.int64)  # cum[i]: groups in the blocks before position i
+        np.cumsum([blocks[b].num_groups for b in self.order], out=self.cum[1:])
+        self.num_groups = int(self.cum[-1])
+        self.window = cfg.shuffle_window
+        self.num_windows = -(-self.num_groups // self.window)
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        return k * self.window, min((k + 1) * self.window, self.num_groups)
+
+    def first_block(self, position: int) -> int:
+        """Position in ``order`` of the block holding stream position ``position``'s window start."""
+        start = (position // self.window) * self.window
+        if start >= self.num_groups:
+            return len(self.order)
+        return int(np.searchsorted(self.cum, start, side="right") - 1)
+
+    def permutation(self, k: int) -> np.ndarray:
+        lo, hi = self.bounds(k)
+        if not self.cfg.shuffle:
+            return np.arange(hi - lo)
+        return np.argsort(_random_keys(hi - lo, self.cfg.seed, self.epoch, _TAG_WINDOW, k), kind="stable")
+
+
+# -- filtering and step planning -----------------------------------------------------------
+
+
+class _Segment:
+    """The rows examined while planning one step: counts by reason, and the versions the plan holds for.
+
+    A plan made with staleness threshold ``t`` (keep rows with version >= t) is the same plan for any
+    threshold in ``(lo, hi]``: ``lo`` is the newest version dropped as stale, ``hi`` the oldest kept.
+    """
+
+    def __init__(self, threshold: int | None, filters: _Filters):
+        self.threshold, self.filters = threshold, filters
+        self.lo, self.hi = -math.inf, math.inf
+        self.counts = dict.fromkeys(FILTER_KEYS, 0)
+
+    def holds_for(self, threshold: int | None) -> bool:
+        return threshold is None or self.lo < threshold <= self.hi
+
+    def examine(self, bd: _BlockData, j: int) -> np.ndarray | None:
+        """Rows of group ``j`` of ``bd`` that pass every filter, or None when the group is dropped."""
+        c, rows = self.counts, bd.group_rows[j]
+        c["groups_examined"] += 1
+        c["rows_examined"] += len(rows)
+        ok = bd.pass_status[rows]
+        c["filtered_rows/status"] += len(rows) - int(ok.sum())
+        if bd.pass_agent is not None:
+            agent_ok = bd.pass_agent[rows]
+            c["filtered_rows/agent"] += int((ok & ~agent_ok).sum())
+            ok &= agent_ok
+        if self.threshold is not None:
+            v = bd.version[rows]
+            known = v != NO_VERSION
+            fresh = known & (v >= self.threshold)
+            stale = ok & known & ~fresh
+            c["filtered_rows/no_version"] += int((ok & ~known).sum())
+            c["filtered_rows/stale"] += int(stale.sum())
+            if stale.any():
+                self.lo = max(self.lo, int(v[stale].max()))
+            ok &= fresh
+            if ok.any():
+                self.hi = min(self.hi, int(v[ok].min()))
+        kept = rows[ok]
+        if not len(kept):
+            c["filtered_groups/empty"] += 1
+            return None
+        if self.filters.drop_zero_variance and _zero_variance(bd.reward[kept]):
+            c["filtered_groups/zero_variance"] += 1
+            c["filtered_rows/zero_variance"] += len(kept)
+            return None
+        return kept
+
+
+def _zero_variance(rewards: np.ndarray) -> bool:
+    """All rewards equal (exactly): the group's GRPO advantages are all 0. A group of one row is one."""
+    return bool(rewards.max() == rewards.min())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cursor:
+    epoch: int = 0
+    position: int = 0  # raw groups of the epoch's stream already examined
+    step: int = 0  # index of the next step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Version:
+    text: str | None = None
+    threshold: int | None = None  # keep rows with weight_version >= threshold (None: no staleness filter)
+
+
+class _VersionBox:
+    """The trainer's current policy version, shared with the producer thread."""
+
+    def __init__(self) -> None:
+        self.current = _Version()
+
+
+@dataclasses.dataclass
+class _Item:
+    """What the producer hands over: a step (or an epoch end), the cursor after it, and its validity."""
+
+    step: Step | None
+    cursor: _Cursor
+    epoch_counts: dict[str, int]
+    segment: _Segment
+
+
+# -- background threads --------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """Raised inside a background thread told to stop while it waits."""
+
+
+_END = object()
+
+
+class _Background:
+    """Runs the generator ``produce(stop_event)`` on a daemon thread; items come through a bounded queue."""
+
+    def __init__(self, produce: Callable[[threading.Event], Iterator[Any]], maxsize: int, name: str):
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        gen = produce(self._stop)
+        try:
+            for item in gen:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except _Stopped:
+            pass
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put(_Failure(e))
+        finally:
+            gen.close()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, stop: threading.Event | None = None):
+        """The next item, or ``_END``; raises what the thread raised, or ``_Stopped`` once ``stop`` is set."""
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    raise _Stopped from None
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the loader's background thread ended without a result")
+                continue
+            if isinstance(item, _Failure):
+                raise item.error
+            return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a put
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
+
+
+@dataclasses.dataclass
+class _Failure:
+    error: BaseException
+
+
+# -- the stream ----------------------------------------------------------------------------
+
+
+class _Stream:
+    """The global group stream and this rank's steps, as a deterministic function of the cursor."""
+
+    def __init__(self, dataset: RolloutDataset, blocks: list[_Block], cfg: LoaderConfig, rank: int, world_size: int):
+        self.dataset, self.blocks, self.cfg = dataset, blocks, cfg
+        self.rank, self.world_size = rank, world_size
+        self.filters = _Filters.of(cfg)
+        self._plans: dict[int, _EpochPlan] = {}
+
+    def plan(self, epoch: int) -> _EpochPlan:
+        plan = self._plans.get(epoch)
+        if plan is None:  # two threads may both build it; plans are pure, so either copy is right
+            plan = self._plans[epoch] = _EpochPlan(self.blocks, self.cfg, epoch)
+            for old in [e for e in self._plans if e < epoch - 1]:
+                self._plans.pop(old, None)
+        return plan
+
+    def read_blocks(self, start: _Cursor, preloaded: dict, stop: threading.Event) -> Iterator[tuple[tuple[int, int], _BlockData]]:
+        """Blocks from the start of ``start``'s window on, epoch after epoch, keyed (epoch, position)."""
+        files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
+        epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
+        try:
+            while self.cfg.num_epochs is None or epoch < self.cfg.num_epochs:
+                order = self.plan(epoch).order
+                for i in range(pos, len(order)):
+                    if stop.is_set():
+                        return
+                    data = preloaded.pop((epoch, i), None)
+                    if data is None:
+                        block = self.blocks[order[i]]
+                        data = _read_block(self._file(files, block.shard), block, self.filters)
+                    yield (epoch, i), data
+                epoch, pos = epoch + 1, 0
+        finally:
+            for f, _ in files.values():
+                f.close()
+
+    def _file(self, files: collections.OrderedDict, shard: int) -> pq.ParquetFile:
+        if shard in files:
+            files.move_to_end(shard)
+        else:
+            files[shard] = _open(self.dataset, shard)
+            if len(files) > OPEN_FILES:
+                files.popitem(last=False)[1][0].close()
+        return files[shard][1]
+
+    def items(
+        self,
+        start: _Cursor,
+        counts: dict[str, int],
+        held: dict,
+        version: "_VersionBox",
+        stop: threading.Event,
+    ) -> Iterator[_Item]:
+        """Steps and epoch ends from ``start`` on. ``held`` keeps the current window's blocks (for a restart)."""
+        cfg, w = self.cfg, self.world_size
+        full = cfg.groups_per_step * w
+        preloaded = dict(held)
+        held.clear()
+        reader = _Background(
+            lambda s: self.read_blocks(start, preloaded, s), cfg.prefetch, f"rollshard-loader-read-{self.rank}"
+        )
+        try:
+            epoch, position, step = start.epoch, start.position, start.step
+            epoch_counts = collections.Counter(counts)
+            while cfg.num_epochs is None or epoch < cfg.num_epochs:
+                plan = self.plan(epoch)
+                pending: list[tuple[_BlockData, int, np.ndarray]] = []
+                seg = _Segment(version.current.threshold, self.filters)
+                for k in range(position // plan.window, plan.num_windows):
+                    lo, hi = plan.bounds(k)
+                    where = np.searchsorted(plan.cum, np.arange(lo, hi), side="right") - 1  # block of each group
+                    self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
+                    perm = plan.permutation(k)
+                    for p in range(max(position, lo) - lo, hi - lo):
+                        i = int(where[perm[p]])
+                        bd = held[(epoch, i)]
+                        kept = seg.examine(bd, lo + int(perm[p]) - int(plan.cum[i]))
+                        if kept is not None:
+                            pending.append((bd, lo + int(perm[p]) - int(plan.cum[i]), kept))
+                        if len(pending) == full:
+                            epoch_counts.update(seg.counts)
+                            epoch_counts["steps"] += 1
+                            yield self._item(pending, seg, _Cursor(epoch, lo + p + 1, step + 1), epoch, step, epoch_counts)
+                            step += 1
+                            pending, seg = [], _Segment(version.current.threshold, self.filters)
+                if pending and cfg.tail == "partial":
+                    epoch_counts.update(seg.counts)
+                    epoch_counts["steps"] += 1
+                    yield self._item(pending, seg, _Cursor(epoch, plan.num_groups, step + 1), epoch, step, epoch_counts)
+                    step += 1
+                    pending, seg = [], _Segment(seg.threshold, self.filters)
+                epoch_counts.update(seg.counts)
+                epoch_counts["tail_dropped_groups"] += len(pending)
+                if epoch_counts["steps"] == 0:
+                    self._no_step(epoch, epoch_counts)
+                yield _Item(step=None, cursor=_Cursor(epoch + 1, 0, step), epoch_counts=dict(epoch_counts), segment=seg)
+                epoch, position, epoch_counts = epoch + 1, 0, collections.Counter()
+                held.clear()
+        finally:
+            reader.close()
+
+    @staticmethod
+    def _pull(reader: _Background, held: dict, epoch: int, first: int, last: int, stop: threading.Event) -> None:
+        """Make ``held`` hold exactly the blocks ``first..last`` of ``epoch`` (reading them in order)."""
+        for key in [key for key in held if key < (epoch, first)]:
+            del held[key]
+        while (epoch, last) not in held:
+            item = reader.get(stop)
+            if item is _END:
+                raise RuntimeError(f"block reader ended before block {last} of epoch {epoch}")
+            key, data = item
+            if key >= (epoch, first):
+                held[key] = data
+
+    def _no_step(self, epoch: int, counts: collections.Counter) -> None:
+        kept = counts["groups_examined"] - counts["filtered_groups/empty"] - counts["filtered_groups/zero_variance"]
+        msg = (
+            f"epoch {epoch} yields no step: {kept} of {counts['groups_examined']} groups pass the filters, a step "
+            f"needs {self.cfg.groups_per_step * self.world_size} (groups_per_step x world size); loosen the filters, "
+            "lower groups_per_step, or set tail='partial'"
+        )
+        if self.cfg.num_epochs is None:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+
+    def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts) -> _Item:
+        n, r, w = len(pending), self.rank, self.world_size
+        mine = pending[r * n // w : (r + 1) * n // w]  # a full step: groups_per_step each
+        seqs, zero_var = self._sequences(mine)
+        batches, efficiency = pack(seqs, self.cfg.micro_batch_tokens)
+        if self.cfg.pin_memory and torch.cuda.is_available():
+            batches = [b.pin_memory() for b in batches]
+        metrics = {k: float(v) for k, v in seg.counts.items()}
+        metrics.update(
+            groups=float(len(mine)),
+            sequences=float(len(seqs)),
+            tokens=float(sum(b.num_tokens for b in batches)),
+            loss_tokens=float(sum(int(m.sum()) for m in seqs.mask)),
+            micro_batches=float(len(batches)),
+            packing_efficiency=efficiency,
+            zero_variance_groups=float(zero_var),
+        )
+        step = Step(
+            micro_batches=batches,
+            group_ids=[bd.group_ids[j] for bd, j, _ in mine],
+            epoch=epoch,
+            index=index,
+            metrics=metrics,
+        )
+        return _Item(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg)
+
+    @staticmethod
+    def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:
+        cols: dict[str, list] = collections.defaultdict(list)
+        zero_var = 0
+        for g, (bd, _, rows) in enumerate(groups):
+            zero_var += _zero_variance(bd.reward[rows])
+            for row in rows.tolist():
+                cols["prompt"].append(bd.row_tokens("prompt_tokens", row))
+                cols["response"].append(bd.row_tokens("response_tokens", row))
+                cols["logprobs"].append(bd.row_tokens("rollout_logprobs", row))
+                cols["mask"].append(bd.row_tokens("loss_mask", row))
+                cols["temperature"].append(bd.temperature[row])
+                cols["reward"].append(bd.reward[row])
+                cols["group"].append(g)
+                cols["agent"].append(bd.agent[row])
+                cols["sample_id"].append(bd.sample_id[row])
+                cols["weight_version"].append(bd.weight_version[row])
+        seqs = Sequences(
+            prompt=cols["prompt"],
+            response=cols["response"],
+            logprobs=cols["logprobs"],
+            mask=cols["mask"],
+            temperature=np.asarray(cols["temperature"], np.float32),
+            reward=np.asarray(cols["reward"], np.float32),
+            group=np.asarray(cols["group"], np.int64),
+            agent=cols["agent"],
+            sample_id=cols["sample_id"],
+            weight_version=cols["weight_version"],
+        )
+        return seqs, zero_var
+
+
+# -- the loader ----------------------------------------------------------------------------
+
+
+class RolloutLoader:
+    """Iterable of :class:`Step`: whole GRPO groups of one rank, packed; see the module docstring.
+
+    Iterating continues from the cursor (a new ``iter()`` picks up where the last step
+    taken left off); with ``num_epochs=E`` the loader stops after E epochs in all.
+    The cursor is the same on every rank, so a checkpoint may keep rank 0's state and
+    load it on every rank. Call :meth:`close` (or use ``with``) to stop the threads early.
+    """
+
+    def __init__(
+        self,
+        dataset: RolloutDataset | str | os.PathLike,
+        config: LoaderConfig | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.config = config = config or LoaderConfig()
+        config.check()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
+        self.rank, self.world_size = rank, world_size
+        self._stream = _Stream(self.dataset, _scan_blocks(self.dataset), config, rank, world_size)
+        self.num_groups = sum(b.num_groups for b in self._stream.blocks)
+        self._version = _VersionBox()
+        if config.current_version is not None:
+            self.set_current_version(config.current_version)
+        self._cursor = _Cursor()
+        self._epoch_counts: dict[str, int] = {}
+        self.epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
+        self._producer: _Background | None = None
+        self._held: dict = {}  # blocks of the stopped producer's window (reused by a restart)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Step]:
+        self._check_ready()
+        self._stop_producer()
+        return self._steps(self._start_producer())  # prefetching starts now, not at the first next()
+
+    def set_current_version(self, version: str | int) -> None:
+        """The trainer's policy version; steps planned from now on filter staleness against it."""
+        threshold = None
+        if self.config.max_staleness is not None:
+            threshold = _parse_version(version, "current_version") - self.config.max_staleness
+        self._version.current = _Version(str(version), threshold)  # one assignment: read unlocked by the producer
+
+    @property
+    def current_version(self) -> str | None:
+        return self._version.current.text
+
+    def state_dict(self) -> dict:
+        """The cursor after the last step taken, and what it is valid for (JSON-serializable)."""
+        c = self._cursor
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.config.seed,
+            "dataset": self.dataset.fingerprint,
+            "shuffle": self.config.shuffle,
+            "shuffle_window": self.config.shuffle_window,
+            "epoch": c.epoch,
+            "cursor": {"position": c.position, "step": c.step},
+            "current_version": self._version.current.text,
+            "epoch_counts": dict(self._epoch_counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the step after the one the state was taken at; raises :class:`LoaderStateError` on a mismatch."""
+        if state.get("format") != STATE_FORMAT or not isinstance(state.get("version"), int):
+            raise LoaderStateError("not a rollshard loader state (no 'format': 'rollshard-loader')")
+        if state["version"] > STATE_VERSION:
+            raise LoaderStateError(
+                f"loader state version {state['version']} is newer than this rollshard's {STATE_VERSION}; upgrade rollshard"
+            )
+        mine = self.state_dict()
+        why = {
+            "world_size": "the data-parallel split depends on it; resume with the world size of the checkpoint",
+            "seed": "the order depends on it; resume with the seed of the checkpoint",
+            "dataset": "its shards were added, removed or rewritten since the checkpoint; resume on the same shards "
+            "or start a new run",
+            "shuffle": "the order depends on it",
+        }
+        if mine["shuffle"]:
+            why["shuffle_window"] = "the order depends on it"
+        for key, reason in why.items():
+            if state.get(key) != mine[key]:
+                raise LoaderStateError(
+                    f"loader state has {key}={state.get(key)!r}, this loader {key}={mine[key]!r}: {reason}"
+                )
+        self._stop_producer()
+        self._cursor = _Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
+        self._epoch_counts = dict(state.get("epoch_counts") or {})
+        if state.get("current_version") is not None:
+            self.set_current_version(state["current_version"])
+
+    def close(self) -> None:
+        """Stop the background threads (iteration can start again later from the cursor)."""
+        self._stop_producer()
+        self._held = {}
+
+    def __enter__(self) -> "RolloutLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_producer", None) is not None:
+            self._producer.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self.config.max_staleness is not None and self._version.current.threshold is None:
+            raise ValueError(
+                "max_staleness needs the policy version: set LoaderConfig.current_version or call set_current_version()"
+            )
+        if self.config.num_epochs is None and self.num_groups == 0:
+            raise ValueError(f"{self.dataset.storage.uri}: the dataset has no groups to loop over")
+
+    def _start_producer(self) -> _Background:
+        # the thread holds the stream and a view of the version, never the loader, so an abandoned loader is freed
+        stream, start, counts, held, version = self._stream, self._cursor, dict(self._epoch_counts), self._held, self._version
+        self._producer = _Background(
+            lambda stop: stream.items(start, counts, held, version, stop),
+            self.config.prefetch,
+            f"rollshard-loader-steps-{self.rank}",
+        )
+        return self._producer
+
+    def _stop_producer(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    def _steps(self, producer: _Background) -> Iterator[Step]:
+        try:
+            while True:
+                if self._producer is not producer:
+                    raise RuntimeError("this loader iterator was replaced by a newer iter() or load_state_dict()")
+                item = producer.get()
+                if item is _END:
+                    return
+                if not item.segment.holds_for(self._version.current.threshold):
+                    # the policy version moved past a staleness decision of this prefetched step: re-plan it
+                    producer.close()
+                    producer = self._start_producer()
+                    continue
+                self._cursor, self._epoch_counts = item.cursor, item.epoch_counts
+                if item.step is None:
+                    self.epoch_stats = {k: float(v) for k, v in item.epoch_counts.items()}
+                    continue
+                yield item.step
+        finally:
+            if self._producer is producer:
+                self._stop_producer()
+                self._held = {}
+
+
+# -- HF datasets -----------------------------------------------------------------------------
+
+
+HF_GROUP_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("sample_id", pa.list_(pa.string())),
+        ("agent", pa.list_(pa.string())),
+        ("weight_version", pa.list_(pa.string())),
+        ("reward", pa.list_(pa.float32())),
+        ("temperature", pa.list_(pa.float32())),
+        ("prompt_tokens", pa.list_(pa.list_(pa.int32()))),
+        ("response_tokens", pa.list_(pa.list_(pa.int32()))),
+        ("rollout_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("loss_mask", pa.list_(pa.list_(pa.uint8()))),
+    ]
+)
+
+
+def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig | None = None):
+    """The loader's groups as a HF ``datasets.IterableDataset``, one example per group.
+
+    The same row and group filters as :class:`RolloutLoader` (staleness against
+    ``config.current_version``), in shard order. Each shard file is one HF shard, so
+    ``datasets.distributed.split_dataset_by_node`` keeps groups whole: it hands out whole
+    shards when their number divides by the world size, and every world_size-th group
+    otherwise. Shuffling (``.shuffle(seed, buffer_size)``), batching and packing are then
+    HF's and the user's; HF's resume of a shuffled stream is not exact.
+    """
+    import datasets
+
+    ds = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
+    if not ds.storage.local:
+        raise ValueError("hf_groups reads local datasets; for remote ones use RolloutLoader")
+    cfg = dataclasses.asdict(config or LoaderConfig())
+    if cfg["max_staleness"] is not None and cfg["current_version"] is None:
+        raise ValueError("max_staleness needs LoaderConfig.current_version")
+    return datasets.IterableDataset.from_generator(
+        _hf_generate,
+        features=datasets.Features.from_arrow_schema(HF_GROUP_SCHEMA),
+        gen_kwargs={"files": ds.files, "config": cfg},
+    )
+
+
+def _hf_generate(files: list[str], config: dict) -> Iterator[dict]:
+    cfg = LoaderConfig(**config)
+    filters = _Filters.of(cfg)
+    threshold = None if cfg.max_staleness is None else _parse_version(cfg.current_version, "current_version") - cfg.max_staleness
+    for path in files:
+        pf = pq.ParquetFile(path)
+        check_schema_version(pf.schema_arrow.metadata, path)
+        for rgs, n in _shard_blocks(pf)[0]:
+            bd = _read_block(pf, _Block(shard=-1, row_groups=rgs, num_groups=n), filters)
+            seg = _Segment(threshold, filters)
+            for j in range(len(bd.group_ids)):
+                rows = seg.examine(bd, j)
+                if rows is None:
+                    continue
+                rows = rows.tolist()
+                yield {
+                    "group_id": bd.group_ids[j],
+                    "sample_id": [bd.sample_id[r] for r in rows],
+                    "agent": [bd.agent[r] for r in rows],
+                    "weight_version": [bd.weight_version[r] for r in rows],
+                    "reward": bd.reward[rows].tolist(),
+                    "temperature": bd.temperature[rows].tolist(),
+                    **{name: [bd.row_tokens(name, r).tolist() for r in rows] for name in TOKEN_COLUMNS},
+                }

@@ -1,0 +1,201 @@
+"""Loader benchmark: throughput into packed tensors, memory flatness, packing efficiency, trainer wait.
+
+    .venv/bin/python tests/bench/bench_loader.py [--groups 1200] [--window 256] [--rss-window 64]
+                                                 [--compute-s 0.25] [--repeat 3]
+
+1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
+   micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; and rank 0 of 2
+   (which reads every block and packs half). The dataset spans several shuffle windows
+   (``--window``), as a real one does, so reading and packing overlap.
+2. Peak RSS of a child process streaming datasets 10x and 40x larger than the loader's
+   window (``--rss-window`` groups plus the prefetched blocks): it should not grow.
+3. Packing efficiency on the realistic length mix, for three micro-batch budgets.
+4. A simulated trainer: fixed compute time per step; time spent waiting in ``next()``.
+
+Rows come from store/synthetic.py (prompts 200-1,000 tokens, responses 100-4,000,
+groups of 8). Prints markdown tables for the README's Performance section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.loader import SMALL_COLUMNS, TOKEN_COLUMNS, LoaderConfig, RolloutLoader
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter, WriterOptions
+
+GROUP_SIZE = 8
+BASE_GROUPS = 100  # distinct synthetic groups, renamed and repeated to reach larger sizes quickly
+
+
+def make_dataset(path: Path, n_groups: int, base: pa.Table, options: WriterOptions) -> RolloutDataset:
+    """``n_groups`` groups: copies of ``base`` under new ids, written a few groups at a time."""
+    with ShardWriter(path, writer_id="bench", options=options) as w:
+        for c in range(-(-n_groups // BASE_GROUPS)):
+            n = min(BASE_GROUPS, n_groups - c * BASE_GROUPS)
+            t = base.slice(0, n * GROUP_SIZE)
+            for col in ("sample_id", "prompt_id", "group_id"):
+                renamed = pc.binary_join_element_wise(f"c{c}-", t.column(col), "")
+                t = t.set_column(t.schema.get_field_index(col), col, renamed)
+            for i in range(0, t.num_rows, 4 * GROUP_SIZE):
+                w.write_groups(t.slice(i, 4 * GROUP_SIZE))
+    return RolloutDataset.open(path)
+
+
+def best_of(repeat: int, fn):
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def scan_tokens(ds: RolloutDataset) -> int:
+    n = 0
+    for batch in ds.to_arrow().to_batches(columns=SMALL_COLUMNS + TOKEN_COLUMNS):
+        for col in ("prompt_tokens", "response_tokens"):
+            n += pc.sum(pc.list_value_length(batch.column(col))).as_py() or 0
+    return n
+
+
+def loader_run(ds: RolloutDataset, config: LoaderConfig, rank: int = 0, world_size: int = 1) -> dict:
+    tokens = capacity = 0
+    with RolloutLoader(ds, config, rank=rank, world_size=world_size) as loader:
+        for step in loader:
+            tokens += step.num_tokens
+            capacity += sum(max(config.micro_batch_tokens, b.num_tokens) for b in step.micro_batches)
+    return {"tokens": tokens, "efficiency": tokens / capacity if capacity else 1.0}
+
+
+def rss_child(path: str, window: int, prefetch: int) -> None:
+    """Run in a child process: stream a dataset, print peak RSS before and after."""
+    ds = RolloutDataset.open(path)
+    config = LoaderConfig(shuffle_window=window, prefetch=prefetch, tail="partial")
+    loader = RolloutLoader(ds, config)
+    before = current_rss_mb()
+    tokens = sum(step.num_tokens for step in loader)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"before_mb": before, "peak_mb": peak, "tokens": tokens, "bytes": ds.num_bytes}))
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def simulated_trainer(ds: RolloutDataset, compute_s: float, window: int) -> dict:
+    waits = []
+    with RolloutLoader(ds, LoaderConfig(shuffle_window=window)) as loader:
+        t_start = time.perf_counter()
+        it = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                next(it)
+            except StopIteration:
+                break
+            waits.append(time.perf_counter() - t0)
+            time.sleep(compute_s)  # the trainer's forward/backward/optimizer step
+        total = time.perf_counter() - t_start
+    steady = waits[1:]
+    return {
+        "steps": len(waits),
+        "first_s": waits[0],
+        "wait_frac": sum(waits) / total,
+        "steady_wait_frac": sum(steady) / (len(steady) * compute_s + sum(steady)),
+        "steady_max_ms": max(steady) * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=1200, help="groups (of 8 rows) in the throughput dataset")
+    ap.add_argument("--window", type=int, default=256, help="shuffle window (groups) for the throughput test")
+    ap.add_argument("--rss-window", type=int, default=64, help="shuffle window (groups) for the memory test")
+    ap.add_argument("--compute-s", type=float, default=0.25, help="simulated compute time per step")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child[0], int(args.rss_child[1]), int(args.rss_child[2]))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollshard-bench-loader-"))
+    try:
+        base = synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0)
+        ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
+        print(f"dataset: {ds.num_rows} rows, {ds.num_tokens:,} tokens, {ds.num_bytes / 1e6:.0f} MB on disk\n")
+
+        # 1. throughput
+        scan_tokens(ds)  # warm the page cache for both
+        t_scan, n_scan = best_of(args.repeat, lambda: scan_tokens(ds))
+        full = LoaderConfig(tail="partial", shuffle_window=args.window)
+        t_load, run = best_of(args.repeat, lambda: loader_run(ds, full))
+        assert run["tokens"] == n_scan == ds.num_tokens, (run["tokens"], n_scan, ds.num_tokens)
+        t_rank, run2 = best_of(args.repeat, lambda: loader_run(ds, full, rank=0, world_size=2))
+        print("| read path | M tokens/s | vs bare scan |")
+        print("|---|---|---|")
+        print(f"| pyarrow.dataset scan, same columns | {n_scan / t_scan / 1e6:.1f} | 1.00 |")
+        print(f"| RolloutLoader -> packed micro-batches (w=1) | {n_load(run, t_load):.1f} | "
+              f"{(run['tokens'] / t_load) / (n_scan / t_scan):.2f} |")
+        print(f"| RolloutLoader rank 0 of 2 (reads all, packs half) | {n_load(run2, t_rank):.1f} delivered, "
+              f"{n_scan / t_rank / 1e6:.1f} read | {(n_scan / t_rank) / (n_scan / t_scan):.2f} |\n")
+
+        # 2. packing efficiency on the realistic length mix
+        print("| micro_batch_tokens | groups_per_step | packing efficiency |")
+        print("|---|---|---|")
+        print(f"| 8192 | 8 | {run['efficiency']:.3f} |")
+        for budget, gps in ((16384, 8), (32768, 8), (32768, 32)):
+            config = LoaderConfig(micro_batch_tokens=budget, groups_per_step=gps, tail="partial", shuffle_window=args.window)
+            r = loader_run(ds, config)
+            print(f"| {budget} | {gps} | {r['efficiency']:.3f} |")
+        print()
+
+        # 3. simulated trainer
+        sim = simulated_trainer(ds, args.compute_s, args.window)
+        print(f"| simulated trainer ({args.compute_s * 1e3:.0f} ms compute per step) | value |")
+        print("|---|---|")
+        print(f"| steps | {sim['steps']} |")
+        print(f"| first step ready after | {sim['first_s'] * 1e3:.0f} ms |")
+        print(f"| time waiting on data, all steps | {100 * sim['wait_frac']:.2f}% |")
+        print(f"| time waiting on data, after the first step | {100 * sim['steady_wait_frac']:.3f}% "
+              f"(max {sim['steady_max_ms']:.1f} ms) |\n")
+
+        # 4. memory: datasets 10x and 40x the window
+        opts = WriterOptions(row_group_bytes=4 << 20, shard_bytes=64 << 20)
+        w = args.rss_window
+        print(f"| dataset (window {w} groups, prefetch 2) | on disk | RSS before | peak RSS while streaming |")
+        print("|---|---|---|---|")
+        for mult in (10, 40):
+            path = make_dataset(tmp / f"rss{mult}", mult * w, base, opts).storage.root
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", path, str(w), "2"],
+                capture_output=True, text=True, check=True,
+            )
+            r = json.loads(out.stdout)
+            print(f"| {mult}x window ({mult * w} groups) | {r['bytes'] / 1e6:.0f} MB | "
+                  f"{r['before_mb']:.0f} MB | {r['peak_mb']:.0f} MB |")
+            shutil.rmtree(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def n_load(run: dict, t: float) -> float:
+    return run["tokens"] / t / 1e6
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The embedded engine: logprobs equal a teacher-forced recomputation, sampling rules, stops, seeds, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from rollshard.generate.engines import EngineError, SamplingParams, make_engine
+from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm, sample_tokens
+
+TOL = 1e-5  # fp32 batched-with-cache vs unpadded full forward; measured ~1e-6
+PROMPTS = [[1, 5, 6, 7], [1, *range(10, 40)], [3, 4], list(range(100, 181))]  # uneven lengths: 4, 31, 2, 81
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module", params=["tiny_gpt2", "tiny_qwen3"])
+def model_path(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return load_causal_lm(model_path)
+
+
+def test_sample_tokens_worked_example():
+    # probs [0.1, 0.2, 0.3, 0.4]; sorted descending: tokens 3, 2, 1, 0 with cumsum 0.4, 0.7, 0.9, 1.0.
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).repeat(5, 1)
+    temp = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    top_p = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0])
+    top_k = torch.tensor([2, 2, -1, -1, -1])
+    uniform = torch.tensor([0.5, 0.6, 0.99, 0.95, 0.3])
+    tokens, lps = sample_tokens(logits, temp, top_p, top_k, uniform)
+    # row 0: top-k 2 keeps {3: .4, 2: .3}; target .5 * .7 = .35 < .4 -> token 3
+    # row 1: target .6 * .7 = .42 > .4 -> token 2
+    # row 2: top-p .5 keeps tokens whose preceding mass <= .5: {3, 2}; target .99 * .7 -> token 2
+    # row 3: no truncation; target .95 -> cumsum passes .95 at the 4th sorted token -> token 0
+    # row 4: greedy -> argmax token 3, whatever the uniform
+    assert tokens.tolist() == [3, 2, 2, 0, 3]
+    # logprobs are of the untruncated tempered distribution: log p(token)
+    assert lps.tolist() == pytest.approx([math.log(0.4), math.log(0.3), math.log(0.3), math.log(0.1), math.log(0.4)], abs=1e-6)
+
+
+def test_sample_tokens_temperature_scales_logprobs():
+    # T = 0.5 squares the probabilities: [.01, .04, .09, .16] / .30
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    _, lp = sample_tokens(logits, torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([-1]), torch.tensor([0.0]))
+    assert lp.item() == pytest.approx(math.log(0.16 / 0.30), abs=1e-6)  # u = 0 picks the top token
+
+
+def test_sample_tokens_frequencies_follow_top_k_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, _ = sample_tokens(
+        logits, torch.ones(20000), torch.ones(20000), torch.full((20000,), 3), torch.rand(20000, generator=g)
+    )
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    # top-3 renormalized: [0, .2, .3, .4] / .9; 20000 draws -> std ~0.0035
+    assert freq.tolist() == pytest.approx([0.0, 0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9], abs=0.015)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_equal_teacher_forced_recomputation(model_path, reference, teacher_forced, temperature):
+    async def go():
+        async with EmbeddedEngine(model_path, seed=3) as eng:
+            sp = SamplingParams(temperature=temperature, max_new_tokens=24, stop_token_ids=[])
+            return await asyncio.gather(*(eng.generate(p, sp) for p in PROMPTS))
+
+    for prompt, res in zip(PROMPTS, run(go())):
+        assert len(res.logprobs) == len(res.output_ids) == res.completion_tokens > 0
+        want = teacher_forced(reference, prompt, res.output_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+        assert res.weight_version == "0" and res.prompt_tokens == len(prompt)
+
+
+def test_staggered_arrivals_join_the_running_batch(tiny_qwen3, teacher_forced, tf_logits):
+    reference = load_causal_lm(tiny_qwen3)
+
+    async def go():
+        async with EmbeddedEngine(tiny_qwen3, seed=5) as eng:
+            eng.eos_ids = []  # every request runs to its length
+            first = asyncio.ensure_future(eng.generate(PROMPTS[3], SamplingParams(max_new_tokens=300)))
+            await asyncio.sleep(0.3)
+            assert not first.done()  # the first request is decoding when the others arrive
+            sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=30)
+            rest = [eng.generate(p, sp) for p in PROMPTS[:3]]
+            return await asyncio.gather(first, *rest)
+
+    results = run(go())
+    for i, (prompt, res) in enumerate(zip([PROMPTS[3], *PROMPTS[:3]], results)):
+        temp = 1.0 if i == 0 else 0.7
+        want = teacher_forced(reference, prompt, res.output_ids, temp)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+        if i:  # top-k 20: every sampled token ranks among the 20 most likely
+            logits = tf_logits(reference, prompt, res.output_ids)
+            ranks = (logits > logits.gather(-1, torch.tensor(res.output_ids)[:, None])).sum(-1)
+            assert int(ranks.max()) < 20
+
+
+def test_stops_on_token_ids_strings_and_length(tiny_gpt2):
+    prompt = PROMPTS[1]
+
+    async def go():
+        async with EmbeddedEngine(tiny_gpt2) as eng:
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[])
+            base = await eng.generate(prompt, greedy)
+            stop_id = base.output_ids[4]
+            by_id = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id]))
+            stop_str = base.text[-3:]
+            by_str = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_str]))
+            kept = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_str], no_stop_trim=True))
+            zero = await eng.generate(prompt, SamplingParams(max_new_tokens=0))
+            return base, stop_id, by_id, stop_str, by_str, kept, zero
+
+    base, stop_id, by_id, stop_str, by_str, kept, zero = run(go())
+    assert base.finish_reason == "length" and base.finish_detail == {"length": 12} and len(base.output_ids) == 12
+    first = base.output_ids.index(stop_id)
+    # The stop token is part of the response (and has its logprob), as SGLang returns it.
+    assert by_id.output_ids == base.output_ids[: first + 1] and by_id.logprobs == pytest.approx(base.logprobs[: first + 1], abs=TOL)
+    assert by_id.finish_reason == "stop" and by_id.finish_detail == {"matched": stop_id}
+    assert by_str.finish_reason == "stop" and by_str.finish_detail == {"matched": stop_str}
+    assert stop_str not in by_str.text and base.text.startswith(by_str.text)
+    assert kept.output_ids == by_str.output_ids and kept.text.endswith(stop_str)
+    assert zero.output_ids == [] and zero.logprobs == [] and zero.finish_reason == "length"
+
+
+def test_stops_on_eos(tiny_gpt2):
+    eng = EmbeddedEngine(tiny_gpt2)
+    assert eng.eos_ids == [2, 0]  # <|im_end|> from the tokenizer, <|endoftext|> from generation_config.json
+    base = run(eng.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=10)))
+    eng.eos_ids = [base.output_ids[2]]  # the random model rarely samples its real eos: declare one it will
+    res = run(eng.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=10)))
+    first = base.output_ids.index(base.output_ids[2])
+    assert res.output_ids == base.output_ids[: first + 1]
+    assert res.finish_reason == "stop" and res.finish_detail == {"matched": base.output_ids[2]}
+
+
+def test_seeded_sampling_is_reproducible(tiny_gpt2):
+    async def go(seed):
+        async with EmbeddedEngine(tiny_gpt2, seed=seed) as eng:
+            same = [await eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=16, sampling_seed=42)) for _ in range(2)]
+            free = await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=16)) for p in PROMPTS))
+            return same, free
+
+    (a, b), free0 = run(go(0))
+    _, free0_again = run(go(0))
+    _, free1 = run(go(1))
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    assert [r.output_ids for r in free0] == [r.output_ids for r in free0_again]
+    assert [r.output_ids for r in free0] != [r.output_ids for r in free1]
+
+
+def test_load_weights_changes_outputs_and_version(tiny_gpt2, tiny_gpt2_seed1, teacher_forced):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    async def go():
+        async with EmbeddedEngine(tiny_gpt2) as eng:
+            before = await eng.generate(PROMPTS[0], greedy)
+            running = asyncio.ensure_future(eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=40, stop_token_ids=[])))
+            await asyncio.sleep(0.05)
+            version = await eng.load_weights(tiny_gpt2_seed1)
+            after = await eng.generate(PROMPTS[0], greedy)
+            info = await eng.model_info()
+            named = await eng.load_weights(tiny_gpt2, "v-restored")
+            return before, await running, version, after, info, named
+
+    before, running, version, after, info, named = run(go())
+    assert version == "1" and after.weight_version == "1" and info["weight_version"] == "1"
+    assert info["model_path"] == str(tiny_gpt2_seed1) and named == "v-restored"
+    assert running.weight_version == "0"  # a request in flight finishes on the weights it started with
+    new_model = load_causal_lm(tiny_gpt2_seed1)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, teacher_forced(new_model, PROMPTS[0], after.output_ids, 0.0))) <= TOL
+    assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 0.01
+
+
+def test_user_errors_name_the_request(tiny_gpt2):
+    eng = make_engine(f"embedded:{tiny_gpt2}")
+    assert isinstance(eng, EmbeddedEngine)
+    with pytest.raises(EngineError, match=r"request r-long: prompt of 1024 tokens does not fit the model's context of 1024"):
+        run(eng.generate([5] * 1024, SamplingParams(), rid="r-long"))
+    with pytest.raises(EngineError, match=r"request r-vocab: input_ids must lie in \[0, 1024\)"):
+        run(eng.generate([5, 4096], SamplingParams(), rid="r-vocab"))
+    with pytest.raises(EngineError, match=r"cannot load a causal LM from"):
+        run(eng.load_weights("/nonexistent/checkpoint"))
+    # A request near the context end stops there with finish reason length.
+    res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=50, stop_token_ids=[])))
+    assert res.finish_reason == "length" and len(res.output_ids) == 4

@@ -1,0 +1,407 @@
+"""rollshard-generate end to end: real engines, real HTTP on 127.0.0.1, real subprocess kills."""
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from aiohttp import web
+
+from rollshard.generate.agents import make_agent_system
+from rollshard.generate.agents.tool_loop import observation
+from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
+from rollshard.generate.run import main
+from rollshard.generate.runner import Runner, RunnerOptions
+from rollshard.generate.tasks import get_task, load_prompts
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
+from rollshard.store.validate import validate_dataset
+from rollshard.store.writer import ShardWriter
+from test_agents import ScriptedEngine
+
+N_PROMPTS = 4
+
+
+def base_args(model, out, *extra):
+    # concurrency 1: every forward has batch size 1, so separate runs compute bitwise the same numbers
+    return [
+        "--engine", f"embedded:{model}", "--agents", "multi_agent", "--task", "math", "--n-samples", "2",
+        "--max-new-tokens", "6", "--limit", str(N_PROMPTS), "--concurrency", "1", "--no-progress",
+        "--out", str(out), *extra,
+    ]
+
+
+def cli(*args):
+    return [sys.executable, "-m", "rollshard.generate", *map(str, args)]
+
+
+def rows_of(path):
+    """Every committed row, sorted by sample_id, without the write time."""
+    table = RolloutDataset.open(path).read().drop(["created_at"]).sort_by("sample_id")
+    return table.to_pylist()
+
+
+def assert_valid(path):
+    report = validate_dataset(path)
+    assert report.problems == []
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gpt2, tmp_path_factory):
+    """An uninterrupted multi-agent run on the embedded engine."""
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    assert main(base_args(tiny_gpt2, out)) == 0
+    return out
+
+
+def test_embedded_multi_agent_run(reference, tiny_gpt2):
+    rows = rows_of(reference)
+    ds = RolloutDataset.open(reference)
+    prompts = load_prompts(get_task("math").default_prompts())[:N_PROMPTS]
+    assert {r["prompt_id"] for r in rows} == {p.prompt_id for p in prompts}
+    tok = load_tokenizer(tiny_gpt2)
+    by_prompt = {p.prompt_id: p for p in prompts}
+    for r in rows:
+        agent, rnd = r["agent"], r["round"]
+        assert (agent, rnd) in {("solver", 0), ("rewriter", 1), ("selector", 2)}
+        assert r["group_id"] == f"{r['prompt_id']}/{agent}/{rnd}" and r["sample_id"].startswith(r["group_id"] + "/")
+        n = len(r["response_tokens"])
+        assert n == len(r["rollout_logprobs"]) == len(r["loss_mask"]) and set(r["loss_mask"]) <= {1}
+        assert all(lp < 0 for lp in r["rollout_logprobs"])
+        meta = json.loads(r["metadata"])
+        assert r["reward"] == pytest.approx(meta["reward_raw"] * meta["episode_weight"], abs=1e-6)
+        assert r["weight_version"] == "0" and r["temperature"] == 1.0
+        if agent == "solver":  # prompt_tokens are exactly the chat-templated prompt
+            msgs = get_task("math").messages(by_prompt[r["prompt_id"]])
+            assert r["prompt_tokens"] == apply_chat_template(tok, msgs)
+    agents = [r["agent"] for r in rows]
+    assert (agents.count("solver"), agents.count("rewriter"), agents.count("selector")) == (8, 8, 4)
+    cfg = ds.config  # the run config is in the manifests and in every shard's file metadata
+    assert cfg["agents"]["name"] == "multi_agent" and cfg["agents"]["num_solvers"] == 2
+    assert cfg["sampling"]["max_new_tokens"] == 6 and cfg["engine"] == f"embedded:{tiny_gpt2}"
+    meta = pq.read_schema(ds.files[0]).metadata
+    assert json.loads(meta[b"rollshard.config"]) == cfg
+    assert_valid(reference)
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(reference, tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    shutil.copytree(reference, out)
+    before = rows_of(out)
+    assert main(base_args(tiny_gpt2, out)) == 0
+    err = capsys.readouterr().err
+    assert "0 of 4 prompts done" in err and "4 already there" in err
+    assert rows_of(out) == before
+    assert main(base_args(tiny_gpt2, out, "--temperature", "0.5")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds rows generated with another sampling" in err
+    assert rows_of(out) == before
+
+
+def _wait_for_shards(path, count, proc, timeout=120.0):
+    manifest = path / "_manifests" / "gen-0-of-1.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return
+        try:
+            if len(json.loads(manifest.read_text())["shards"]) >= count:
+                return
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError("the run committed nothing in time")
+
+
+def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    args = base_args(tiny_gpt2, out, "--commit-every", "1")
+    proc = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_for_shards(out, 1, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    partial = rows_of(out)
+    done = {r["prompt_id"] for r in partial}
+    assert 1 <= len(done) < N_PROMPTS  # killed mid-run, with whole episodes committed
+    assert len(partial) == 5 * len(done)  # 2 solvers + 2 rewriters + 1 selector each
+    assert main(args) == 0
+    assert f"{N_PROMPTS - len(done)} of {N_PROMPTS} prompts done" in capsys.readouterr().err
+    assert rows_of(out) == rows_of(reference)  # token ids, logprobs, rewards, texts: all equal
+    assert_valid(out)
+
+
+def test_num_shards_union_equals_one_run(reference, tiny_gpt2, tmp_path):
+    # Shard 0 in a subprocess and shard 1 in this process, writing into one dataset at the same time.
+    out = tmp_path / "ds"
+    proc = subprocess.Popen(cli(*base_args(tiny_gpt2, out, "--shard-index", 0, "--num-shards", 2)), stderr=subprocess.PIPE)
+    assert main(base_args(tiny_gpt2, out, "--shard-index", "1", "--num-shards", "2")) == 0
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    ds = RolloutDataset.open(out)
+    assert sorted(m.writer_id for m in ds.manifests) == ["gen-0-of-2", "gen-1-of-2"]
+    shard0 = {r["prompt_id"] for s in ds.manifests[0].shards for r in pq.read_table(out / s.path).to_pylist()}
+    assert shard0 == {"math-000", "math-002"}  # positions 0 and 2 of the source
+    assert rows_of(out) == rows_of(reference)
+    assert_valid(out)
+
+
+def test_tool_loop_masks_and_zero_logprobs(tiny_gpt2, tmp_path):
+    out = tmp_path / "ds"
+    args = [
+        "--engine", f"embedded:{tiny_gpt2}", "--agents", "tool_loop", "--task", "math", "--n-samples", "2",
+        "--max-new-tokens", "6", "--limit", "3", "--no-progress", "--out", out,
+    ]
+    assert main(list(map(str, args))) == 0
+    tok = load_tokenizer(tiny_gpt2)
+    rows = rows_of(out)
+    assert len(rows) == 6
+    for r in rows:
+        mask, lps, ids = np.array(r["loss_mask"]), np.array(r["rollout_logprobs"]), r["response_tokens"]
+        env = np.flatnonzero(mask == 0)
+        assert env.size and np.all(np.diff(env) == 1)  # one environment block between the two turns
+        first = env[0]
+        turn1_text = r["response_text"][: r["response_text"].index("\n<result>")]
+        assert ids[first : env[-1] + 1] == encode(tok, observation(turn1_text))
+        assert np.all(lps[env] == 0.0)
+        assert np.all(lps[mask == 1] < 0) and mask[:first].all() and mask[env[-1] + 1 :].all()
+        assert json.loads(r["metadata"])["turns"] == 2
+
+
+def test_bad_inputs_give_one_line_and_write_nothing(tiny_gpt2, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok", "label": "1"}\n{"prompt": "oops"\n{"prompt": "x"}\n')
+    out = tmp_path / "ds"
+
+    def fails(*args):
+        assert main([*map(str, args), "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("rollshard-generate: error: ")
+        assert not out.exists()
+        return err
+
+    err = fails("--engine", f"embedded:{tiny_gpt2}", "--prompts", bad)
+    assert f"{bad}:2: not valid JSON" in err and "(also malformed: 3)" in err
+    with socket_free_port() as port:
+        err = fails("--engine", f"http://127.0.0.1:{port}", "--task", "toy")
+    assert f"cannot reach engine 'http://127.0.0.1:{port}'" in err
+    err = fails("--engine", f"embedded:{tmp_path / 'no-model'}", "--task", "toy")
+    assert "cannot start engine" in err
+    err = fails("--engine", "ftp://x", "--task", "toy")
+    assert "neither 'embedded:PATH' nor" in err
+    err = fails("--engine", f"embedded:{tiny_gpt2}", "--agents", "single", "--agent-option", "turns=2")
+    assert "single has no option 'turns'" in err
+
+
+class socket_free_port:
+    """A port nothing listens on (bound, then closed)."""
+
+    def __enter__(self):
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- a fake SGLang server: canned answers, every response recorded --------------------------------
+
+
+class FakeSGLang:
+    """SGLang's native /generate, /health and /get_model_info on 127.0.0.1, answering canned texts.
+
+    The text of a request is drawn from ``TEXTS`` by its sampling_seed, so answers are
+    deterministic; tokens are the tokenizer's ids of the text plus the eos id, logprobs
+    drawn from the same generator. Every response body is kept in ``sent`` by rid.
+    """
+
+    TEXTS = ["\\boxed{42}", "it is 41", "Judgment: 1", "Judgment: 2", "so \\boxed{42}. Judgment: 7"]
+
+    def __init__(self, model_path):
+        self.model_path = str(model_path)
+        self.tok = load_tokenizer(model_path)
+        self.sent = {}
+
+    async def generate(self, request):
+        body = await request.json()
+        sp = body["sampling_params"]
+        rng = random.Random(sp["sampling_seed"])
+        text = rng.choice(self.TEXTS)
+        ids = encode(self.tok, text)[: sp["max_new_tokens"]] + [self.tok.eos_token_id]
+        lps = [round(-rng.uniform(0.001, 6.0), 6) for _ in ids]
+        resp = {
+            "text": text,
+            "output_ids": ids,
+            "meta_info": {
+                "id": body["rid"],
+                "finish_reason": {"type": "stop", "matched": self.tok.eos_token_id},
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(ids),
+                "weight_version": "w3",
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+            },
+        }
+        self.sent[body["rid"]] = (body, resp)
+        return web.json_response(resp)
+
+    async def info(self, request):
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path, "weight_version": "w3"})
+
+    async def health(self, request):
+        return web.Response(text="ok")
+
+    def __enter__(self):
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            app = web.Application()
+            app.add_routes(
+                [web.post("/generate", self.generate), web.get("/get_model_info", self.info), web.get("/health", self.health)]
+            )
+            self.runner = web.AppRunner(app)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+            self.loop.run_forever()
+            self.loop.run_until_complete(self.runner.cleanup())
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_multi_agent_over_http_documented_rewards_and_sent_logprobs(tiny_gpt2, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"What is 40 + {i}?", "label": "42"}) + "\n" for i in range(5)))
+    out = tmp_path / "ds"
+    with FakeSGLang(tiny_gpt2) as server:
+        rc = main(["--engine", server.url, "--agents", "multi_agent", "--task", "math", "--prompts", str(prompts),
+                   "--n-samples", "3", "--max-new-tokens", "32", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = rows_of(out)
+    assert len(rows) == 5 * 7  # every canned text parses: 3 solvers, 3 rewriters, 1 selector per prompt
+    for r in rows:  # stored tokens and logprobs are what the server sent, token for token
+        body, resp = server.sent[r["sample_id"] + "/turn0/try0"]
+        assert r["prompt_tokens"] == body["input_ids"]
+        assert r["response_tokens"] == resp["output_ids"]
+        sent_lps = np.array([item[0] for item in resp["meta_info"]["output_token_logprobs"]], dtype=np.float32)
+        assert np.array_equal(np.array(r["rollout_logprobs"], dtype=np.float32), sent_lps)
+        assert r["weight_version"] == "w3" and r["status"] == "completed"
+
+    def v(text):  # the math verifier on the canned texts: right exactly when 42 is boxed
+        return 1.0 if "\\boxed{42}" in text else 0.0
+
+    rights = 0
+    for pid in {r["prompt_id"] for r in rows}:
+        ep = {r["sample_id"].removeprefix(pid + "/"): r for r in rows if r["prompt_id"] == pid}
+        rewrites = [ep[f"rewriter/1/{i}"]["response_text"] for i in range(3)]
+        judgments = re.findall(r"Judgment:\s*(\d+)", ep["selector/2/0"]["response_text"])
+        j = int(judgments[-1]) if judgments else 0
+        picked = v(rewrites[j - 1]) if 1 <= j <= 3 else 0.0
+        weight = 1.2 if picked == 1.0 else 0.8
+        rights += picked == 1.0
+        expected = {f"solver/0/{i}": v(ep[f"solver/0/{i}"]["response_text"]) * weight for i in range(3)}
+        expected.update({f"rewriter/1/{i}": v(rewrites[i]) * weight for i in range(3)})
+        expected["selector/2/0"] = picked * weight
+        assert {k: r["reward"] for k, r in ep.items()} == pytest.approx(expected, abs=1e-6)
+        assert {r["group_id"] for r in ep.values()} == {f"{pid}/solver/0", f"{pid}/rewriter/1", f"{pid}/selector/2"}
+    assert 0 < rights < 5  # both branches of the episode weight were exercised
+
+
+class FlakyEngine(Engine):
+    """Wraps an engine; requests of the prompts in ``broken`` fail with an engine error."""
+
+    def __init__(self, inner, broken):
+        self.inner, self.broken, self.calls = inner, set(broken), 0
+
+    async def generate(self, input_ids, sampling, *, rid=None):
+        self.calls += 1
+        if rid.split("/")[0] in self.broken:
+            raise EngineError(f"request {rid}: HTTP 503 from http://127.0.0.1:1/generate")
+        return await self.inner.generate(input_ids, sampling, rid=rid)
+
+    async def model_info(self):
+        return await self.inner.model_info()
+
+
+def _run(tmp_path, tok, engine, *, retries=2, prompts=None):
+    task = get_task("math")
+    prompts = prompts or load_prompts(task.default_prompts())[:4]
+    with ShardWriter(tmp_path / "ds", writer_id="gen-0-of-1", config={"agents": {"name": "single"}}) as writer:
+        runner = Runner(
+            system=make_agent_system("single", n_samples=2),
+            task=task,
+            engine=engine,
+            tokenizer=tok,
+            sampling=SamplingParams(max_new_tokens=8),
+            writer=writer,
+            options=RunnerOptions(concurrency=4, retries=retries, backoff_s=0.0, progress=False),
+        )
+        return asyncio.run(runner.run(prompts))
+
+
+def test_failure_ledger_then_retry(tiny_gpt2, tmp_path):
+    tok = load_tokenizer(tiny_gpt2)
+    good = ScriptedEngine(tok, lambda agent, index, turn, ids: "\\boxed{12}")
+    result = _run(tmp_path, tok, FlakyEngine(good, {"math-001"}))
+    assert result.exit_code == 1 and set(result.failed) == {"math-001"}
+    ledger = tmp_path / "ds" / "_failures" / "gen-0-of-1.jsonl"
+    (entry,) = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert entry["prompt_id"] == "math-001" and entry["attempts"] == 3  # 1 + 2 retries
+    assert entry["error"].startswith("EngineError: request math-001/policy/0/") and "HTTP 503" in entry["error"]
+    assert {r["prompt_id"] for r in rows_of(tmp_path / "ds")} == {"math-000", "math-002", "math-003"}
+
+    result = _run(tmp_path, tok, FlakyEngine(good, {"math-001"}), retries=0)  # still broken: attempts add up
+    assert json.loads(ledger.read_text())["attempts"] == 4 and result.prompts_skipped == 3
+
+    result = _run(tmp_path, tok, good)  # healthy again: the rerun does exactly the missing prompt
+    assert result.exit_code == 0 and result.episodes == 1 and result.rows == 2
+    assert not ledger.exists()
+    assert len(rows_of(tmp_path / "ds")) == 8
+
+
+def test_interrupt_commits_complete_episodes(tiny_gpt2, tmp_path):
+    tok = load_tokenizer(tiny_gpt2)
+    prompts = load_prompts(get_task("math").default_prompts())[:12]
+    count = {"n": 0}
+
+    def script(agent, index, turn, ids):
+        count["n"] += 1
+        if count["n"] == 9:  # Ctrl-C while episodes are in flight
+            os.kill(os.getpid(), signal.SIGINT)
+        return "\\boxed{1}"
+
+    result = _run(tmp_path, tok, ScriptedEngine(tok, script, delay=0.01), prompts=prompts)
+    assert result.exit_code == 130 and result.interrupted
+    rows = rows_of(tmp_path / "ds")
+    per_prompt = {}
+    for r in rows:
+        per_prompt[r["prompt_id"]] = per_prompt.get(r["prompt_id"], 0) + 1
+    assert 1 <= len(per_prompt) < 12 and set(per_prompt.values()) == {2}  # whole episodes only
+    assert not (tmp_path / "ds" / "_failures").exists()  # interrupted prompts are not failures
+    result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"), prompts=prompts)
+    assert result.exit_code == 0 and result.prompts_skipped == len(per_prompt)
+    assert len(rows_of(tmp_path / "ds")) == 24

@@ -1,0 +1,495 @@
+import collections
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, hf_groups
+from rollshard.store.packing import unpack
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter, WriterOptions
+
+SMALL = dict(prompt_len=(2, 6), response_len=(1, 12))
+# a few groups per row group, a few row groups per shard: windows and steps straddle both
+SMALL_FILES = WriterOptions(row_group_bytes=2_500, shard_bytes=7_000)
+
+
+def groups_of(table: pa.Table) -> list[pa.Table]:
+    ids = table.column("group_id").to_pylist()
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            out.append(table.slice(start, i - start))
+            start = i
+    return out
+
+
+def write(path, table: pa.Table, writer_id: str = "w0", options: WriterOptions = SMALL_FILES) -> RolloutDataset:
+    with ShardWriter(path, writer_id=writer_id, options=options) as w:
+        for g in groups_of(table):
+            w.write_group(g)
+    return RolloutDataset.open(path)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> RolloutDataset:
+    """60 groups of 1-5 rows over two writers, several shards and row groups each."""
+    path = tmp_path_factory.mktemp("ds")
+    write(path, synthetic_table(35, 3, seed=1, uneven_groups=True, prefix="a", **SMALL), "w0")
+    ds = write(path, synthetic_table(25, 3, seed=2, uneven_groups=True, prefix="b", **SMALL), "w1")
+    assert len(ds.shards) >= 4 and ds.num_groups == 60
+    return ds
+
+
+def cfg(**kw) -> LoaderConfig:
+    base = dict(groups_per_step=2, micro_batch_tokens=24, shuffle_window=5, prefetch=2)
+    return LoaderConfig(**{**base, **kw})
+
+
+def run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, state: dict | None = None) -> list[Step]:
+    with RolloutLoader(ds, config, rank=rank, world_size=world_size) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        return list(loader)
+
+
+def assert_steps_equal(a: list[Step], b: list[Step]) -> None:
+    assert [(s.epoch, s.index, s.group_ids) for s in a] == [(s.epoch, s.index, s.group_ids) for s in b]
+    for x, y in zip(a, b):
+        assert x.metrics == y.metrics
+        assert len(x.micro_batches) == len(y.micro_batches)
+        for p, q in zip(x.micro_batches, y.micro_batches):
+            for f in dataclasses.fields(p):
+                u, v = getattr(p, f.name), getattr(q, f.name)
+                assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, f.name
+
+
+def stored_rows(ds: RolloutDataset) -> dict[str, dict]:
+    return {r["sample_id"]: r for r in ds.read().to_pylist()}
+
+
+def rows_of_groups(ds: RolloutDataset) -> dict[str, set[str]]:
+    out = collections.defaultdict(set)
+    for r in ds.read(columns=["group_id", "sample_id"]).to_pylist():
+        out[r["group_id"]].add(r["sample_id"])
+    return out
+
+
+def delivered(steps: list[Step]) -> dict[str, set[str]]:
+    """group id -> sample ids, checking that a group shows up in one step only."""
+    out: dict[str, set[str]] = {}
+    for s in steps:
+        for b in s.micro_batches:
+            for k, sid in enumerate(b.sample_ids):
+                out.setdefault(s.group_ids[int(b.seq_group[k])], set()).add(sid)
+        for g in s.group_ids:
+            assert sum(g in t.group_ids for t in steps) == 1, f"group {g} in two steps"
+    return out
+
+
+# -- order ---------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_order_other_seed_or_epoch_other_order(dataset):
+    a = run(dataset, cfg(seed=3, num_epochs=2))
+    assert_steps_equal(a, run(dataset, cfg(seed=3, num_epochs=2)))
+    b = run(dataset, cfg(seed=4, num_epochs=2))
+    order = lambda steps, e: [g for s in steps if s.epoch == e for g in s.group_ids]  # noqa: E731
+    assert order(a, 0) != order(b, 0)
+    assert order(a, 0) != order(a, 1)  # each epoch draws a new order
+    assert sorted(order(a, 0)) != order(a, 0)
+    assert a[-1].index == len(a) - 1 and [s.epoch for s in a].count(1) == 30  # 60 groups / 2 per step
+
+
+def test_no_shuffle_reads_the_dataset_in_order(dataset):
+    steps = run(dataset, cfg(shuffle=False))
+    got = [g for s in steps for g in s.group_ids]
+    ids = dataset.read(columns=["group_id"]).column(0).to_pylist()
+    assert got == list(dict.fromkeys(ids))  # shards by path, rows in order
+
+
+def test_window_permutes_consecutive_stretches_of_the_block_order(dataset):
+    with RolloutLoader(dataset, cfg(shuffle_window=5, groups_per_step=1)) as loader:
+        stream = loader._stream
+        raw = []  # groups in the epoch's block order, each block's groups in row order
+        for b in stream.plan(0).order:
+            block = stream.blocks[b]
+            ids = pq.ParquetFile(dataset.files[block.shard]).read_row_groups(block.row_groups, columns=["group_id"])
+            raw += list(dict.fromkeys(ids.column(0).to_pylist()))
+        got = [g for s in loader for g in s.group_ids]
+    assert len(got) == 60 and got != raw
+    for k in range(0, 60, 5):  # each window of 5 is a permutation of the next 5 groups of the block order
+        assert set(got[k : k + 5]) == set(raw[k : k + 5])
+    assert [g[0] for g in raw[:20]] != sorted(g[0] for g in raw[:20])  # blocks of both writers mix
+
+
+# -- groups whole, content ------------------------------------------------------------------------
+
+
+def test_steps_hold_whole_groups_and_unpack_to_the_stored_rows(dataset):
+    steps = run(dataset, cfg(tail="partial"))
+    assert delivered(steps) == rows_of_groups(dataset)
+    rows = stored_rows(dataset)
+    n = 0
+    for s in steps:
+        for b in s.micro_batches:
+            assert b.num_tokens <= 24 or b.num_sequences == 1
+            for u in unpack(b):
+                r = rows[u["sample_id"]]
+                assert u["prompt_tokens"] == r["prompt_tokens"] and u["response_tokens"] == r["response_tokens"]
+                assert u["rollout_logprobs"] == r["rollout_logprobs"] and u["loss_mask"] == r["loss_mask"]
+                assert u["temperature"] == r["temperature"] and u["agent"] == r["agent"]
+                assert u["reward"] == r["reward"] and u["weight_version"] == r["weight_version"]
+                assert s.group_ids[u["group"]] == r["group_id"]
+                n += 1
+        assert s.metrics["tokens"] == sum(b.num_tokens for b in s.micro_batches)
+        assert s.metrics["packing_efficiency"] == pytest.approx(s.metrics["tokens"] / sum(
+            max(24, b.num_tokens) for b in s.micro_batches))
+    assert n == dataset.num_rows
+
+
+# -- data-parallel split --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_split_is_disjoint_and_complete(dataset, world_size):
+    all_groups = rows_of_groups(dataset)
+    per_rank = [run(dataset, cfg(tail="partial"), r, world_size) for r in range(world_size)]
+    assert len({len(steps) for steps in per_rank}) == 1  # every rank takes the same number of steps
+    union: dict[str, set[str]] = {}
+    for steps in per_rank:
+        got = delivered(steps)
+        assert not union.keys() & got.keys()
+        union.update(got)
+    assert union == all_groups
+    # full steps hold groups_per_step groups on every rank; only the last may be smaller
+    for steps in per_rank:
+        assert all(len(s.group_ids) == 2 for s in steps[:-1])
+
+    # default tail policy: drop the incomplete last global step, count it, never duplicate
+    per_rank = []
+    for r in range(world_size):
+        with RolloutLoader(dataset, cfg(), rank=r, world_size=world_size) as loader:
+            per_rank.append(list(loader))
+            dropped = loader.epoch_stats["tail_dropped_groups"]
+    used = sum(len(s.group_ids) for steps in per_rank for s in steps)
+    assert all(len(s.group_ids) == 2 for steps in per_rank for s in steps)
+    assert used + dropped == 60 and dropped == 60 % (2 * world_size)
+    assert len({len(steps) for steps in per_rank}) == 1
+
+
+def test_partial_tail_splits_the_last_step_evenly(dataset):
+    def sizes(groups_per_step, world_size):
+        config = cfg(groups_per_step=groups_per_step, tail="partial")
+        return [[len(s.group_ids) for s in run(dataset, config, r, world_size)] for r in range(world_size)]
+
+    assert sizes(7, 3) == [[7, 7, 6]] * 3  # 60 = 2 x 21 + 18: 18 split 6/6/6
+    assert sizes(25, 2) == [[25, 5]] * 2  # 60 = 50 + 10
+    # 60 = 8 x 7 + 4: rank r takes groups [4r/7, 4(r+1)/7) of the last step: 0,1,0,1,0,1,1
+    assert [s[-1] for s in sizes(1, 7)] == [0, 1, 0, 1, 0, 1, 1]
+    empty = run(dataset, cfg(groups_per_step=1, tail="partial"), 0, 7)[-1]
+    assert empty.group_ids == [] and empty.micro_batches == [] and empty.metrics["tokens"] == 0
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1), (3, 2)])
+def test_resume_is_exact_mid_window_mid_shard_and_across_epochs(dataset, world_size, rank):
+    config = cfg(num_epochs=2, tail="partial")
+    full = run(dataset, config, rank, world_size)
+    assert len(full) > 8
+    per_epoch = len(full) // 2
+    for k in sorted({1, 2, 3, per_epoch - 1, per_epoch, per_epoch + 1, len(full) - 1, len(full)}):
+        with RolloutLoader(dataset, config, rank=rank, world_size=world_size) as loader:
+            it = iter(loader)
+            for _ in range(k):
+                next(it)
+            state = json.loads(json.dumps(loader.state_dict()))  # JSON, no pickle
+        assert state["cursor"]["step"] == k
+        assert_steps_equal(run(dataset, config, rank, world_size, state), full[k:])
+
+
+def test_cursor_is_the_same_on_every_rank(dataset):
+    config = cfg(num_epochs=1)
+    loaders = [RolloutLoader(dataset, config, rank=r, world_size=2) for r in range(2)]
+    its = [iter(lo) for lo in loaders]
+    for _ in range(4):
+        for it in its:
+            next(it)
+    s0, s1 = (lo.state_dict() for lo in loaders)
+    for lo in loaders:
+        lo.close()
+    assert {k: v for k, v in s0.items() if k != "rank"} == {k: v for k, v in s1.items() if k != "rank"}
+    # so rank 1 may resume from rank 0's checkpoint
+    assert_steps_equal(run(dataset, config, 1, 2, s0), run(dataset, config, 1, 2)[4:])
+
+
+def test_new_iter_continues_from_the_cursor(dataset):
+    full = run(dataset, cfg())
+    with RolloutLoader(dataset, cfg()) as loader:
+        first = [next(iter(loader)) for _ in range(3)]  # each iter() picks up where the last left off
+        rest = list(loader)
+    assert_steps_equal(first + rest, full)
+
+
+def test_mismatched_resume_raises(dataset, tmp_path):
+    with RolloutLoader(dataset, cfg(), world_size=2) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    with pytest.raises(LoaderStateError, match="world_size=2, this loader world_size=3"):
+        RolloutLoader(dataset, cfg(), world_size=3).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="seed=0, this loader seed=1"):
+        RolloutLoader(dataset, cfg(seed=1), world_size=2).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="shuffle_window"):
+        RolloutLoader(dataset, cfg(shuffle_window=6), world_size=2).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="not a rollshard loader state"):
+        RolloutLoader(dataset, cfg(), world_size=2).load_state_dict({"epoch": 0})
+    # the dataset changed: another writer committed a shard
+    table = dataset.read()
+    write(tmp_path, table, "w0", WriterOptions())
+    before = RolloutDataset.open(tmp_path)
+    with RolloutLoader(before, cfg(), world_size=2) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    write(tmp_path, synthetic_table(2, 2, seed=9, prefix="c", **SMALL), "w1")
+    with pytest.raises(LoaderStateError, match="dataset=.*shards were added, removed or rewritten"):
+        RolloutLoader(tmp_path, cfg(), world_size=2).load_state_dict(state)
+    # settings that do not move the cursor may change: the budget only changes the packing
+    RolloutLoader(before, cfg(micro_batch_tokens=64), world_size=2, rank=1).load_state_dict(state)
+
+
+# -- filters --------------------------------------------------------------------------------------
+
+
+def with_columns(table: pa.Table, **cols) -> pa.Table:
+    for name, values in cols.items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(name), pa.array(values, table.schema.field(name).type))
+    return table
+
+
+def totals(steps: list[Step], epoch_stats: dict) -> dict:
+    """Per-step filter counts summed, checked against the epoch totals."""
+    out = collections.Counter()
+    for s in steps:
+        out.update({k: v for k, v in s.metrics.items() if k.startswith("filtered") or k.endswith("examined")})
+    for k, v in out.items():
+        assert epoch_stats[k] == v, k
+    return dict(out)
+
+
+def test_status_and_agent_filters_with_counts(tmp_path):
+    t = synthetic_table(30, 3, seed=5, uneven_groups=True, agents=("solver", "rewriter", "selector"), **SMALL)
+    rng = np.random.default_rng(0)
+    status = rng.choice(["completed", "truncated", "aborted", "failed"], t.num_rows, p=[0.5, 0.2, 0.2, 0.1]).tolist()
+    reward = [None if s == "failed" else r for s, r in zip(status, t.column("reward").to_pylist())]
+    t = with_columns(t, status=status, reward=reward)
+    ds = write(tmp_path, t)
+    config = cfg(agents=("solver", "selector"), tail="partial")
+    with RolloutLoader(ds, config) as loader:
+        steps = list(loader)
+        stats = loader.epoch_stats
+    rows = t.to_pylist()
+    status_ok = [r["status"] in ("completed", "truncated") for r in rows]
+    agent_ok = [r["agent"] in ("solver", "selector") for r in rows]
+    keep = collections.defaultdict(set)
+    for r, s, a in zip(rows, status_ok, agent_ok):
+        keep[r["group_id"]]  # every group, even when all its rows go
+        if s and a:
+            keep[r["group_id"]].add(r["sample_id"])
+    expected = {
+        "groups_examined": 30,
+        "rows_examined": t.num_rows,
+        "filtered_rows/status": status_ok.count(False),
+        "filtered_rows/agent": sum(s and not a for s, a in zip(status_ok, agent_ok)),
+        "filtered_groups/empty": sum(not v for v in keep.values()),
+    }
+    got = totals(steps, stats)
+    assert {k: got[k] for k in expected} == expected
+    assert expected["filtered_rows/status"] > 5 and expected["filtered_rows/agent"] > 5
+    assert expected["filtered_groups/empty"] > 5
+    assert delivered(steps) == {g: v for g, v in keep.items() if v}
+    assert {a for s in steps for b in s.micro_batches for a in b.agents} == {"solver", "selector"}
+
+
+def test_staleness_filter_with_counts_and_unknown_versions(tmp_path):
+    t = synthetic_table(40, 3, seed=6, uneven_groups=True, weight_versions=("0", "1", "2", "3"), **SMALL)
+    versions = t.column("weight_version").to_pylist()
+    versions[::7] = [None] * len(versions[::7])
+    t = with_columns(t, weight_version=versions)
+    ds = write(tmp_path, t)
+    config = cfg(max_staleness=1, current_version="3", tail="partial")
+    with RolloutLoader(ds, config) as loader:
+        steps = list(loader)
+        stats = loader.epoch_stats
+    # staleness = 3 - version; keep staleness <= 1, i.e. versions 2 and 3; null versions are skipped apart
+    got = totals(steps, stats)
+    assert got["filtered_rows/no_version"] == versions.count(None)
+    assert got["filtered_rows/stale"] == sum(v in ("0", "1") for v in versions)
+    assert got["filtered_rows/stale"] > 10
+    assert {v for s in steps for b in s.micro_batches for v in b.weight_versions} == {"2", "3"}
+    kept = sum(v in ("2", "3") for v in versions)
+    assert sum(s.num_sequences for s in steps) == kept
+
+    with pytest.raises(ValueError, match="max_staleness needs the policy version"):
+        iter(RolloutLoader(ds, cfg(max_staleness=1)))
+    with pytest.raises(ValueError, match="current_version 'default' is not an integer"):
+        RolloutLoader(ds, cfg(max_staleness=1, current_version="default"))
+
+
+def test_version_change_during_iteration_replans_prefetched_steps(tmp_path):
+    t = synthetic_table(60, 2, seed=7, weight_versions=("0", "1", "2", "3", "4"), **SMALL)
+    ds = write(tmp_path, t)
+    config = cfg(max_staleness=1, current_version="2", prefetch=4)
+    with RolloutLoader(ds, config) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+        loader.set_current_version("4")  # prefetched steps planned with version 2 no longer hold
+        tail = list(it)
+    assert {v for s in head for b in s.micro_batches for v in b.weight_versions} <= {"1", "2", "3", "4"}
+    assert {v for s in tail for b in s.micro_batches for v in b.weight_versions} == {"3", "4"}
+    # the same as a loader resumed at that step with the new version
+    state["current_version"] = "4"
+    assert_steps_equal(tail, run(ds, config, state=state))
+    # a change that no decision depends on keeps the prefetched steps (and the same steps come out)
+    with RolloutLoader(ds, cfg(max_staleness=10, current_version="4")) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(2)]
+        loader.set_current_version("5")
+        rest = list(it)
+    assert_steps_equal(head + rest, run(ds, cfg(max_staleness=10, current_version="4")))
+
+
+def test_zero_variance_groups_counted_and_optionally_dropped(tmp_path):
+    t = synthetic_table(30, 3, seed=8, uneven_groups=True, **SMALL)
+    groups = t.column("group_id").to_pylist()
+    rewards = collections.defaultdict(list)
+    for g, r in zip(groups, t.column("reward").to_pylist()):
+        rewards[g].append(r)
+    flat = {g: len(set(r)) == 1 for g, r in rewards.items()}  # all equal, groups of one row included
+    assert 5 < sum(flat.values()) < 25
+    ds = write(tmp_path, t)
+    with RolloutLoader(ds, cfg(tail="partial")) as loader:
+        steps = list(loader)
+    assert sum(s.metrics["zero_variance_groups"] for s in steps) == sum(flat.values())
+    with RolloutLoader(ds, cfg(tail="partial", drop_zero_variance=True)) as loader:
+        steps = list(loader)
+        got = totals(steps, loader.epoch_stats)
+    assert got["filtered_groups/zero_variance"] == sum(flat.values())
+    assert got["filtered_rows/zero_variance"] == sum(len(rewards[g]) for g, f in flat.items() if f)
+    assert set(delivered(steps)) == {g for g, f in flat.items() if not f}
+    assert all(s.metrics["zero_variance_groups"] == 0 for s in steps)
+
+
+def test_an_epoch_without_a_step_raises_when_looping_forever(dataset):
+    config = cfg(agents=("nobody",), num_epochs=None)
+    with pytest.raises(ValueError, match="epoch 0 yields no step: 0 of 60 groups pass the filters"):
+        next(iter(RolloutLoader(dataset, config)))
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="statuses .*choose one or more of completed"):
+        LoaderConfig(statuses=("done",)).check()
+    with pytest.raises(ValueError, match="groups_per_step must be at least 1"):
+        LoaderConfig(groups_per_step=0).check()
+
+
+# -- groups and files -----------------------------------------------------------------------------
+
+
+def test_a_group_spanning_two_shards_raises(tmp_path):
+    t = synthetic_table(4, 3, seed=1, **SMALL)
+    write(tmp_path, t.slice(0, 5), "w0")  # group p1 split: 2 rows here ...
+    with ShardWriter(tmp_path, writer_id="w1", options=WriterOptions(validate=True)) as w:
+        w.write_groups(t.slice(5))  # ... 1 row here
+    with pytest.raises(ValueError, match="group 'p1/policy/0' has rows in shards shards/w0-00000.parquet, shards/w1"):
+        RolloutLoader(tmp_path, cfg())
+
+
+def test_a_group_spanning_row_groups_is_read_whole(tmp_path):
+    t = synthetic_table(12, 4, seed=3, uneven_groups=True, **SMALL)
+    ds = write(tmp_path, t, options=WriterOptions())
+    path = ds.files[0]
+    meta = pq.read_schema(path).metadata
+    pq.write_table(pq.read_table(path).replace_schema_metadata(meta), path, row_group_size=3)  # splits groups
+    assert pq.ParquetFile(path).metadata.num_row_groups > 10
+    steps = run(RolloutDataset.open(tmp_path), cfg(tail="partial", shuffle_window=3))
+    assert delivered(steps) == rows_of_groups(ds)
+
+
+# -- threads --------------------------------------------------------------------------------------
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("rollshard-loader")]
+
+
+def test_close_and_abandoned_iterators_stop_the_threads(dataset):
+    loader = RolloutLoader(dataset, cfg(num_epochs=None))
+    it = iter(loader)
+    next(it)
+    assert len(loader_threads()) == 2  # reader and packer
+    loader.close()
+    assert loader_threads() == []
+    it = iter(loader)
+    next(it)
+    del it  # an abandoned iterator stops its threads
+    assert loader_threads() == []
+
+
+def test_interpreter_exits_with_an_unfinished_loader(dataset):
+    script = textwrap.dedent(
+        f"""
+        from rollshard.store.loader import LoaderConfig, RolloutLoader
+        it = iter(RolloutLoader({dataset.storage.root!r}, LoaderConfig(groups_per_step=2, num_epochs=None, prefetch=1)))
+        next(it)
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+# -- HF datasets ----------------------------------------------------------------------------------
+
+
+def test_hf_groups_agree_with_the_loader(dataset):
+    from datasets.distributed import split_dataset_by_node
+
+    config = cfg(tail="partial", agents=("policy",), drop_zero_variance=True)
+    loader_rows = {}
+    for steps in (run(dataset, config, r, 2) for r in range(2)):
+        for s in steps:
+            for b in s.micro_batches:
+                for u in unpack(b):
+                    loader_rows[u["sample_id"]] = (s.group_ids[u["group"]], u)
+    hf = hf_groups(dataset, config)
+    seen: dict[str, str] = {}
+    for world_size in (2, 3):
+        seen = {}
+        for rank in range(world_size):
+            for ex in split_dataset_by_node(hf, rank=rank, world_size=world_size):
+                for i, sid in enumerate(ex["sample_id"]):
+                    assert sid not in seen
+                    seen[sid] = ex["group_id"]
+                    group, u = loader_rows[sid]
+                    assert group == ex["group_id"]
+                    assert ex["prompt_tokens"][i] == u["prompt_tokens"]
+                    assert ex["response_tokens"][i] == u["response_tokens"]
+                    assert ex["rollout_logprobs"][i] == u["rollout_logprobs"]
+                    assert ex["loss_mask"][i] == u["loss_mask"]
+                    assert ex["reward"][i] == u["reward"]
+        assert seen.keys() == loader_rows.keys()

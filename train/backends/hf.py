@@ -1,0 +1,223 @@
+"""The ``hf`` backend: a transformers causal LM, AdamW, and FSDP2 for more than one process.
+
+* Weights: ``AutoModelForCausalLM`` in fp32 (master weights). On a GPU that supports
+  it the compute runs in bfloat16 (``torch.autocast`` on one device, FSDP2's
+  ``MixedPrecisionPolicy`` with fp32 gradient reduction under torchrun); on CPU in fp32.
+  The output head is always upcast to fp32 before the log softmax.
+* The model runs in eval mode: dropout off, so the recomputed logprobs are those of
+  the policy that sampled (the engine has no dropout either). Gradient checkpointing
+  turns ``training`` on for the checkpointed decoder layers alone, which is the flag
+  transformers checks for it; their dropouts stay off.
+* Data parallel: under torchrun with N > 1 processes every decoder layer and then
+  the whole model are ``fully_shard``-ed (torch.distributed.fsdp, FSDP2), on GPUs with
+  NCCL and on CPU with gloo. FSDP averages gradients over ranks; each rank's loss is
+  already normalized by the global token count (losses.LossNorm), so backward runs
+  on ``loss * world_size`` and the average is the sum the global loss needs (a
+  custom divide factor would be exact too, but gloo lacks the PREMUL_SUM it uses).
+  Gradient sync is skipped on all but the last micro-batch of an update.
+* AdamW, global gradient-norm clipping (a non-finite norm skips the update), and the
+  learning rate set before each update from :func:`~rollshard.train.backends.schedule.lr_factor`.
+* A frozen reference copy of the initial weights is built only when the KL term is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollshard.train.backends.distributed import DistEnv
+from rollshard.train.backends.schedule import lr_factor
+from rollshard.train.config import ModelConfig, OptimConfig
+from rollshard.train.logprobs import PackedPolicy, packed_logprobs
+
+# Files of a model folder that are weights (rewritten by a checkpoint); everything else
+# (tokenizer, chat template, generation config) is copied from the source folder verbatim.
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class HFBackend:
+    """Policy (and optional reference) model, optimizer and the update step."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        *,
+        env: DistEnv,
+        total_updates: int | None,
+        weights_from: str | Path | None = None,
+        need_reference: bool = False,
+    ):
+        self.cfg, self.optim_cfg, self.env = model_cfg, optim_cfg, env
+        self.source = Path(model_cfg.path)
+        self.device = env.device()
+        self.bf16 = self._use_bf16(model_cfg.dtype)
+        self.total_updates = total_updates
+        self.updates = 0
+
+        model = self._load(weights_from or self.source)
+        self.hf_model = model
+        self.policy = self._wrap(PackedPolicy(model, chunk_tokens=model_cfg.logprob_chunk_tokens))
+        if model_cfg.gradient_checkpointing:
+            self._enable_gradient_checkpointing(model)
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=optim_cfg.lr,
+            betas=tuple(optim_cfg.betas),
+            eps=optim_cfg.adam_eps,
+            weight_decay=optim_cfg.weight_decay,
+        )
+        self.reference = None
+        if need_reference:
+            ref = self._load(self.source)
+            ref.requires_grad_(False)
+            self.reference = self._wrap(PackedPolicy(ref, chunk_tokens=model_cfg.logprob_chunk_tokens))
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _use_bf16(self, dtype: str) -> bool:
+        supported = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if dtype == "bfloat16" and self.device.type != "cuda":
+            return True  # asked for explicitly: CPU autocast to bf16 works, slowly
+        return dtype in ("auto", "bfloat16") and supported
+
+    def _load(self, path: str | Path) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch.float32, attn_implementation=self.cfg.attn_implementation
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load a causal LM from {path}: {e}; --model takes a Hugging Face model folder") from e
+        model.config.use_cache = False
+        model.eval()
+        return model
+
+    def _wrap(self, policy: PackedPolicy) -> nn.Module:
+        if not self.env.enabled:
+            return policy.to(self.device)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy.to(self.device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+        kw = {"mp_policy": mp} if mp is not None else {}
+        layer_types = set(getattr(policy.model, "_no_split_modules", None) or [])
+        for module in policy.model.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, **kw)
+        fully_shard(policy, **kw)
+        return policy
+
+    @staticmethod
+    def _enable_gradient_checkpointing(model: nn.Module) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.training = True  # the flag transformers checks; submodules (dropout) stay in eval
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.bf16 and not self.env.enabled:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def logprobs(self, batch: Any, *, grad: bool, entropy: bool = False, reference: bool = False):
+        """``(logp [T], entropy [T] | None)`` of one packed micro-batch under the policy (or the reference)."""
+        module = self.reference if reference else self.policy
+        if module is None:
+            raise RuntimeError("no reference model: it is built only when kl_coef > 0")
+        dev = self.device
+        with torch.set_grad_enabled(grad), self._autocast():
+            return packed_logprobs(
+                module,
+                input_ids=batch.input_ids.to(dev),
+                position_ids=batch.position_ids.to(dev),
+                loss_mask=batch.loss_mask.to(dev),
+                temperature=batch.temperature.to(dev),
+                with_entropy=entropy,
+            )
+
+    def set_gradient_sync(self, sync: bool) -> None:
+        """Under FSDP, reduce gradients only on the last micro-batch of an update."""
+        if self.env.enabled:
+            self.policy.set_requires_gradient_sync(sync)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's share of the global loss (scaled for FSDP's gradient average)."""
+        (loss * self.env.world_size if self.env.enabled else loss).backward()
+
+    def lr(self, update: int | None = None) -> float:
+        o = self.optim_cfg
+        total = o.decay_steps if o.decay_steps is not None else self.total_updates
+        u = self.updates if update is None else update
+        return o.lr * lr_factor(u, warmup=o.warmup_steps, total=total, decay=o.lr_decay, min_ratio=o.min_lr_ratio)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step (unless the gradient norm is not finite), zero the gradients."""
+        lr = self.lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.optim_cfg.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        finite = norm == norm and norm != float("inf")
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return {"optim/grad_norm": norm, "optim/lr": lr, "optim/skipped": 0.0 if finite else 1.0}
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on CPU, transformers names (collective under FSDP; rank 0 gets them)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        sd = get_model_state_dict(self.policy, options=self._state_options())
+        return {k.removeprefix("model."): v for k, v in sd.items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name (collective under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.policy, self.optimizer, options=self._state_options())
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            self.policy, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
+
+    def save_model(self, folder: Path, state: dict[str, torch.Tensor]) -> None:
+        """A Hugging Face model folder: safetensors weights, config, and the source's tokenizer files."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in self.source.iterdir():
+            if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES) and f.name != "config.json":
+                shutil.copy2(f, folder / f.name)
+        self.hf_model.save_pretrained(folder, state_dict=state)
+        # transformers 5 writes "dtype"; 4.x (the SGLang environment) reads "torch_dtype".
+        cfg_path = folder / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+        # Training turned the KV cache off; the engines decode with the source folder's setting.
+        cfg["use_cache"] = json.loads((self.source / "config.json").read_text()).get("use_cache", True)
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

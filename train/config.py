@@ -1,0 +1,305 @@
+"""Configuration of rollshard-train: one keyword-only dataclass per component.
+
+:class:`TrainConfig` nests :class:`DataConfig`, :class:`ModelConfig`,
+:class:`OptimConfig`, :class:`AdvantageConfig`, :class:`LossConfig` and
+:class:`TrainerConfig`. A run resolves its config from, in increasing precedence:
+the defaults below, a YAML file (``--config``, the same nesting as
+:meth:`TrainConfig.to_dict`), then command-line flags. Every field is a flag
+(``--eps-high 0.3``; the field name with ``-`` for ``_``, or the ``flag`` named in
+its metadata), so the command line and the YAML file say the same things. The
+resolved config is written next to every checkpoint as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+LossMode = Literal["bypass", "decoupled"]
+RatioLevel = Literal["token", "sequence"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ISCorrection = Literal["tis", "mis", "none"]
+ISLevel = Literal["token", "sequence", "geometric"]
+KLType = Literal["k1", "k2", "k3"]
+LRDecay = Literal["constant", "linear", "cosine"]
+DType = Literal["auto", "float32", "bfloat16"]
+
+
+def _f(default: Any, help: str, *, flag: str | None = None) -> Any:
+    """A dataclass field with its command-line help (and flag name when it is not the field name)."""
+    meta = {"help": help, "flag": flag}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """The dataset and the loader (``rollshard.store.loader.LoaderConfig``) settings."""
+
+    path: str = _f("", "rollout dataset directory (or s3:// URI) written by rollshard-generate", flag="data")
+    groups_per_step: int = _f(8, "GRPO groups per optimizer step (per data-parallel rank)")
+    micro_batch_tokens: int = _f(8192, "token budget of one packed micro-batch (gradient accumulation unit)")
+    shuffle: bool = _f(True, "shuffle groups (deterministic for --shuffle-seed and epoch)")
+    shuffle_seed: int = _f(0, "seed of the loader's shuffle")
+    shuffle_window: int = _f(1024, "groups in the loader's shuffle window")
+    statuses: tuple[str, ...] = _f(("completed", "truncated"), "row statuses to train on (comma-separated)")
+    agents: tuple[str, ...] | None = _f(None, "train only rows of these agents (comma-separated); default all")
+    max_staleness: int | None = _f(
+        None, "skip rows whose weight_version is more than this many versions behind the policy"
+    )
+    drop_zero_variance: bool = _f(False, "skip groups whose rewards are all equal (they have zero advantage)")
+    num_epochs: int | None = _f(1, "passes over the dataset; 'none' repeats forever (bound it with --max-steps)")
+    prefetch: int = _f(4, "steps the loader prepares ahead on its background thread")
+    tail: Literal["drop", "partial"] = _f("drop", "last incomplete step of an epoch: drop it or train on it")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model and its backend."""
+
+    path: str = _f("", "Hugging Face model folder of the policy (the one that generated the data)", flag="model")
+    backend: Literal["hf"] = _f("hf", "model backend: hf (transformers; FSDP2 under torchrun)")
+    dtype: DType = _f("auto", "compute dtype: auto = bfloat16 autocast where the device supports it, else float32")
+    attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa, flash_attention_2, eager)")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    logprob_chunk_tokens: int = _f(
+        1024, "response positions per chunk of [chunk, vocab] fp32 logits (bounds logprob memory)"
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW, gradient clipping and the learning-rate schedule."""
+
+    lr: float = _f(1e-6, "peak learning rate")
+    betas: tuple[float, ...] = _f((0.9, 0.999), "AdamW betas (comma-separated)")
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm to this ('none': no clipping)")
+    warmup_steps: int = _f(0, "linear warmup steps from 0 to --lr")
+    lr_decay: LRDecay = _f("constant", "schedule after warmup: constant, linear or cosine to --min-lr-ratio")
+    min_lr_ratio: float = _f(0.0, "final learning rate as a fraction of --lr (linear/cosine)")
+    decay_steps: int | None = _f(None, "steps of the whole schedule; default --max-steps")
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageConfig:
+    """GRPO advantages (rollshard.train.advantages)."""
+
+    normalize_std: bool = _f(True, "divide by the group reward std (GRPO); --no-normalize-std is Dr. GRPO")
+    adv_eps: float = _f(1e-6, "added to the group std before dividing")
+    single_member: Literal["reward", "zero"] = _f(
+        "reward", "advantage of a one-row group: its reward (verl: mean 0, std 1) or zero"
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class LossConfig:
+    """Policy loss (rollshard.train.losses)."""
+
+    mode: LossMode = _f(
+        "bypass",
+        "bypass: ratio against the stored rollout logprobs; decoupled: ratio against a proximal policy "
+        "recomputed once per step, times an importance weight pi_prox/pi_rollout",
+    )
+    eps_low: float = _f(0.2, "PPO clip: ratio lower bound 1 - eps_low")
+    eps_high: float = _f(0.28, "PPO clip: ratio upper bound 1 + eps_high (clip-higher)")
+    dual_clip_c: float | None = _f(3.0, "dual clip for negative advantages: loss <= c * |A| ('none': off)")
+    ratio_level: RatioLevel = _f("token", "token ratio (PPO/GRPO) or sequence ratio (GSPO; use small eps)")
+    agg: Aggregation = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
+    norm_len: int | None = _f(
+        None, "length constant of seq-mean-token-sum-norm (Dr. GRPO); default the step's longest response"
+    )
+    is_correction: ISCorrection = _f(
+        "tis", "decoupled mode: truncated (tis) or masked (mis) weight pi_prox/pi_rollout, or none"
+    )
+    is_level: ISLevel = _f("token", "importance weight per token, per sequence (product) or geometric mean")
+    tis_c: float = _f(2.0, "TIS: weight truncated at C")
+    mis_low: float = _f(0.5, "MIS: weight kept only when mis_low <= w")
+    mis_high: float = _f(2.0, "MIS: weight kept only when w <= mis_high")
+    kl_coef: float = _f(0.0, "coefficient of the KL to the frozen reference model (the --model weights)")
+    kl_type: KLType = _f("k3", "KL estimator: k1, k2 or k3")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The training loop, checkpoints and logging."""
+
+    out: str = _f("", "output directory: checkpoints, metrics.jsonl, TensorBoard events", flag="out")
+    max_steps: int | None = _f(None, "stop after this many optimizer steps ('none': when the data ends)")
+    mini_batches: int = _f(1, "optimizer updates per loader step (its micro-batches split in this many parts)")
+    save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
+    keep_last: int = _f(2, "checkpoints kept on disk (the newest)")
+    resume: bool = _f(False, "continue from the newest checkpoint in --out")
+    seed: int = _f(0, "torch seed")
+    initial_version: int = _f(0, "weight version of --model; the policy after step k has version initial + k")
+    tensorboard: bool = _f(True, "write TensorBoard events under --out/tb")
+    progress: bool = _f(True, "progress bar on the terminal")
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "advantage": AdvantageConfig,
+    "loss": LossConfig,
+    "trainer": TrainerConfig,
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+    # -- conversion ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (tuples as lists), the YAML layout."""
+        return {
+            name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            for name in SECTIONS
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> "TrainConfig":
+        """Strict: an unknown section or key is an error naming it."""
+        unknown = set(d) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; sections are {list(SECTIONS)}")
+        sections = {}
+        for name, kls in SECTIONS.items():
+            raw = d.get(name) or {}
+            hints = typing.get_type_hints(kls)
+            bad = set(raw) - set(hints)
+            if bad:
+                raise ValueError(f"{where}: unknown key(s) {sorted(bad)} in section {name!r}; known: {sorted(hints)}")
+            kw = {}
+            for key, value in raw.items():
+                try:
+                    kw[key] = _coerce(value, hints[key])
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{where}: {name}.{key}: {e}") from e
+            sections[name] = kls(**kw)
+        return cls(**sections)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+        try:
+            d = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read config file {path}: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: a config file is a mapping of sections (data:, model:, loss:, ...)")
+        return cls.from_dict(d, where=str(path))
+
+    def validate(self) -> "TrainConfig":
+        """Raise ValueError with the fix for any setting a run cannot use."""
+        loss, opt, data, tr = self.loss, self.optim, self.data, self.trainer
+        checks = [
+            (bool(data.path), "no dataset: pass --data DATASET"),
+            (bool(self.model.path), "no model: pass --model PATH (the policy that generated the data)"),
+            (bool(tr.out), "no output directory: pass --out DIR"),
+            (0 <= loss.eps_low < 1, f"--eps-low {loss.eps_low} must be in [0, 1)"),
+            (loss.eps_high >= 0, f"--eps-high {loss.eps_high} must be >= 0"),
+            (loss.dual_clip_c is None or loss.dual_clip_c > 1, f"--dual-clip-c {loss.dual_clip_c} must be > 1"),
+            (loss.tis_c > 0, f"--tis-c {loss.tis_c} must be > 0"),
+            (0 <= loss.mis_low < loss.mis_high, "MIS bounds need 0 <= --mis-low < --mis-high"),
+            (loss.kl_coef >= 0 and loss.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0"),
+            (loss.norm_len is None or loss.norm_len > 0, "--norm-len must be > 0"),
+            (opt.lr >= 0 and opt.warmup_steps >= 0, "--lr and --warmup-steps must be >= 0"),
+            (len(opt.betas) == 2, f"--betas takes two numbers, got {opt.betas}"),
+            (data.groups_per_step > 0 and data.micro_batch_tokens > 0, "--groups-per-step, --micro-batch-tokens: > 0"),
+            (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
+            (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
+            (self.model.logprob_chunk_tokens > 0, "--logprob-chunk-tokens must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """A YAML/CLI value -> the field's type (tuples from lists or comma strings, None from 'none')."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(_coerce(v.strip() if isinstance(v, str) else v, args[0]) for v in items if v != "")
+    if hint is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{value!r} is not a boolean")
+        return bool(value)
+    if hint is float and isinstance(value, (int, float, str)):
+        return float(value)
+    if hint is int and not isinstance(value, bool) and isinstance(value, (int, str)):
+        return int(value)
+    if hint is str:
+        return str(value)
+    raise TypeError(f"{value!r} is not a {getattr(hint, '__name__', hint)}")
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return "--" + (field.metadata.get("flag") or field.name).replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, grouped by section; unset flags do not override the YAML."""
+    for name, kls in SECTIONS.items():
+        group = parser.add_argument_group(name, kls.__doc__)
+        hints = typing.get_type_hints(kls)
+        for field in dataclasses.fields(kls):
+            hint = hints[field.name]
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            kw: dict[str, Any] = dict(
+                dest=f"{name}.{field.name}", default=argparse.SUPPRESS, help=f"{field.metadata['help']} (default: {shown})"
+            )
+            if hint is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+                kw["metavar"] = "{" + ",".join(choices) + "}" if choices else field.name.upper()
+            group.add_argument(flag_of(field), **kw)
+
+
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    """Defaults < YAML file (``args.config``) < the flags that were given."""
+    config_path = getattr(args, "config", None)
+    base = TrainConfig.from_yaml(config_path).to_dict() if config_path else TrainConfig().to_dict()
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            base[section][key] = value
+    return TrainConfig.from_dict(base, where="command line").validate()

@@ -1,0 +1,280 @@
+"""Policy losses of GRPO from stored rollouts (pure functions of tensors -> ``(loss, metrics)``).
+
+Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss formulas"):
+
+* ratio ``rho = exp(logp - logp_old)``, the log-ratio clamped to
+  ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp``. ``logp_old`` is the stored
+  rollout logprob (bypass mode, the default: slime ``--use-rollout-logprobs``, verl
+  bypass) or the proximal policy's logprob recomputed once per step (decoupled mode,
+  AReaL).
+* PPO clip, clip-higher: ``L = max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``;
+  dual clip for ``A < 0``: ``L = min(L, -c A)``.
+* GSPO (``ratio_level="sequence"``): ``s_i = exp(mean_t m (logp - logp_old))``, used
+  per token as ``s_i * exp(logp_t - sg(logp_t))`` so its value is ``s_i`` and its
+  gradient is GSPO's (verl's "GSPO-token" form). With every token of a sequence at
+  the same log-ratio it equals the token-level loss exactly.
+* Decoupled mode: ``rho = pi / pi_prox`` and the clipped loss is multiplied by the
+  (constant) importance weight ``w = pi_prox / pi_rollout``: truncated ``min(w, C)``
+  (TIS) or masked ``w * [a <= w <= b]`` (MIS, icepop), per token, per sequence (the
+  product over the sequence) or per sequence geometric mean.
+* Aggregation, normalized by counts of the *global* batch (:class:`LossNorm`: every
+  micro-batch of the optimizer step on every data-parallel rank) so that summing the
+  micro-batch gradients equals the gradient of one large batch:
+  token-mean ``sum(m L) / n_tokens``; seq-mean-token-mean
+  ``sum_i (sum_t m L / sum_t m) / n_seqs``; seq-mean-token-sum-norm (Dr. GRPO)
+  ``sum(m L) / (n_seqs * norm_len)``.
+* Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
+  k2 ``lr^2 / 2``, k3 ``exp(-lr) - 1 + lr``; and an entropy bonus.
+
+Metrics are local to the micro-batch; means are over its valid tokens (combine them
+weighted by ``tokens``), ``*_min`` / ``*_max`` by min / max, ``loss/*`` by sum.
+The importance-weight statistics (``is/*``) describe ``pi_prox / pi_rollout`` in
+decoupled mode and ``pi / pi_rollout`` (the ratio itself) in bypass mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rollshard.train.config import LossConfig
+
+# Log-ratios are clamped to +-20 before exp: exp(20) ~ 4.9e8 stays finite in fp32 (and
+# so does its square in the metrics), while a real mismatch that large is clipped by
+# PPO anyway. Without it one bad token (a dropped logprob, a wrong temperature) makes
+# the loss inf/NaN for the whole step.
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LossNorm:
+    """Normalizers of the global batch (sums over micro-batches and ranks)."""
+
+    tokens: float  # tokens with loss_mask > 0
+    sequences: float  # sequences with at least one such token
+    norm_len: float  # length constant of seq-mean-token-sum-norm
+
+    @classmethod
+    def of(
+        cls,
+        loss_mask: torch.Tensor,  # [T]
+        cu_seqlens: torch.Tensor,  # [S+1]
+        *,
+        norm_len: float | None = None,
+    ) -> "LossNorm":
+        """The normalizers of one micro-batch alone (combine several with :meth:`combine`)."""
+        counts = segment_sum(loss_mask.float(), cu_seqlens)  # [S]
+        return cls(
+            tokens=float(counts.sum()),
+            sequences=float((counts > 0).sum()),
+            norm_len=float(norm_len if norm_len is not None else (counts.max() if counts.numel() else 0.0)),
+        )
+
+    @classmethod
+    def combine(cls, parts: list["LossNorm"], *, norm_len: float | None = None) -> "LossNorm":
+        return cls(
+            tokens=sum(p.tokens for p in parts),
+            sequences=sum(p.sequences for p in parts),
+            norm_len=float(norm_len if norm_len is not None else max((p.norm_len for p in parts), default=0.0)),
+        )
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:  # [T]
+    """Index of the sequence each packed token belongs to."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+
+
+def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:  # [S]
+    """Per-sequence sum of a packed ``[T]`` tensor (differentiable)."""
+    S = cu_seqlens.numel() - 1
+    return torch.zeros(S, dtype=values.dtype, device=values.device).index_add(0, sequence_ids(cu_seqlens), values)
+
+
+def aggregate(
+    values: torch.Tensor,  # [T] per-token loss
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    *,
+    agg: str,
+    norm: LossNorm,
+) -> torch.Tensor:  # []
+    """Masked aggregation of a per-token loss, normalized by the global batch's counts."""
+    if agg == "token-mean":
+        return (values * mask).sum() / max(norm.tokens, 1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = segment_sum(values * mask, cu_seqlens) / segment_sum(mask, cu_seqlens).clamp(min=1.0)  # [S]
+        return per_seq.sum() / max(norm.sequences, 1.0)
+    if agg == "seq-mean-token-sum-norm":
+        return (values * mask).sum() / max(norm.sequences * norm.norm_len, 1.0)
+    raise ValueError(f"unknown aggregation {agg!r}; use token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+
+
+def kl_penalty(
+    logp: torch.Tensor,  # [T]
+    ref_logp: torch.Tensor,  # [T]
+    kind: str,
+) -> torch.Tensor:  # [T]
+    """Per-token KL estimator of KL(pi || pi_ref) from samples of pi (k1, k2, k3; Schulman 2020)."""
+    lr = (logp - ref_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "k1":
+        return lr
+    if kind == "k2":
+        return 0.5 * lr * lr
+    if kind == "k3":
+        return torch.exp(-lr) - 1.0 + lr
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def importance_weight(
+    prox_logp: torch.Tensor,  # [T]
+    rollout_logp: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T]
+    cu_seqlens: torch.Tensor,  # [S+1]
+    *,
+    level: str,
+) -> torch.Tensor:  # [T]
+    """``pi_prox / pi_rollout`` per token, or per sequence (product / geometric mean) broadcast to tokens."""
+    lr = (prox_logp - rollout_logp).detach() * mask  # [T]
+    if level == "token":
+        return torch.exp(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    seq = segment_sum(lr, cu_seqlens)  # [S] log of the product
+    if level == "geometric":
+        seq = seq / segment_sum(mask, cu_seqlens).clamp(min=1.0)
+    elif level != "sequence":
+        raise ValueError(f"unknown importance-weight level {level!r}; use token, sequence or geometric")
+    return torch.exp(seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[sequence_ids(cu_seqlens)]
+
+
+def policy_loss(
+    logp: torch.Tensor,  # [T] current policy, requires grad
+    *,
+    rollout_logp: torch.Tensor,  # [T] stored engine logprobs
+    advantages: torch.Tensor,  # [T]
+    loss_mask: torch.Tensor,  # [T]
+    cu_seqlens: torch.Tensor,  # [S+1]
+    config: LossConfig,
+    norm: LossNorm | None = None,
+    prox_logp: torch.Tensor | None = None,  # [T] decoupled mode: proximal policy, no grad
+    ref_logp: torch.Tensor | None = None,  # [T] reference policy, for kl_coef > 0
+    entropy: torch.Tensor | None = None,  # [T] policy entropy, for entropy_coef > 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch (its share of the global batch's loss) and its metrics."""
+    cfg = config
+    mask = loss_mask.float()  # [T]
+    if norm is None:
+        norm = LossNorm.of(loss_mask, cu_seqlens, norm_len=cfg.norm_len)
+    if cfg.mode == "decoupled":
+        if prox_logp is None:
+            raise ValueError("decoupled mode needs prox_logp (the proximal policy's logprobs)")
+        old = prox_logp.detach()
+    elif cfg.mode == "bypass":
+        old = rollout_logp
+    else:
+        raise ValueError(f"unknown loss mode {cfg.mode!r}; use bypass or decoupled")
+
+    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask  # [T]
+    if cfg.ratio_level == "sequence":
+        seq_lr = segment_sum(log_ratio.detach(), cu_seqlens) / segment_sum(mask, cu_seqlens).clamp(min=1.0)  # [S]
+        log_ratio = (logp - logp.detach()) * mask + seq_lr[sequence_ids(cu_seqlens)]  # [T] value s_i, GSPO grad
+    elif cfg.ratio_level != "token":
+        raise ValueError(f"unknown ratio level {cfg.ratio_level!r}; use token or sequence")
+    ratio = torch.exp(log_ratio)  # [T]
+
+    A = advantages.float()  # [T]
+    clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)  # [T]
+    pg = torch.maximum(-A * ratio, -A * clipped)  # [T]
+    if cfg.dual_clip_c is not None:
+        pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip_c), pg)
+
+    if cfg.mode == "decoupled":
+        w = importance_weight(prox_logp, rollout_logp, mask, cu_seqlens, level=cfg.is_level)  # [T]
+        if cfg.is_correction == "tis":
+            w_used = w.clamp(max=cfg.tis_c)
+            dropped = w > cfg.tis_c
+        elif cfg.is_correction == "mis":
+            kept = (w >= cfg.mis_low) & (w <= cfg.mis_high)
+            w_used = torch.where(kept, w, torch.zeros_like(w))
+            dropped = ~kept
+        elif cfg.is_correction == "none":
+            w_used, dropped = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+        else:
+            raise ValueError(f"unknown importance correction {cfg.is_correction!r}; use tis, mis or none")
+        pg = pg * w_used
+    else:
+        w_used = ratio.detach()
+        dropped = torch.zeros_like(mask, dtype=torch.bool)
+
+    pg_loss = aggregate(pg, mask, cu_seqlens, agg=cfg.agg, norm=norm)
+    loss = pg_loss
+    metrics: dict[str, torch.Tensor] = {"loss/policy": pg_loss.detach()}
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp (the reference policy's logprobs)")
+        kl = aggregate(kl_penalty(logp, ref_logp, cfg.kl_type), mask, cu_seqlens, agg=cfg.agg, norm=norm)
+        loss = loss + cfg.kl_coef * kl
+        metrics["loss/kl"] = kl.detach()
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the policy entropy per token")
+        ent = aggregate(entropy, mask, cu_seqlens, agg=cfg.agg, norm=norm)
+        loss = loss - cfg.entropy_coef * ent
+        metrics["loss/entropy"] = ent.detach()
+    metrics["loss/total"] = loss.detach()
+    metrics.update(
+        token_metrics(
+            logp.detach(), rollout_logp=rollout_logp, ratio=ratio.detach(), advantages=A, mask=mask,
+            is_weight=w_used, is_dropped=dropped, config=cfg, entropy=entropy,
+        )
+    )
+    return loss, metrics
+
+
+def token_metrics(
+    logp: torch.Tensor,  # [T]
+    *,
+    rollout_logp: torch.Tensor,  # [T]
+    ratio: torch.Tensor,  # [T] the ratio that was clipped
+    advantages: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T]
+    is_weight: torch.Tensor,  # [T]
+    is_dropped: torch.Tensor,  # [T] bool: weight truncated (TIS) or masked out (MIS)
+    config: LossConfig,
+    entropy: torch.Tensor | None = None,  # [T]
+) -> dict[str, torch.Tensor]:
+    """Mismatch, ratio, clip and importance-weight statistics over the valid tokens."""
+    on = mask > 0  # [T]
+    n = on.sum()
+    if int(n) == 0:
+        return {"tokens": n.float()}
+    A, r = advantages[on], ratio[on]  # [K]
+    diff = (logp - rollout_logp)[on]  # [K] log(pi / pi_rollout)
+    w = is_weight[on]  # [K]
+    out = {
+        "tokens": n.float(),
+        "ratio/mean": r.mean(),
+        "ratio/min": r.min(),
+        "ratio/max": r.max(),
+        "clip/frac_low": ((A < 0) & (r < 1.0 - config.eps_low)).float().mean(),
+        "clip/frac_high": ((A > 0) & (r > 1.0 + config.eps_high)).float().mean(),
+        "mismatch/abs_diff_mean": diff.abs().mean(),
+        "mismatch/abs_diff_max": diff.abs().max(),
+        # k3 estimate of KL(pi_rollout || pi) from the rollout's own samples: u - 1 - log u, u = pi / pi_rollout.
+        "mismatch/k3_kl": (torch.expm1(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - diff).mean(),
+        "is/mean": w.mean(),
+        "is/sq_mean": (w * w).mean(),
+        "is/min": w.min(),
+        "is/max": w.max(),
+        "is/frac_dropped": is_dropped[on].float().mean(),
+    }
+    if config.dual_clip_c is not None:
+        out["clip/frac_dual"] = ((A < 0) & (r > config.dual_clip_c)).float().mean()
+    if entropy is not None:
+        out["entropy/mean"] = entropy.detach()[on].mean()
+    return out
+
+
+def effective_sample_size(w_mean: float, w_sq_mean: float) -> float:
+    """Normalized ESS of importance weights, ``mean(w)^2 / mean(w^2)`` in (0, 1]; 1 when all weights are equal."""
+    return w_mean * w_mean / w_sq_mean if w_sq_mean > 0 else 0.0

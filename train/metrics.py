@@ -1,0 +1,165 @@
+"""Per-step metrics: combine micro-batches and ranks, write JSONL and TensorBoard.
+
+:class:`MetricAccumulator` holds four kinds of entries, each combined the way its
+meaning needs: sums (loss terms, already normalized by the global batch; counts),
+weighted means (per-token statistics, weighted by valid tokens), minima and maxima.
+Its state is plain JSON, so data-parallel ranks exchange it without pickle and rank 0
+merges them. :func:`loss_metric_kind` maps the names returned by
+:func:`rollshard.train.losses.policy_loss` onto these kinds.
+
+:class:`MetricsLogger` appends one JSON object per step to ``OUT/metrics.jsonl`` and
+writes the same scalars as TensorBoard events under ``OUT/tb`` (with the staleness
+histogram). On resume, lines and events after the checkpoint's step are dropped, so
+the files read as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def loss_metric_kind(name: str) -> str:
+    """How a loss metric combines over micro-batches: sum, min, max or mean (token-weighted)."""
+    leaf = name.rsplit("/", 1)[-1]
+    if name.startswith("loss/") or name == "tokens":
+        return "sum"
+    if leaf == "min" or leaf.endswith("_min"):
+        return "min"
+    if leaf == "max" or leaf.endswith("_max"):
+        return "max"
+    return "mean"
+
+
+class MetricAccumulator:
+    """Sums, weighted means, minima and maxima of named scalars."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.means: dict[str, list[float]] = {}  # name -> [weighted sum, weight]
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add_sum(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+    def add_mean(self, name: str, value: float, weight: float = 1.0) -> None:
+        if weight > 0:
+            acc = self.means.setdefault(name, [0.0, 0.0])
+            acc[0] += float(value) * weight
+            acc[1] += weight
+
+    def add_min(self, name: str, value: float) -> None:
+        self.mins[name] = min(self.mins.get(name, math.inf), float(value))
+
+    def add_max(self, name: str, value: float) -> None:
+        self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
+
+    def add_loss_metrics(self, metrics: dict[str, Any], weight: float) -> None:
+        """Metrics of one micro-batch from ``policy_loss``, means weighted by ``weight`` (its valid tokens)."""
+        for name, value in metrics.items():
+            v = float(value)
+            kind = loss_metric_kind(name)
+            if kind == "sum":
+                self.add_sum(name, v)
+            elif kind == "min":
+                self.add_min(name, v)
+            elif kind == "max":
+                self.add_max(name, v)
+            else:
+                self.add_mean(name, v, weight)
+
+    def state(self) -> dict[str, Any]:
+        return {"sums": self.sums, "means": self.means, "mins": self.mins, "maxs": self.maxs}
+
+    @classmethod
+    def merged(cls, states: list[dict[str, Any]]) -> "MetricAccumulator":
+        acc = cls()
+        for s in states:
+            for k, v in s["sums"].items():
+                acc.add_sum(k, v)
+            for k, (wsum, w) in s["means"].items():
+                m = acc.means.setdefault(k, [0.0, 0.0])
+                m[0] += wsum
+                m[1] += w
+            for k, v in s["mins"].items():
+                acc.add_min(k, v)
+            for k, v in s["maxs"].items():
+                acc.add_max(k, v)
+        return acc
+
+    def result(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.sums)
+        out.update({k: wsum / w for k, (wsum, w) in self.means.items() if w > 0})
+        out.update(self.mins)
+        out.update(self.maxs)
+        return out
+
+
+def mean_std(total: float, total_sq: float, n: float) -> tuple[float, float]:
+    """Mean and population std from a sum, a sum of squares and a count."""
+    if n <= 0:
+        return 0.0, 0.0
+    mean = total / n
+    return mean, math.sqrt(max(total_sq / n - mean * mean, 0.0))
+
+
+class MetricsLogger:
+    """``metrics.jsonl`` plus TensorBoard events in the output directory (rank 0 only)."""
+
+    def __init__(self, out: Path, *, enabled: bool = True, tensorboard: bool = True, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = Path(out) / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = resume_step + 1 if resume_step is not None else None
+            self.tb = SummaryWriter(str(Path(out) / "tb"), purge_step=purge)
+
+    def log(self, step: int, metrics: dict[str, float], *, histograms: dict[str, list[float]] | None = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in sorted(metrics.items())}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+            for k, values in (histograms or {}).items():
+                if values:
+                    import numpy as np
+
+                    self.tb.add_histogram(k, np.asarray(values, dtype=np.float64), step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _finite(v: float) -> float | str:
+    """JSON has no inf/NaN; write them as strings so a diverged step is still readable."""
+    v = float(v)
+    return v if math.isfinite(v) else str(v)
+
+
+def read_metrics(out: str | Path) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` records of a run, in step order."""
+    path = Path(out) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
