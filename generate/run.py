@@ -105,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_model_loading()
     try:
         _check_args(args)
         task, system, prompts = _load_inputs(args)
@@ -172,6 +171,7 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
     )
     config = _generation_config(args, system, task, sampling)
     _check_existing(args.out, config)  # before the engine: a refused resume costs no model load
+    _quiet_model_loading()
     engine = await _connect(args)
     try:
         info = await _model_info(engine, args.engine)
@@ -201,7 +201,8 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
                 writer=writer,
                 options=RunnerOptions(
                     concurrency=args.concurrency,
-                    request_timeout=args.request_timeout,
+                    # The SGLang client times out (and retries) each request itself; the embedded engine does not.
+                    request_timeout=args.request_timeout if args.engine.strip().startswith("embedded:") else None,
                     retries=args.retries,
                     commit_every=args.commit_every,
                     commit_interval=args.commit_interval,

@@ -1,16 +1,16 @@
 """The batch runner: episodes of an agent system over prompts, written to a dataset, resumable.
 
-Unit of work and of resume: the *episode* (every row one prompt produces). An
-episode's rows are handed to the writer in one ``write_groups`` call, and shards are
-committed only between such calls, so a committed shard never holds part of an
-episode. A prompt is done when its ``prompt_id`` is in the dataset; a rerun of the
+Unit of work and of resume: the *episode* (every row one prompt produces). Finished
+episodes go to the writer whole, up to :data:`WRITE_BATCH` of them in one
+``write_groups`` call, and shards are committed only between such calls, so a committed
+shard never holds part of an episode. A prompt is done when its ``prompt_id`` is in the dataset; a rerun of the
 same command skips done prompts and runs the rest. Sample ids and sampling seeds are
 functions of (prompt, agent, round, index), so the rerun names and (on a deterministic
 engine) samples every row as an uninterrupted run would.
 
 Concurrency: at most ``concurrency`` engine requests in flight (:class:`GatedEngine`);
-episodes are started while fewer than ``2 * ceil(concurrency / calls per round)`` run,
-so later rounds (one selector) do not leave request slots idle.
+episodes are started while fewer than ``EPISODES_PER_SLOT * ceil(concurrency / calls
+per round)`` run, so later rounds (one selector) do not leave request slots idle.
 
 Failures: a transient error (engine, transport, timeout) retries the whole episode
 with exponential backoff; an episode that still fails, or fails with a permanent error
@@ -35,19 +35,22 @@ import time
 from typing import Any
 
 import aiohttp
-import pyarrow as pa
 from tqdm import tqdm
 
 from rollshard.generate.agents import AgentSystem, Episode
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.schema import RowInvariantError, rows_to_table
+from rollshard.store.schema import Row, rows_to_table
 from rollshard.store.writer import ShardWriter
 
 EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 FAILURE_DIR = "_failures"
 TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, ConnectionError, OSError)
+# Episodes in flight per request slot's worth of calls: enough that rounds with few calls (one selector)
+# and episodes in the same round at once still leave no slot idle (measured in bench_generate.py).
+EPISODES_PER_SLOT = 4
+WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
 # Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs.
 GENERATION_KEYS = ("agents", "task", "sampling", "seed", "input_key", "label_key", "id_key")
@@ -78,10 +81,13 @@ class GatedEngine(Engine):
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
         async with self._slots:
-            try:
-                result = await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
-            except asyncio.TimeoutError as e:
-                raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
+            if self.request_timeout is None:  # the engine enforces its own (the SGLang client does)
+                result = await self.inner.generate(input_ids, sampling, rid=rid)
+            else:
+                try:
+                    result = await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
+                except asyncio.TimeoutError as e:
+                    raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
         self.requests += 1
         self.completion_tokens += len(result.output_ids)
         return result
@@ -154,22 +160,23 @@ class Runner:
 
     async def run(self, prompts: list[Prompt]) -> RunResult:
         start = time.monotonic()
-        done = self.done_prompt_ids()
-        todo = [p for p in prompts if p.prompt_id not in done]
-        result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
-        ledger = Ledger(self.writer)
-        bar = tqdm(
+        self._done = self.done_prompt_ids()
+        todo = [p for p in prompts if p.prompt_id not in self._done]
+        self._result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
+        self._ledger = Ledger(self.writer)
+        self._pending: list[tuple[Prompt, list[Row]]] = []
+        self._since_commit, self._last_commit, self._start = 0, time.monotonic(), start
+        self._bar = tqdm(
             total=len(prompts),
-            initial=result.prompts_skipped,
+            initial=self._result.prompts_skipped,
             unit="prompt",
             desc="generate",
             disable=not self.options.progress,
             dynamic_ncols=True,
         )
-        self._install_signal_handlers()
-        last_commit, since_commit = time.monotonic(), 0
-        in_flight_max = 2 * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
+        in_flight_max = EPISODES_PER_SLOT * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
         queue = iter(todo)
+        self._install_signal_handlers()
         try:
             while True:
                 while not self._stopping and len(self._tasks) < in_flight_max:
@@ -184,42 +191,19 @@ class Runner:
                 finished, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     self._tasks.discard(task)
-                    if task.cancelled():
-                        continue
-                    prompt = task.prompt  # type: ignore[attr-defined]
-                    outcome = task.result()
-                    if isinstance(outcome, pa.Table):
-                        outcome = self._write(prompt, outcome)
-                    if isinstance(outcome, pa.Table):
-                        result.episodes += 1
-                        result.rows += outcome.num_rows
-                        result.response_tokens += _response_tokens(outcome)
-                        since_commit += 1
-                        done.add(prompt.prompt_id)
-                    else:
-                        result.failed[prompt.prompt_id] = outcome
-                        ledger.record(prompt.prompt_id, outcome)
-                    bar.update(1)
-                    elapsed = max(time.monotonic() - start, 1e-9)
-                    bar.set_postfix(
-                        rows=result.rows, tok_s=f"{result.response_tokens / elapsed:.0f}", failed=len(result.failed),
-                        refresh=False,
-                    )
-                if since_commit and (
-                    since_commit >= self.options.commit_every
-                    or time.monotonic() - last_commit >= self.options.commit_interval
-                ):
-                    self.writer.commit()
-                    last_commit, since_commit = time.monotonic(), 0
+                    if not task.cancelled():
+                        self._finished(task.prompt, task.result())  # type: ignore[attr-defined]
+                self._maybe_write_and_commit(final=False)
         finally:
             self._remove_signal_handlers()
             for task in self._tasks:
                 task.cancel()
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
-            bar.close()
-        self.writer.commit()
-        result.ledger = ledger.finish(done)
+            self._bar.close()
+        self._maybe_write_and_commit(final=True)
+        result = self._result
+        result.ledger = self._ledger.finish(self._done)
         result.interrupted = self._stopping
         result.seconds = time.monotonic() - start
         if result.interrupted:
@@ -228,8 +212,57 @@ class Runner:
             result.exit_code = EXIT_FAILURES
         return result
 
-    async def _episode(self, prompt: Prompt) -> pa.Table | dict[str, Any]:
-        """The episode's rows as one table, or a failure record after the last attempt."""
+    def _finished(self, prompt: Prompt, outcome: list[Row] | dict[str, Any]) -> None:
+        if isinstance(outcome, list):
+            self._pending.append((prompt, outcome))
+        else:
+            self._fail(prompt, outcome)
+        self._bar.update(1)
+
+    def _fail(self, prompt: Prompt, failure: dict[str, Any]) -> None:
+        self._result.failed[prompt.prompt_id] = failure
+        self._ledger.record(prompt.prompt_id, failure)
+
+    def _maybe_write_and_commit(self, *, final: bool) -> None:
+        """Hand finished episodes to the writer in batches; commit on the episode or time budget."""
+        o = self.options
+        commit_due = self._since_commit + len(self._pending) >= o.commit_every or (
+            time.monotonic() - self._last_commit >= o.commit_interval
+        )
+        if final or commit_due or len(self._pending) >= WRITE_BATCH:
+            self._write_pending()
+        if self._since_commit and (final or commit_due):
+            self.writer.commit()
+            self._since_commit, self._last_commit = 0, time.monotonic()
+
+    def _write_pending(self) -> None:
+        """One ``write_groups`` call for many whole episodes; a shard commit never falls inside one."""
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            self.writer.write_groups(rows_to_table([row for _, rows in batch for row in rows]))
+            written = batch
+        except ValueError:  # a row breaks the schema or an invariant: find the episode, write the others
+            written = []
+            for prompt, rows in batch:
+                try:
+                    self.writer.write_groups(rows_to_table(rows))  # validates every row before buffering any
+                    written.append((prompt, rows))
+                except ValueError as e:
+                    self._fail(prompt, _failure(e, 1))
+        r = self._result
+        for prompt, rows in written:
+            r.episodes += 1
+            r.rows += len(rows)
+            r.response_tokens += sum(len(row.response_tokens) for row in rows)
+            self._done.add(prompt.prompt_id)
+        self._since_commit += len(written)
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self._bar.set_postfix(rows=r.rows, tok_s=f"{r.response_tokens / elapsed:.0f}", failed=len(r.failed))
+
+    async def _episode(self, prompt: Prompt) -> list[Row] | dict[str, Any]:
+        """The episode's rows, or a failure record after the last attempt."""
         attempts = self.options.retries + 1
         for attempt in range(attempts):
             episode = Episode(
@@ -247,7 +280,7 @@ class Runner:
                 rows = await self.system.run(episode)
                 if not rows:
                     raise ValueError(f"agent system {self.system.name!r} produced no rows")
-                return rows_to_table(rows)
+                return rows
             except TRANSIENT_ERRORS as e:
                 error = e
                 if attempt + 1 < attempts:
@@ -255,13 +288,6 @@ class Runner:
             except Exception as e:  # permanent (ContextFullError, a verifier or system error): recorded, not retried
                 return _failure(e, attempt + 1)
         return _failure(error, attempts)
-
-    def _write(self, prompt: Prompt, table: pa.Table) -> pa.Table | dict[str, Any]:
-        try:
-            self.writer.write_groups(table)  # validates every row before buffering any
-        except RowInvariantError as e:
-            return _failure(e, 1)
-        return table
 
     # -- interrupt --------------------------------------------------------------------------
 
@@ -357,7 +383,3 @@ def _failure(error: BaseException, attempts: int) -> dict[str, Any]:
     return {"error": f"{type(error).__name__}: {text}", "attempts": attempts}
 
 
-def _response_tokens(table: pa.Table) -> int:
-    import pyarrow.compute as pc
-
-    return int(pc.sum(pc.list_value_length(table.column("response_tokens"))).as_py() or 0)

@@ -111,6 +111,7 @@ class Server:
             "completion_tokens": result.completion_tokens,
             "cached_tokens": result.meta.get("cached_tokens", 0),
             "weight_version": result.weight_version,
+            "weight_versions": [dataclasses.asdict(w) for w in result.weight_versions or []],
             "e2e_latency": time.perf_counter() - start,
         }
         if body.get("return_logprob"):

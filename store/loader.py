@@ -538,7 +538,7 @@ class _Stream:
         files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
         epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
         try:
-            while self.cfg.num_epochs is None or epoch < self.cfg.num_epochs:
+            while (self.cfg.num_epochs is None or epoch < self.cfg.num_epochs) and not stop.is_set():
                 order = self.plan(epoch).order
                 for i in range(pos, len(order)):
                     if stop.is_set():
@@ -547,6 +547,12 @@ class _Stream:
                     if data is None:
                         block = self.blocks[order[i]]
                         data = _read_block(self._file(files, block.shard), block, self.filters)
+                        if len(data.group_ids) != block.num_groups:
+                            raise RuntimeError(
+                                f"{self.dataset.files[block.shard]}: row groups {list(block.row_groups)} hold "
+                                f"{len(data.group_ids)} groups, {block.num_groups} when the loader opened the dataset; "
+                                "a committed shard must not change (open a new loader)"
+                            )
                     yield (epoch, i), data
                 epoch, pos = epoch + 1, 0
         finally:
@@ -566,15 +572,18 @@ class _Stream:
         self,
         start: _Cursor,
         counts: dict[str, int],
+        preloaded: dict,
         held: dict,
         version: "_VersionBox",
         stop: threading.Event,
     ) -> Iterator[_Item]:
-        """Steps and epoch ends from ``start`` on. ``held`` keeps the current window's blocks (for a restart)."""
+        """Steps and epoch ends from ``start`` on.
+
+        ``preloaded``: blocks already in memory, by (epoch, position); ``held`` receives the blocks of the
+        current window, so that a restart (a version change) need not read them again.
+        """
         cfg, w = self.cfg, self.world_size
         full = cfg.groups_per_step * w
-        preloaded = dict(held)
-        held.clear()
         reader = _Background(
             lambda s: self.read_blocks(start, preloaded, s), cfg.prefetch, f"rollshard-loader-read-{self.rank}"
         )
@@ -644,7 +653,7 @@ class _Stream:
 
     def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts) -> _Item:
         n, r, w = len(pending), self.rank, self.world_size
-        mine = pending[r * n // w : (r + 1) * n // w]  # a full step: groups_per_step each
+        mine = pending[r * n // w : (r + 1) * n // w]  # groups_per_step each in a full step; a tail as even as can be
         seqs, zero_var = self._sequences(mine)
         batches, efficiency = pack(seqs, self.cfg.micro_batch_tokens)
         if self.cfg.pin_memory and torch.cuda.is_available():
@@ -735,7 +744,7 @@ class RolloutLoader:
         self._epoch_counts: dict[str, int] = {}
         self.epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
         self._producer: _Background | None = None
-        self._held: dict = {}  # blocks of the stopped producer's window (reused by a restart)
+        self._held: dict = {}  # the producer's current window of blocks (reused by a restart)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -829,9 +838,11 @@ class RolloutLoader:
 
     def _start_producer(self) -> _Background:
         # the thread holds the stream and a view of the version, never the loader, so an abandoned loader is freed
-        stream, start, counts, held, version = self._stream, self._cursor, dict(self._epoch_counts), self._held, self._version
+        stream, start, counts, version = self._stream, self._cursor, dict(self._epoch_counts), self._version
+        preloaded, held = dict(self._held), {}  # copied here: a producer that outlived close() cannot touch it
+        self._held = held
         self._producer = _Background(
-            lambda stop: stream.items(start, counts, held, version, stop),
+            lambda stop: stream.items(start, counts, preloaded, held, version, stop),
             self.config.prefetch,
             f"rollshard-loader-steps-{self.rank}",
         )

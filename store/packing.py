@@ -28,6 +28,7 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 DEFAULT_TEMPERATURE = 1.0  # rows without a recorded temperature were sampled at the engine default
@@ -104,19 +105,19 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
     """
     if budget < 1:
         raise ValueError(f"micro-batch budget must be at least 1 token, got {budget}")
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    remaining = np.zeros(len(order), np.int64)  # room left in each open bin
+    order = np.argsort(-np.asarray(lengths), kind="stable").tolist()
+    sizes = np.asarray(lengths).tolist()
+    room: list[int] = []  # budget left in each bin (a plain list: bins are few, numpy calls cost more)
     members: list[list[int]] = []
-    for i in order.tolist():
-        n = int(lengths[i])
-        fits = np.flatnonzero(remaining[: len(members)] >= n) if n <= budget else ()
-        if len(fits):
-            b = int(fits[0])
-            remaining[b] -= n
-            members[b].append(i)
-        else:
-            remaining[len(members)] = max(budget - n, 0)
+    for i in order:
+        n = sizes[i]
+        b = next((b for b, r in enumerate(room) if r >= n), None) if n <= budget else None
+        if b is None:
+            room.append(max(budget - n, 0))
             members.append([i])
+        else:
+            room[b] -= n
+            members[b].append(i)
     return [np.sort(np.asarray(m, np.int64)) for m in members]
 
 
@@ -135,31 +136,33 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
     seq_len = p_len + np.fromiter((len(seqs.response[i]) for i in order), np.int64, len(order))  # [S]
     cu = np.zeros(len(order) + 1, np.int64)  # [S+1] over the whole step
     np.cumsum(seq_len, out=cu[1:])
+    # One vectorized pass per array (np.concatenate into the output; slice-by-slice casting assignment
+    # measured 6x slower), into buffers from Arrow's memory pool, which keeps freed pages for the next
+    # step (fresh numpy arrays of this size are mmap'ed and page-faulted in every step: 2x slower).
     total = int(cu[-1])
-    input_ids = np.empty(total, np.int64)  # [T]
-    position_ids = np.empty(total, np.int64)  # [T]
-    loss_mask = np.empty(total, np.float32)  # [T]
-    logprobs = np.empty(total, np.float32)  # [T]
-    positions = np.arange(int(seq_len.max()), dtype=np.int64)
-    for k, i in enumerate(order.tolist()):
-        start, mid, end = int(cu[k]), int(cu[k] + p_len[k]), int(cu[k + 1])
-        input_ids[start:mid] = seqs.prompt[i]
-        input_ids[mid:end] = seqs.response[i]
-        position_ids[start:end] = positions[: end - start]
-        loss_mask[start:mid] = 0.0
-        loss_mask[mid:end] = seqs.mask[i]
-        logprobs[start:mid] = 0.0
-        logprobs[mid:end] = seqs.logprobs[i]
-        if mid == start and end > start:  # empty prompt: nothing predicts the first token
-            loss_mask[mid] = 0.0
+    longest = int(seq_len.max())
+    zeros_u8, zeros_f32 = np.zeros(longest, np.uint8), np.zeros(longest, np.float32)
+    positions = np.arange(longest, dtype=np.int64)
+    idx, prompt_lens, lens = order.tolist(), p_len.tolist(), seq_len.tolist()
+    input_ids = _pooled(total, np.int64)  # [T]
+    np.concatenate([t for i in idx for t in (seqs.prompt[i], seqs.response[i])], out=input_ids)
+    position_ids = _pooled(total, np.int64)  # [T]
+    np.concatenate([positions[:n] for n in lens], out=position_ids)
+    loss_mask = _pooled(total, np.float32)  # [T]
+    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], _trainable(seqs.mask[i], n))], out=loss_mask)
+    logprobs = _pooled(total, np.float32)  # [T]
+    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
     temp = seqs.temperature[order]
-    temp = np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32)
+    temp = np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32)  # [S]
+    temperature = _pooled(total, np.float32)  # [T]
+    for k, t in enumerate(temp.tolist()):
+        temperature[cu[k] : cu[k + 1]] = t
     flat = {
         "input_ids": torch.from_numpy(input_ids),
         "position_ids": torch.from_numpy(position_ids),
         "loss_mask": torch.from_numpy(loss_mask),
         "rollout_logprobs": torch.from_numpy(logprobs),
-        "temperature": torch.from_numpy(np.repeat(temp, seq_len)),
+        "temperature": torch.from_numpy(temperature),
     }
     response_start = cu[:-1] + p_len  # [S] step-wide
     group = seqs.group[order].astype(np.int64)
@@ -185,6 +188,21 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
         first = last
     capacity = sum(max(budget, b.num_tokens) for b in batches)
     return batches, total / capacity
+
+
+def _pooled(n: int, dtype) -> np.ndarray:
+    """An uninitialized writable array in Arrow's memory pool (freed when the last tensor view goes)."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(pa.allocate_buffer(n * dtype.itemsize), dtype)
+
+
+def _trainable(mask: np.ndarray, prompt_len: int) -> np.ndarray:
+    """A row with an empty prompt has no position that predicts its first token: mask it."""
+    if prompt_len or not len(mask) or not mask[0]:
+        return mask
+    out = mask.copy()
+    out[0] = 0
+    return out
 
 
 def unpack(batch: PackedBatch) -> list[dict]:

@@ -12,8 +12,10 @@ Layout of ``OUT/checkpoints/step_00000012/``:
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
 A checkpoint is written under ``.tmp-step_...`` and renamed when complete; then
-``OUT/checkpoints/latest`` (a text file naming it) is replaced by write-then-rename.
-A crash while saving leaves the previous checkpoint as the latest one.
+``OUT/checkpoints/latest``, a relative symlink to it, is replaced by
+create-then-rename, so ``--model OUT/checkpoints/latest`` (or an engine's
+``model_path``) always names a complete checkpoint. A crash while saving leaves the
+previous checkpoint as the latest one.
 """
 
 from __future__ import annotations
@@ -127,15 +129,17 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomic(root / LATEST, final.name + "\n")
+    _link_atomic(root / LATEST, final.name)
     _prune(root, keep_last)
     return final
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _link_atomic(link: Path, target: str) -> None:
+    tmp = link.with_name(link.name + ".tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -145,12 +149,11 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def latest_checkpoint(out: str | Path) -> Checkpoint | None:
-    """The checkpoint ``OUT/checkpoints/latest`` names, or None when there is none."""
-    root = Path(out) / CKPT_DIR
-    pointer = root / LATEST
-    if not pointer.exists():
+    """The checkpoint ``OUT/checkpoints/latest`` links to, or None when there is none."""
+    link = Path(out) / CKPT_DIR / LATEST
+    if not link.is_symlink():
         return None
-    return read_checkpoint(root / pointer.read_text().strip())
+    return read_checkpoint(link.resolve())
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import hashlib
+import json
 from typing import Any, ClassVar
 
 from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
@@ -128,6 +129,7 @@ class Episode:
         self.attempt = attempt
         self.max_context_len = max_context_len
         self.system = system
+        self._prompts: dict[str, tuple[str, list[int]]] = {}  # n samples of one conversation: render once
 
     def ids(self, agent: str, round: int, index: int) -> tuple[str, str]:
         group_id = f"{self.prompt.prompt_id}/{agent}/{round}"
@@ -149,13 +151,13 @@ class Episode:
         :class:`ContextFullError` when ``required``, else returns None (the call is skipped).
         """
         sample_id, group_id = self.ids(agent, round, index)
-        prompt_text = render_chat(self.tokenizer, messages)
+        prompt_text, prompt_ids = self._prompt(messages)
         call = AgentCall(
             sample_id=sample_id,
             group_id=group_id,
             agent=agent,
             round=round,
-            prompt_ids=encode(self.tokenizer, prompt_text),  # = store.tokenizer.apply_chat_template, rendered once
+            prompt_ids=prompt_ids,
             prompt_text=prompt_text,
             sampling=sampling or self.sampling,
         )
@@ -167,6 +169,18 @@ class Episode:
                 "no room for a response; shorten the prompt or raise --max-context-len"
             )
         return None
+
+    def _prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """Chat template applied (text, ids), once per distinct conversation of the episode.
+
+        The ids are ``store.tokenizer.apply_chat_template``'s: the rendered text, encoded.
+        """
+        key = json.dumps(messages, sort_keys=True)
+        hit = self._prompts.get(key)
+        if hit is None:
+            text = render_chat(self.tokenizer, messages)
+            hit = self._prompts[key] = (text, encode(self.tokenizer, text))
+        return hit
 
     async def extend(self, call: AgentCall, environment_text: str) -> bool:
         """Append environment text (mask 0) and one more model turn; False if the context is full."""

@@ -187,6 +187,12 @@ class EmbeddedEngine(Engine):
             raise EngineError(
                 f"request {rid}: prompt of {len(input_ids)} tokens does not fit the model's context of {self.context}"
             )
+        if len(input_ids) + sampling.max_new_tokens > self.context:
+            # SGLang answers 400 here too, rather than silently shortening the response.
+            raise EngineError(
+                f"request {rid}: {len(input_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} exceed "
+                f"the model's context of {self.context}; lower max_new_tokens"
+            )
         vocab = self.model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise EngineError(f"request {rid}: input_ids must lie in [0, {vocab})")
@@ -203,7 +209,7 @@ class EmbeddedEngine(Engine):
             future=loop.create_future(),
             start=time.perf_counter(),
             stop_ids=frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
-            max_new_tokens=min(sampling.max_new_tokens, self.context - len(input_ids)),
+            max_new_tokens=sampling.max_new_tokens,
         )
 
         def _mark(fut: asyncio.Future, req: _Request = req) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import random
 import uuid
 from typing import Any, Sequence
 
 import aiohttp
+import numpy as np
 
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.store.schema import WeightSpan
@@ -83,16 +83,16 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     if not isinstance(items, list):
         raise EngineError(f"request {rid}: output_token_logprobs is {type(items).__name__}, expected a list")
 
-    logprobs: list[float] = []
-    lp_ids: list[int] = []
-    for pos, item in enumerate(items):
-        if not isinstance(item, (list, tuple)) or len(item) < 2:
-            raise EngineError(f"request {rid}: output_token_logprobs[{pos}] = {item!r} is not [logprob, token_id, ...]")
-        lp, tok = item[0], item[1]
-        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) or lp > POSITIVE_LOGPROB_TOL:
-            raise EngineError(f"request {rid}: logprob of response token {pos} is {lp!r}, expected a finite float <= 0")
-        logprobs.append(min(float(lp), 0.0))
-        lp_ids.append(int(tok))
+    try:
+        lp_raw, lp_ids = ([it[0] for it in items], [it[1] for it in items]) if items else ([], [])
+        lps = np.asarray(lp_raw, dtype=np.float64)  # None -> nan, rejected below
+    except (TypeError, IndexError, KeyError, ValueError) as e:
+        raise EngineError(f"request {rid}: output_token_logprobs items must be [logprob, token_id, text]: {e}") from e
+    bad = ~(np.isfinite(lps) & (lps <= POSITIVE_LOGPROB_TOL))
+    if bad.any():
+        pos = int(np.argmax(bad))
+        raise EngineError(f"request {rid}: logprob of response token {pos} is {lp_raw[pos]!r}, expected a finite float <= 0")
+    logprobs = np.minimum(lps, 0.0).tolist()
 
     completion = meta.get("completion_tokens")
     if output_ids is None:
@@ -110,12 +110,12 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
         # An abort may stop between sending a token and its logprob: keep the prefix that has both.
         n = min(len(output_ids), len(logprobs))
         output_ids, logprobs, lp_ids = output_ids[:n], logprobs[:n], lp_ids[:n]
-    for pos, (a, b) in enumerate(zip(output_ids, lp_ids)):
-        if int(a) != b:
-            raise EngineError(
-                f"request {rid}: output_ids[{pos}] = {a} but output_token_logprobs[{pos}] names token {b}; "
-                "ids and logprobs disagree"
-            )
+    if output_ids != lp_ids:
+        pos = next(i for i, (a, b) in enumerate(zip(output_ids, lp_ids)) if a != b)
+        raise EngineError(
+            f"request {rid}: output_ids[{pos}] = {output_ids[pos]} but output_token_logprobs[{pos}] names token "
+            f"{lp_ids[pos]}; ids and logprobs disagree"
+        )
 
     n = len(output_ids)
     version = meta.get("weight_version")
@@ -125,7 +125,7 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     )
     known = {"finish_reason", "output_token_logprobs", "weight_version", "weight_versions", "prompt_tokens", "completion_tokens"}
     return GenerateResult(
-        output_ids=[int(t) for t in output_ids],
+        output_ids=output_ids,
         logprobs=logprobs,
         text=body.get("text") or "",
         finish_reason=kind,
@@ -144,6 +144,8 @@ def _weight_spans(raw: Any, n: int) -> list[WeightSpan] | None:
         return None
     if all(isinstance(s, dict) for s in raw):
         return [WeightSpan(version=str(s["version"]), start=int(s["start"]), end=int(s["end"])) for s in raw]
+    if all(isinstance(s, (list, tuple)) and len(s) == 3 for s in raw):  # msgspec array form [version, start, end]
+        return [WeightSpan(version=str(v), start=int(a), end=int(b)) for v, a, b in raw]
     if len(raw) == n:  # one version per token: compress into spans
         spans: list[WeightSpan] = []
         for i, v in enumerate(raw):

@@ -1,16 +1,18 @@
 """Loader benchmark: throughput into packed tensors, memory flatness, packing efficiency, trainer wait.
 
-    .venv/bin/python tests/bench/bench_loader.py [--groups 1200] [--window 256] [--rss-window 64]
-                                                 [--compute-s 0.25] [--repeat 3]
+    .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64]
+                                                 [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; and rank 0 of 2
-   (which reads every block and packs half). The dataset spans several shuffle windows
-   (``--window``), as a real one does, so reading and packing overlap.
+   (which reads every block and packs half). The dataset spans many shuffle windows
+   (``--window``) and row groups, as a real one does: reading the first window before the
+   first step is a fixed cost, after which reading and packing overlap on two threads.
 2. Peak RSS of a child process streaming datasets 10x and 40x larger than the loader's
    window (``--rss-window`` groups plus the prefetched blocks): it should not grow.
 3. Packing efficiency on the realistic length mix, for three micro-batch budgets.
-4. A simulated trainer: fixed compute time per step; time spent waiting in ``next()``.
+4. A simulated trainer: fixed compute time per step; time spent waiting in ``next()``
+   over the first ``--sim-steps`` steps.
 
 Rows come from store/synthetic.py (prompts 200-1,000 tokens, responses 100-4,000,
 groups of 8). Prints markdown tables for the README's Performance section.
@@ -87,7 +89,7 @@ def rss_child(path: str, window: int, prefetch: int) -> None:
     loader = RolloutLoader(ds, config)
     before = current_rss_mb()
     tokens = sum(step.num_tokens for step in loader)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = peak_rss_mb()
     print(json.dumps({"before_mb": before, "peak_mb": peak, "tokens": tokens, "bytes": ds.num_bytes}))
 
 
@@ -96,12 +98,18 @@ def current_rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def simulated_trainer(ds: RolloutDataset, compute_s: float, window: int) -> dict:
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM; ru_maxrss would carry the parent's peak across fork and exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def simulated_trainer(ds: RolloutDataset, compute_s: float, window: int, steps: int) -> dict:
     waits = []
     with RolloutLoader(ds, LoaderConfig(shuffle_window=window)) as loader:
         t_start = time.perf_counter()
         it = iter(loader)
-        while True:
+        while len(waits) < steps:
             t0 = time.perf_counter()
             try:
                 next(it)
@@ -122,10 +130,11 @@ def simulated_trainer(ds: RolloutDataset, compute_s: float, window: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=1200, help="groups (of 8 rows) in the throughput dataset")
+    ap.add_argument("--groups", type=int, default=2400, help="groups (of 8 rows) in the throughput dataset")
     ap.add_argument("--window", type=int, default=256, help="shuffle window (groups) for the throughput test")
     ap.add_argument("--rss-window", type=int, default=64, help="shuffle window (groups) for the memory test")
     ap.add_argument("--compute-s", type=float, default=0.25, help="simulated compute time per step")
+    ap.add_argument("--sim-steps", type=int, default=100, help="steps of the simulated trainer")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -165,7 +174,7 @@ def main() -> None:
         print()
 
         # 3. simulated trainer
-        sim = simulated_trainer(ds, args.compute_s, args.window)
+        sim = simulated_trainer(ds, args.compute_s, args.window, args.sim_steps)
         print(f"| simulated trainer ({args.compute_s * 1e3:.0f} ms compute per step) | value |")
         print("|---|---|")
         print(f"| steps | {sim['steps']} |")

@@ -188,6 +188,9 @@ def test_user_errors_name_the_request(tiny_gpt2):
         run(eng.generate([5, 4096], SamplingParams(), rid="r-vocab"))
     with pytest.raises(EngineError, match=r"cannot load a causal LM from"):
         run(eng.load_weights("/nonexistent/checkpoint"))
-    # A request near the context end stops there with finish reason length.
-    res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=50, stop_token_ids=[])))
+    # As SGLang: prompt + max_new_tokens beyond the context is refused, not silently shortened.
+    with pytest.raises(EngineError, match=r"request r-ctx: 1020 prompt tokens \+ max_new_tokens 50 exceed the model's context of 1024"):
+        run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=50), rid="r-ctx"))
+    eng.eos_ids = []
+    res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=4)))
     assert res.finish_reason == "length" and len(res.output_ids) == 4

@@ -18,6 +18,22 @@ import torch
 from rollshard.store.schema import Row, Status
 from rollshard.store.writer import ShardWriter
 
+# The tiny model's ops are far too small to gain from intra-op threads; on a shared 2-core
+# machine two spinning OpenMP threads per process made a step 20x slower. Subprocesses
+# started by these tests inherit OMP_NUM_THREADS.
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def single_thread(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for k, v in SINGLE_THREAD_ENV.items():
+        monkeypatch.setenv(k, v)
+    yield
+    torch.set_num_threads(threads)
+
+
 PROMPTS = [
     "Question: what is two plus two? Answer:",
     "Solve the problem step by step.",

@@ -1,0 +1,157 @@
+"""The real SGLang server (CPU, tiny GPT-2) driven by the client: logprobs, stops, aborts, weight updates.
+
+Needs the separate environment of ``scripts/make_sglang_env.sh`` (``$ROLLSHARD_SGLANG_VENV``,
+default ``.venv-sglang`` in the repository); skipped without it. One server per module:
+it takes ~30 s to start on an idle machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from rollshard.generate.engines import SamplingParams, make_engine
+from rollshard.generate.engines.embedded import load_causal_lm
+
+pytestmark = pytest.mark.sglang
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
+PYTHON = VENV / "bin" / "python"
+STARTUP_TIMEOUT_S = 600  # import of sglang + torch dominates; minutes on a busy 2-core machine
+TOL = 1e-4  # SGLang's CPU torch_native fp32 path vs transformers fp32; measured ~5e-7
+PROMPTS = [[1, 5, 6, 7], [1, *range(10, 40)], [3, 4], list(range(100, 181))]
+
+
+def _has_sglang() -> bool:
+    return PYTHON.is_file() and any(VENV.glob("lib/python3*/site-packages/sglang/__init__.py"))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_gpt2, tmp_path_factory):
+    if not _has_sglang():
+        pytest.skip(f"no SGLang environment at {VENV}; build it with scripts/make_sglang_env.sh")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    cmd = [
+        str(PYTHON), "-m", "sglang.launch_server", "--model-path", str(tiny_gpt2),
+        "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch", "--skip-server-warmup", "--max-total-tokens", "4096",
+        "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text()[-3000:]
+                pytest.fail(f"SGLang server did not start (exit {proc.poll()}); log tail:\n{tail}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group: scheduler and detokenizer too
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gpt2):
+    return load_causal_lm(tiny_gpt2)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k", [(1.0, 1.0, -1), (0.7, 1.0, -1), (0.0, 1.0, -1), (0.7, 0.9, 20)]
+)
+def test_logprobs_equal_teacher_forced(sglang_server, reference, teacher_forced, temperature, top_p, top_k):
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            info = (await eng.health_check())[0]
+            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=24)
+            return info, await asyncio.gather(*(eng.generate(p, sp) for p in PROMPTS))
+
+    info, results = run(go())
+    assert info["model_type"] == "gpt2"
+    for prompt, res in zip(PROMPTS, results):
+        assert len(res.logprobs) == len(res.output_ids) == res.completion_tokens > 0
+        # Untruncated tempered logprobs, also under top-p/top-k (SGLang's default definition).
+        want = teacher_forced(reference, prompt, res.output_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+        assert res.weight_versions and res.weight_versions[-1].end == len(res.output_ids)
+
+
+def test_stop_token_is_returned_with_its_logprob_like_the_embedded_engine(sglang_server):
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            base = await eng.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=12))
+            stop_id = base.output_ids[4]
+            stopped = await eng.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id]))
+            return base, stop_id, stopped
+
+    base, stop_id, stopped = run(go())
+    first = base.output_ids.index(stop_id)
+    assert stopped.output_ids == base.output_ids[: first + 1] and len(stopped.logprobs) == first + 1
+    assert stopped.finish_reason == "stop" and stopped.finish_detail["matched"] == stop_id
+
+
+def test_aborted_request_keeps_matching_logprobs(sglang_server):
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            task = asyncio.ensure_future(eng.generate([1, 5, 6, 7], SamplingParams(max_new_tokens=1000), rid="to-abort"))
+            await asyncio.sleep(1.0)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(sglang_server + "/abort_request", json={"rid": "to-abort"}) as r:
+                    assert r.status == 200
+            return await task
+
+    res = run(go())
+    assert res.finish_reason == "abort" and len(res.logprobs) == len(res.output_ids) < 1000
+
+
+def test_update_weights_from_disk_changes_logprobs_and_version(sglang_server, tiny_gpt2, tiny_gpt2_seed1, teacher_forced):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            before = await eng.generate(PROMPTS[1], greedy)
+            answer = await eng.update_weights_from_disk(str(tiny_gpt2_seed1), "7")
+            after = await eng.generate(PROMPTS[1], greedy)
+            info = await eng.model_info()
+            await eng.update_weights_from_disk(str(tiny_gpt2), "8")  # leave the module's server on its weights
+            return before, answer, after, info
+
+    before, answer, after, info = run(go())
+    assert answer[0]["success"] is True and answer[0]["num_paused_requests"] == 0
+    assert after.weight_version == "7" and info["weight_version"] == "7" and before.weight_version != "7"
+    assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 0.01
+    want = teacher_forced(load_causal_lm(tiny_gpt2_seed1), PROMPTS[1], after.output_ids, 0.0)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, want)) <= TOL

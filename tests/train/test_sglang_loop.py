@@ -1,0 +1,141 @@
+"""The closed loop through the real SGLang server: generate -> train -> /update_weights_from_disk -> generate.
+
+Needs the separate environment of ``scripts/make_sglang_env.sh`` (``$ROLLSHARD_SGLANG_VENV``,
+default ``.venv-sglang``); skipped without it. The server runs the tiny GPT-2 model in
+fp32 on CPU. After the update the stored rows must carry the new weight version, and
+the trainer, loading the same checkpoint, must recompute the new rows' logprobs to
+fp32 rounding (ratio 1 at step 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.cli import main as train_main
+from rollshard.train.metrics import read_metrics
+
+pytestmark = pytest.mark.sglang
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
+PYTHON = VENV / "bin" / "python"
+STARTUP_TIMEOUT_S = 600  # sglang + torch import dominates; minutes on a busy 2-core machine
+FP32_LOGPROB_TOL = 1e-5  # SGLang torch_native fp32 on CPU vs the trainer's packed transformers forward
+REWARD_GAIN = 0.05  # as in test_closed_loop.py
+
+
+def _has_sglang() -> bool:
+    return PYTHON.is_file() and any(VENV.glob("lib/python3*/site-packages/sglang/__init__.py"))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_gpt2, tmp_path_factory):
+    if not _has_sglang():
+        pytest.skip(f"no SGLang environment at {VENV}; build it with scripts/make_sglang_env.sh")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
+    cmd = [
+        str(PYTHON), "-m", "sglang.launch_server", "--model-path", str(tiny_gpt2),
+        "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch", "--skip-server-warmup", "--max-total-tokens", "8192",
+        "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"SGLang server did not start (exit {proc.poll()}); log tail:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own process group: scheduler and detokenizer too
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def generate(url: str, out: Path, seed: int) -> pl.DataFrame:
+    from rollshard.generate.run import main as generate_main
+
+    argv = [
+        "--engine", url, "--agents", "single", "--task", "toy", "--n-samples", "16", "--max-new-tokens", "16",
+        "--out", str(out), "--seed", str(seed), "--no-progress",
+    ]  # fmt: skip
+    assert generate_main(argv) == 0
+    return pl.read_parquet(f"{out}/shards/*.parquet")
+
+
+def update_weights(url: str, path: Path, version: str) -> None:
+    from rollshard.generate.engines import make_engine
+
+    async def go():
+        async with make_engine(url) as eng:
+            answer = await eng.update_weights_from_disk(str(path), version)
+            return answer, await eng.model_info()
+
+    answer, info = asyncio.run(go())
+    assert answer[0]["success"] is True, answer
+    assert info["weight_version"] == version
+
+
+def test_sglang_generate_train_update_generate(sglang_server, tiny_gpt2, tmp_path):
+    round0 = generate(sglang_server, tmp_path / "round0", seed=0)
+    base = generate(sglang_server, tmp_path / "eval-base", seed=1)
+
+    run = tmp_path / "run"
+    argv = [
+        "--data", tmp_path / "round0", "--model", tiny_gpt2, "--out", run, "--groups-per-step", "4",
+        "--num-epochs", "3", "--lr", "5e-3", "--mode", "decoupled", "--no-progress", "--no-tensorboard",
+    ]  # fmt: skip
+    assert train_main(list(map(str, argv))) == 0
+    m0 = read_metrics(run)[0]
+    assert m0["mismatch/abs_diff_max"] <= FP32_LOGPROB_TOL  # SGLang's logprobs are the trainer's at step 0
+    ckpt = latest_checkpoint(run)
+    assert ckpt.weight_version == "12"
+
+    update_weights(sglang_server, run / "checkpoints" / "latest", ckpt.weight_version)
+    fresh = generate(sglang_server, tmp_path / "round1", seed=1)
+    assert set(fresh["weight_version"].to_list()) == {"12"}
+    assert set(round0["weight_version"].to_list()) != {"12"}
+    assert fresh["reward"].mean() >= base["reward"].mean() + REWARD_GAIN, (base["reward"].mean(), fresh["reward"].mean())
+
+    # The fresh data against the checkpoint that produced it: ratio 1, no clipping, staleness 0.
+    check = tmp_path / "check"
+    argv = [
+        "--data", tmp_path / "round1", "--model", ckpt.path, "--out", check, "--groups-per-step", "4",
+        "--max-steps", "1", "--initial-version", "12", "--no-progress", "--no-tensorboard",
+    ]  # fmt: skip
+    assert train_main(list(map(str, argv))) == 0
+    fresh0 = read_metrics(check)[0]
+    assert fresh0["mismatch/abs_diff_max"] <= FP32_LOGPROB_TOL
+    assert fresh0["ratio/mean"] == pytest.approx(1.0, abs=FP32_LOGPROB_TOL)
+    assert fresh0["clip/frac_low"] == 0.0 and fresh0["clip/frac_high"] == 0.0
+    assert fresh0["staleness/hist/0"] == fresh0["data/sequences"]
+    assert round0["rollout_logprobs"].list.len().sum() == round0["response_tokens"].list.len().sum()
