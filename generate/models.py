@@ -186,6 +186,9 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
             )
         return path
 
+    if path.exists() and not is_model_folder(path) and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{path} exists and is not a model folder; give a new or empty folder")
+
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
@@ -235,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("path", type=Path, help="model folder to create")
     parser.add_argument(
-        "--preset", default="tiny", choices=sorted(PRESETS + tuple(PRESET_ALIASES)), help="architecture (default: tiny = tiny-gpt2)"
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS + tuple(PRESET_ALIASES)),
+        help="architecture (default: tiny = tiny-gpt2)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if PATH already holds a model")

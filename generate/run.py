@@ -62,43 +62,84 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Generate rollouts with an agent system into a rollshard dataset (resumable: rerun to continue). "
         "Subcommands: `serve` (the embedded engine behind SGLang's HTTP API), `init-model` (a tiny local model).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("what to run")
     g.add_argument("--engine", required=True, metavar="SPEC", help="embedded:MODEL_DIR, or SGLang URL[,URL...]")
-    g.add_argument("--agents", default="single", choices=sorted(SYSTEMS), help="agent system")
+    g.add_argument("--agents", default="single", choices=sorted(SYSTEMS), help="agent system (default: %(default)s)")
     g.add_argument(
         "--agent-option", action="append", default=[], metavar="KEY=VALUE",
         help="an option of the agent system, e.g. correct_weight=1.0 (repeatable)",
     )
-    g.add_argument("--task", default="math", choices=sorted(TASKS), help="task: prompt format and verifier")
-    g.add_argument("--prompts", metavar="SOURCE", help="JSONL or Parquet file, or a HF dataset name (default: the task's own prompts)")
-    g.add_argument("--input-key", default="prompt", help="prompt field (a string or chat messages)")
-    g.add_argument("--label-key", default="label", help="label field")
-    g.add_argument("--id-key", default="id", help="prompt id field (default when absent: position in the source)")
-    g.add_argument("--split", default="train", help="split of a HF dataset")
+    g.add_argument(
+        "--task", default="math", choices=sorted(TASKS),
+        help="prompt format and verifier (default: %(default)s)",
+    )
+    g.add_argument(
+        "--prompts", metavar="SOURCE",
+        help="JSONL or Parquet file, HF dataset name or folder (default: the task's own)",
+    )
+    g.add_argument(
+        "--input-key", default="prompt", metavar="KEY",
+        help="prompt field, a string or chat messages (default: %(default)s)",
+    )
+    g.add_argument("--label-key", default="label", metavar="KEY", help="label field (default: %(default)s)")
+    g.add_argument(
+        "--id-key", default="id", metavar="KEY",
+        help="prompt id field; without it, the position (default: %(default)s)",
+    )
+    g.add_argument("--split", default="train", help="split of a HF dataset (default: %(default)s)")
     g.add_argument("--limit", type=int, metavar="N", help="use the first N prompts of the source")
     g.add_argument("--out", required=True, metavar="DATASET", help="dataset directory or pyarrow filesystem URI")
 
     s = p.add_argument_group("sampling")
-    s.add_argument("--n-samples", type=int, default=4, help="samples per prompt (multi_agent: solvers and rewriters)")
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1, help="-1: no top-k")
-    s.add_argument("--max-new-tokens", type=int, default=256, help="per model turn")
+    s.add_argument(
+        "--n-samples", type=int, default=4, metavar="N",
+        help="samples per prompt; multi_agent: solvers and rewriters (default: %(default)s)",
+    )
+    s.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
+    s.add_argument("--top-k", type=int, default=-1, metavar="K", help="-1: no top-k (default: %(default)s)")
+    s.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per model turn (default: %(default)s)")
     s.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
-    s.add_argument("--seed", type=int, default=0, help="run seed; each request's sampling seed derives from it and the sample id")
-    s.add_argument("--max-context-len", type=int, metavar="N", help="prompt + response token limit (default: the engine's)")
+    s.add_argument(
+        "--seed", type=int, default=0,
+        help="run seed; request seeds derive from it and the sample id (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-context-len", type=int, metavar="N",
+        help="prompt + response token limit (default: the engine's)",
+    )
     s.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the engine's model path)")
 
     r = p.add_argument_group("running")
-    r.add_argument("--concurrency", type=int, default=64, help="engine requests in flight")
-    r.add_argument("--shard-index", type=int, default=0, help="this host's part of the prompts")
-    r.add_argument("--num-shards", type=int, default=1, help="hosts splitting the prompts")
-    r.add_argument("--commit-every", type=int, default=256, metavar="EPISODES", help="commit a shard after this many prompts")
-    r.add_argument("--commit-interval", type=float, default=60.0, metavar="SECONDS", help="commit a shard at least this often")
-    r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="per engine request")
-    r.add_argument("--retries", type=int, default=2, help="extra attempts of a prompt after an engine or transport error")
+    r.add_argument(
+        "--concurrency", type=int, default=64, metavar="N",
+        help="engine requests in flight (default: %(default)s)",
+    )
+    r.add_argument(
+        "--shard-index", type=int, default=0, metavar="I",
+        help="this host's part of the prompts (default: %(default)s)",
+    )
+    r.add_argument(
+        "--num-shards", type=int, default=1, metavar="N",
+        help="hosts splitting the prompts (default: %(default)s)",
+    )
+    r.add_argument(
+        "--commit-every", type=int, default=256, metavar="N",
+        help="commit a shard every N prompts (default: %(default)s)",
+    )
+    r.add_argument(
+        "--commit-interval", type=float, default=60.0, metavar="S",
+        help="and at least every S seconds (default: %(default)s)",
+    )
+    r.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="S",
+        help="per engine request (default: %(default)s)",
+    )
+    r.add_argument(
+        "--retries", type=int, default=2, metavar="N",
+        help="extra attempts of a prompt after an engine error (default: %(default)s)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -112,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # before the run started, or a second Ctrl-C: committed shards stay
+        print(f"{PROG}: interrupted; rerun the same command to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as e:  # the dataset location failed under us (disk full, permissions, network)
+        msg = f"{PROG}: error: writing {args.out}: {e}; committed shards are intact, rerun to continue"
+        print(msg, file=sys.stderr)
+        return EXIT_FAILURES
 
 
 def _quiet_model_loading() -> None:
@@ -293,7 +341,8 @@ def _check_existing(out: str, config: dict[str, Any]) -> None:
 
 
 def _report(args: argparse.Namespace, r: RunResult) -> None:
-    rate = f"{r.rows / r.seconds:.1f} rows/s, {r.response_tokens / r.seconds:.0f} response tokens/s" if r.seconds else ""
+    seconds = max(r.seconds, 1e-9)
+    rate = f"{r.rows / seconds:.1f} rows/s, {r.response_tokens / seconds:.0f} response tokens/s"
     skipped = f"; {r.prompts_skipped} already there" if r.prompts_skipped else ""
     print(
         f"{PROG}: {r.episodes} of {r.prompts_total} prompts done in {r.seconds:.1f} s{skipped}: "

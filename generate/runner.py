@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import heapq
+import itertools
 import json
 import math
 import signal
@@ -70,30 +72,76 @@ def shard_prompts(prompts: list[Prompt], shard_index: int, num_shards: int) -> l
 
 
 class GatedEngine(Engine):
-    """An engine behind a concurrency limit and a per-request timeout, counting what passes."""
+    """An engine behind a concurrency limit and a per-request timeout.
+
+    Free slots go to the waiting request of the *oldest* episode (lowest priority
+    number), not first come first served: episodes then finish about in the order
+    they started, so few are half done at any time (a crash loses little, the end of
+    the run has no long tail) while later episodes still fill every idle slot.
+    """
 
     def __init__(self, engine: Engine, *, concurrency: int, request_timeout: float | None):
         self.inner = engine
         self.request_timeout = request_timeout
-        self._slots = asyncio.Semaphore(concurrency)
-        self.requests = 0
-        self.completion_tokens = 0
+        self._free = concurrency
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []  # heap of (priority, arrival, future)
+        self._arrivals = itertools.count()
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
-        async with self._slots:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None, priority: int = 0
+    ) -> GenerateResult:
+        await self._acquire(priority)
+        try:
             if self.request_timeout is None:  # the engine enforces its own (the SGLang client does)
-                result = await self.inner.generate(input_ids, sampling, rid=rid)
-            else:
-                try:
-                    result = await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
-                except asyncio.TimeoutError as e:
-                    raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
-        self.requests += 1
-        self.completion_tokens += len(result.output_ids)
-        return result
+                return await self.inner.generate(input_ids, sampling, rid=rid)
+            try:
+                return await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
+            except asyncio.TimeoutError as e:
+                raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
+        finally:
+            self._release()
+
+    def for_episode(self, priority: int) -> "_EpisodeEngine":
+        return _EpisodeEngine(self, priority)
 
     async def model_info(self) -> dict[str, Any]:
         return await self.inner.model_info()
+
+    async def _acquire(self, priority: int) -> None:
+        if self._free and not self._waiters:
+            self._free -= 1
+            return
+        slot = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), slot))
+        try:
+            await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():  # handed a slot just as it was cancelled: pass it on
+                self._release()
+            raise
+
+    def _release(self) -> None:
+        while self._waiters:
+            _, _, slot = heapq.heappop(self._waiters)
+            if not slot.done():  # cancelled waiters are skipped
+                slot.set_result(None)
+                return
+        self._free += 1
+
+
+class _EpisodeEngine(Engine):
+    """The gated engine as one episode sees it: every request carries the episode's priority."""
+
+    def __init__(self, gate: GatedEngine, priority: int):
+        self.gate, self.priority = gate, priority
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> GenerateResult:
+        return await self.gate.generate(input_ids, sampling, rid=rid, priority=self.priority)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.gate.model_info()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -166,6 +214,7 @@ class Runner:
         self._ledger = Ledger(self.writer)
         self._pending: list[tuple[Prompt, list[Row]]] = []
         self._since_commit, self._last_commit, self._start = 0, time.monotonic(), start
+        self._made_rows = self._made_tokens = 0  # finished, written or not (the progress bar's figures)
         self._bar = tqdm(
             total=len(prompts),
             initial=self._result.prompts_skipped,
@@ -175,7 +224,7 @@ class Runner:
             dynamic_ncols=True,
         )
         in_flight_max = EPISODES_PER_SLOT * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
-        queue = iter(todo)
+        queue, order = iter(todo), itertools.count()
         self._install_signal_handlers()
         try:
             while True:
@@ -183,7 +232,7 @@ class Runner:
                     prompt = next(queue, None)
                     if prompt is None:
                         break
-                    task = asyncio.ensure_future(self._episode(prompt))
+                    task = asyncio.ensure_future(self._episode(prompt, next(order)))
                     task.prompt = prompt  # type: ignore[attr-defined]
                     self._tasks.add(task)
                 if not self._tasks:
@@ -215,8 +264,15 @@ class Runner:
     def _finished(self, prompt: Prompt, outcome: list[Row] | dict[str, Any]) -> None:
         if isinstance(outcome, list):
             self._pending.append((prompt, outcome))
+            self._made_rows += len(outcome)
+            self._made_tokens += sum(len(row.response_tokens) for row in outcome)
         else:
             self._fail(prompt, outcome)
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self._bar.set_postfix(
+            rows=self._made_rows, tok_s=f"{self._made_tokens / elapsed:.0f}", failed=len(self._result.failed),
+            refresh=False,
+        )
         self._bar.update(1)
 
     def _fail(self, prompt: Prompt, failure: dict[str, Any]) -> None:
@@ -258,17 +314,16 @@ class Runner:
             r.response_tokens += sum(len(row.response_tokens) for row in rows)
             self._done.add(prompt.prompt_id)
         self._since_commit += len(written)
-        elapsed = max(time.monotonic() - self._start, 1e-9)
-        self._bar.set_postfix(rows=r.rows, tok_s=f"{r.response_tokens / elapsed:.0f}", failed=len(r.failed))
 
-    async def _episode(self, prompt: Prompt) -> list[Row] | dict[str, Any]:
+    async def _episode(self, prompt: Prompt, priority: int) -> list[Row] | dict[str, Any]:
         """The episode's rows, or a failure record after the last attempt."""
         attempts = self.options.retries + 1
+        engine = self.engine.for_episode(priority)
         for attempt in range(attempts):
             episode = Episode(
                 prompt=prompt,
                 task=self.task,
-                engine=self.engine,
+                engine=engine,
                 tokenizer=self.tokenizer,
                 sampling=self.sampling,
                 seed=self.options.seed,
@@ -371,9 +426,9 @@ def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None
             continue
         for key in GENERATION_KEYS:
             if old.get(key) != config.get(key):
+                there, now = (json.dumps(c.get(key), sort_keys=True) for c in (old, config))
                 raise ConfigMismatchError(
-                    f"{dataset.storage.uri} holds rows generated with another {key} "
-                    f"({json.dumps(old.get(key), sort_keys=True)} there, {json.dumps(config.get(key), sort_keys=True)} now; "
+                    f"{dataset.storage.uri} holds rows generated with another {key} ({there} there, {now} now; "
                     f"writer {manifest.writer_id}); resume with the original settings or write to a new --out"
                 )
 

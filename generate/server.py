@@ -54,10 +54,22 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return body
+
+
 def sampling_from_json(raw: dict[str, Any] | None) -> SamplingParams:
     raw = dict(raw or {})
     unsupported = [
-        k for k, v in raw.items() if k not in SAMPLING_FIELDS and (k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k])
+        k
+        for k, v in raw.items()
+        if k not in SAMPLING_FIELDS and (k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k])
     ]
     if unsupported:
         raise ValueError(f"sampling parameter(s) {sorted(unsupported)} not supported by the embedded engine")
@@ -84,17 +96,16 @@ class Server:
         )
 
     async def generate(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "request body is not JSON")
+        body = await _json_body(request)
         if body.get("stream"):
             return _error(400, "streaming is not supported by rollshard-generate serve")
         input_ids = body.get("input_ids")
         if input_ids is None and isinstance(body.get("text"), str):
             input_ids = encode(self.engine.tokenizer, body["text"])
         if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
-            return _error(400, "input_ids must be one list of token ids (or give text); batched requests are not supported")
+            return _error(
+                400, "input_ids must be one list of token ids (or give text); batched requests are not supported"
+            )
         try:
             sampling = sampling_from_json(body.get("sampling_params"))
         except (TypeError, ValueError) as e:
@@ -126,25 +137,33 @@ class Server:
         return web.json_response(await self.engine.model_info())
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = await _json_body(request)
         path = body.get("model_path")
         if not path:
-            return web.json_response({"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400)
+            return web.json_response(
+                {"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400
+            )
         version = body.get("weight_version")
         try:
             new = await self.engine.load_weights(path, None if version is None else str(version))
         except EngineError as e:
             return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
         return web.json_response(
-            {"success": True, "message": f"Succeeded to update model weights (weight_version {new}).", "num_paused_requests": 0}
+            {
+                "success": True,
+                "message": f"Succeeded to update model weights (weight_version {new}).",
+                "num_paused_requests": 0,
+            }
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = await _json_body(request)
         if body.get("new_version") is None:
             return web.json_response({"success": False, "message": "new_version is required"}, status=400)
         await self.engine.update_weight_version(str(body["new_version"]))
-        return web.json_response({"success": True, "message": "Weight version updated.", "new_version": self.engine.weight_version})
+        return web.json_response(
+            {"success": True, "message": "Weight version updated.", "new_version": self.engine.weight_version}
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         await self.engine.flush_cache()
@@ -153,7 +172,11 @@ class Server:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(
-        args.model, device=args.device, seed=args.seed, max_batch_size=args.max_batch_size, weight_version=args.weight_version
+        args.model,
+        device=args.device,
+        seed=args.seed,
+        max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
     )
     server = Server(engine)
     runner = web.AppRunner(server.app, access_log=None)
@@ -178,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="rollshard-generate serve",
         description="Serve a local model with the embedded engine behind SGLang's native HTTP API.",
     )
-    parser.add_argument("--model", required=True, help="local HF model folder (e.g. from `rollshard-generate init-model`)")
+    parser.add_argument(
+        "--model", required=True, help="local HF model folder (e.g. from `rollshard-generate init-model`)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port (default 30000, SGLang's; 0 picks a free one)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")

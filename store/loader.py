@@ -126,7 +126,9 @@ class LoaderConfig:
             raise ValueError(f"LoaderConfig.seed must be non-negative, got {self.seed}")
         bad = [s for s in self.statuses if s not in STATUS_VALUES]
         if bad or not self.statuses:
-            raise ValueError(f"LoaderConfig.statuses {self.statuses!r}: choose one or more of {', '.join(STATUS_VALUES)}")
+            raise ValueError(
+                f"LoaderConfig.statuses {self.statuses!r}: choose one or more of {', '.join(STATUS_VALUES)}"
+            )
         if self.agents is not None and not self.agents:
             raise ValueError("LoaderConfig.agents is empty; use None for every agent")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -265,9 +267,9 @@ class _BlockData:
         order = np.argsort(codes, kind="stable")
         self.group_rows = np.split(order, np.cumsum(np.bincount(codes, minlength=len(self.group_ids)))[:-1])
         self.pass_status = _bool(pc.is_in(_single(small.column("status")), value_set=filters.statuses))
-        self.pass_agent = (
-            None if filters.agents is None else _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
-        )
+        self.pass_agent = None
+        if filters.agents is not None:
+            self.pass_agent = _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
         self.version = _versions(small.column("weight_version")) if filters.staleness else None
         self.reward = small.column("reward").to_numpy().astype(np.float32)  # null (failed rows) -> NaN
         self.temperature = small.column("temperature").to_numpy().astype(np.float32)  # null -> NaN
@@ -292,7 +294,8 @@ class _BlockData:
 def _versions(col: pa.ChunkedArray) -> np.ndarray:
     enc = pc.dictionary_encode(_single(col))
     idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
-    values = np.array([_parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()] + [NO_VERSION], np.int64)
+    parsed = [_parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()]
+    values = np.array(parsed + [NO_VERSION], np.int64)
     return values[idx]  # index -1 (null) picks NO_VERSION
 
 
@@ -533,7 +536,9 @@ class _Stream:
                 self._plans.pop(old, None)
         return plan
 
-    def read_blocks(self, start: _Cursor, preloaded: dict, stop: threading.Event) -> Iterator[tuple[tuple[int, int], _BlockData]]:
+    def read_blocks(
+        self, start: _Cursor, preloaded: dict, stop: threading.Event
+    ) -> Iterator[tuple[tuple[int, int], _BlockData]]:
         """Blocks from the start of ``start``'s window on, epoch after epoch, keyed (epoch, position)."""
         files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
         epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
@@ -608,7 +613,8 @@ class _Stream:
                         if len(pending) == full:
                             epoch_counts.update(seg.counts)
                             epoch_counts["steps"] += 1
-                            yield self._item(pending, seg, _Cursor(epoch, lo + p + 1, step + 1), epoch, step, epoch_counts)
+                            after = _Cursor(epoch, lo + p + 1, step + 1)
+                            yield self._item(pending, seg, after, epoch, step, epoch_counts)
                             step += 1
                             pending, seg = [], _Segment(version.current.threshold, self.filters)
                 if pending and cfg.tail == "partial":
@@ -788,7 +794,8 @@ class RolloutLoader:
             raise LoaderStateError("not a rollshard loader state (no 'format': 'rollshard-loader')")
         if state["version"] > STATE_VERSION:
             raise LoaderStateError(
-                f"loader state version {state['version']} is newer than this rollshard's {STATE_VERSION}; upgrade rollshard"
+                f"loader state version {state['version']} is newer than this rollshard's {STATE_VERSION}; "
+                "upgrade rollshard"
             )
         mine = self.state_dict()
         why = {
@@ -924,7 +931,9 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
 def _hf_generate(files: list[str], config: dict) -> Iterator[dict]:
     cfg = LoaderConfig(**config)
     filters = _Filters.of(cfg)
-    threshold = None if cfg.max_staleness is None else _parse_version(cfg.current_version, "current_version") - cfg.max_staleness
+    threshold = None
+    if cfg.max_staleness is not None:
+        threshold = _parse_version(cfg.current_version, "current_version") - cfg.max_staleness
     for path in files:
         pf = pq.ParquetFile(path)
         check_schema_version(pf.schema_arrow.metadata, path)

@@ -20,6 +20,10 @@ micro-batch of its own (it is never cut: cutting would lose the context of its
 tail). Packing efficiency = real tokens / sum over micro-batches of
 ``max(budget, tokens in it)``: 1.0 means no budget left unused; an oversize
 micro-batch counts as full.
+
+The ``[T]`` tensors of one step's micro-batches are views of one buffer per field
+(the step is written in one pass); they do not overlap, and ``.to(device)`` copies
+only the view.
 """
 
 from __future__ import annotations
@@ -149,7 +153,8 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
     position_ids = _pooled(total, np.int64)  # [T]
     np.concatenate([positions[:n] for n in lens], out=position_ids)
     loss_mask = _pooled(total, np.float32)  # [T]
-    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], _trainable(seqs.mask[i], n))], out=loss_mask)
+    masks = [t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], _trainable(seqs.mask[i], n))]
+    np.concatenate(masks, out=loss_mask)
     logprobs = _pooled(total, np.float32)  # [T]
     np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
     temp = seqs.temperature[order]

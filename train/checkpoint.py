@@ -5,8 +5,10 @@ Layout of ``OUT/checkpoints/step_00000012/``:
 * ``config.json``, ``model.safetensors``, tokenizer files, ``generation_config.json``:
   a model folder that transformers, the embedded engine and SGLang
   (``/update_weights_from_disk``) load as it is. Weights are the fp32 master weights.
-* ``optimizer.safetensors`` + ``optimizer.json``: AdamW moments (tensors, keyed
-  ``<param>::<state>``) and the non-tensor state and parameter groups. No pickle.
+* ``optimizer/state.safetensors`` + ``optimizer/meta.json``: AdamW moments (tensors,
+  keyed ``<param>::<state>``) and the non-tensor state and parameter groups. No
+  pickle. In a subfolder because engines load every ``*.safetensors`` file at the
+  top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
 * ``trainer_state.json``: step, optimizer updates, weight version, world size and
   every rank's loader state (``RolloutLoader.state_dict()``).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
@@ -34,8 +36,9 @@ CKPT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.yaml"
-OPTIM_TENSORS = "optimizer.safetensors"
-OPTIM_META = "optimizer.json"
+OPTIM_DIR = "optimizer"
+OPTIM_TENSORS = "state.safetensors"
+OPTIM_META = "meta.json"
 STATE_VERSION = 1
 
 
@@ -59,7 +62,9 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_optimizer_state(state: dict[str, Any], folder: Path) -> None:
-    """``torch.distributed.checkpoint`` full optimizer state -> safetensors + JSON."""
+    """``torch.distributed.checkpoint`` full optimizer state -> safetensors + JSON under ``folder/optimizer``."""
+    folder = folder / OPTIM_DIR
+    folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for param, entries in state["state"].items():
@@ -74,6 +79,7 @@ def save_optimizer_state(state: dict[str, Any], folder: Path) -> None:
 
 
 def load_optimizer_state(folder: Path) -> dict[str, Any]:
+    folder = folder / OPTIM_DIR
     tensors = load_file(str(folder / OPTIM_TENSORS))
     meta = json.loads((folder / OPTIM_META).read_text())
     state: dict[str, dict[str, Any]] = {}

@@ -78,6 +78,10 @@ class Engine(abc.ABC):
     async def model_info(self) -> dict[str, Any]:
         """``/get_model_info``-shaped dict (``model_path``, ``weight_version``, ...); raises EngineError if unreachable."""
 
+    async def health_check(self) -> list[dict[str, Any]]:
+        """One ``model_info`` per server behind the engine; raises EngineError (one line) if one is unreachable."""
+        return [await self.model_info()]
+
     async def close(self) -> None:
         return None
 

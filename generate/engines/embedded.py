@@ -173,11 +173,13 @@ class EmbeddedEngine(Engine):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self.num_in_flight = 0  # submitted and not yet answered; read by the server's /get_model_info
+        self.num_in_flight = 0  # requests submitted and not yet answered
 
     # ---- public API -------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> GenerateResult:
         rid = rid or uuid.uuid4().hex
         if self._closed.is_set():
             raise EngineError(f"request {rid}: the embedded engine is closed")
@@ -241,7 +243,9 @@ class EmbeddedEngine(Engine):
         model = await asyncio.to_thread(load_causal_lm, path, str(self.device))
         old, new = self.model.config.vocab_size, model.config.vocab_size
         if old != new:
-            raise EngineError(f"checkpoint {str(path)!r} has vocab size {new}, the served model {old}; load a checkpoint of the same model")
+            raise EngineError(
+                f"checkpoint {str(path)!r} has vocab size {new}, the served model {old}; load a checkpoint of the same model"
+            )
         if weight_version is None:
             weight_version = str(int(self.weight_version) + 1) if self.weight_version.isdigit() else self.weight_version
         done = threading.Event()
@@ -279,6 +283,10 @@ class EmbeddedEngine(Engine):
             if self._closed.is_set():
                 for req in batch.rows + waiting + self._drain():
                     self._fail(req, EngineError(f"request {req.rid}: the embedded engine was closed"))
+                with self._lock:
+                    if self._swap is not None:  # release a load_weights waiter; the swap never happens
+                        self._swap[3].set()
+                        self._swap = None
                 return
             swap_pending = self._swap is not None
             if swap_pending and not batch.rows:
@@ -347,12 +355,16 @@ class EmbeddedEngine(Engine):
     def _prefill(self, rows: list[_Request]) -> _Batch:
         length = max(len(r.input_ids) for r in rows)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([[pad] * (length - len(r.input_ids)) + r.input_ids for r in rows], device=self.device)  # [n, L]
+        ids = torch.tensor(
+            [[pad] * (length - len(r.input_ids)) + r.input_ids for r in rows], device=self.device
+        )  # [n, L]
         mask = torch.tensor(
             [[False] * (length - len(r.input_ids)) + [True] * len(r.input_ids) for r in rows], device=self.device
         )  # [n, L]
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, **self._last_logit_kw)
+        out = self.model(
+            input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, **self._last_logit_kw
+        )
         # Padding slots never influence a real token, but zero them so a NaN there cannot leak through 0 * NaN.
         keep = mask[:, None, :, None]  # [n, 1, L, 1]
         kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in _cache_tensors(_out_cache(out))]
@@ -370,7 +382,10 @@ class EmbeddedEngine(Engine):
         m.rows = a.rows + b.rows
         m.mask = torch.cat([_left_pad(a.mask, length, 1, False), _left_pad(b.mask, length, 1, False)])
         m.kv = [
-            (torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)]), torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)]))
+            (
+                torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)]),
+                torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)]),
+            )
             for (ka, va), (kb, vb) in zip(a.kv, b.kv)
         ]
         m.pos = torch.cat([a.pos, b.pos])
@@ -444,16 +459,19 @@ class EmbeddedEngine(Engine):
     # ---- answers ----------------------------------------------------------------------------
 
     def _answer(self, req: _Request) -> None:
-        result = self._result(req)
-        req.loop.call_soon_threadsafe(_set_result, req.future, result)
+        _deliver(req, _set_result, self._result(req))
 
     def _fail(self, req: _Request, err: Exception) -> None:
-        req.loop.call_soon_threadsafe(_set_exception, req.future, err)
+        _deliver(req, _set_exception, err)
 
     def _result(self, req: _Request) -> GenerateResult:
         sp, finish = req.sampling, dict(req.finish or {})
         ids = req.out_ids
-        trim_ids = ids[:-1] if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and not sp.no_stop_trim else ids
+        trim_ids = (
+            ids[:-1]
+            if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and not sp.no_stop_trim
+            else ids
+        )
         text = decode(self.tokenizer, trim_ids, skip_special_tokens=sp.skip_special_tokens)
         matched = finish.get("matched")
         if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
@@ -471,6 +489,13 @@ class EmbeddedEngine(Engine):
             completion_tokens=n,
             meta={"id": req.rid, "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.start},
         )
+
+
+def _deliver(req: _Request, setter, value: Any) -> None:
+    try:
+        req.loop.call_soon_threadsafe(setter, req.future, value)
+    except RuntimeError:  # the caller's event loop is gone: nobody is waiting for this answer
+        pass
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -91,7 +91,9 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     bad = ~(np.isfinite(lps) & (lps <= POSITIVE_LOGPROB_TOL))
     if bad.any():
         pos = int(np.argmax(bad))
-        raise EngineError(f"request {rid}: logprob of response token {pos} is {lp_raw[pos]!r}, expected a finite float <= 0")
+        raise EngineError(
+            f"request {rid}: logprob of response token {pos} is {lp_raw[pos]!r}, expected a finite float <= 0"
+        )
     logprobs = np.minimum(lps, 0.0).tolist()
 
     completion = meta.get("completion_tokens")
@@ -123,7 +125,14 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     spans = _weight_spans(meta.get("weight_versions"), n) or (
         [WeightSpan(version=version, start=0, end=n)] if version is not None else None
     )
-    known = {"finish_reason", "output_token_logprobs", "weight_version", "weight_versions", "prompt_tokens", "completion_tokens"}
+    known = {
+        "finish_reason",
+        "output_token_logprobs",
+        "weight_version",
+        "weight_versions",
+        "prompt_tokens",
+        "completion_tokens",
+    }
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
@@ -160,7 +169,9 @@ def _weight_spans(raw: Any, n: int) -> list[WeightSpan] | None:
 class SGLangEngine(Engine):
     """Client of one or more SGLang servers (or one sglang-router); see the module docstring."""
 
-    def __init__(self, urls: str | Sequence[str], *, config: SGLangConfig | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self, urls: str | Sequence[str], *, config: SGLangConfig | None = None, seed: int | None = None
+    ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
         self.urls = [u.strip().rstrip("/") for u in urls]
@@ -212,7 +223,9 @@ class SGLangEngine(Engine):
 
     # ---- Engine API -------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
+    ) -> GenerateResult:
         rid = rid or uuid.uuid4().hex
         cfg = self.config
         payload = {
@@ -255,7 +268,9 @@ class SGLangEngine(Engine):
         await self._get_all("/health", want_json=False)
         return await self._get_all("/get_model_info")
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> list[dict[str, Any]]:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> list[dict[str, Any]]:
         """Load a checkpoint on every server; raises unless all report success."""
         payload: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
@@ -281,7 +296,9 @@ class SGLangEngine(Engine):
                 async with session.get(url + path, timeout=timeout) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
-                        raise EngineError(f"SGLang server {url} is not healthy: GET {path} answered HTTP {resp.status}: {_snippet(raw)}")
+                        raise EngineError(
+                            f"SGLang server {url} is not healthy: GET {path} answered HTTP {resp.status}: {_snippet(raw)}"
+                        )
                     return json.loads(raw) if want_json else raw.decode(errors="replace")
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
                 reason = f"{type(e).__name__}: {e}".rstrip(": ")

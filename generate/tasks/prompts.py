@@ -102,7 +102,9 @@ def _check_messages(value: list) -> str | None:
     return None if value else "chat prompt is an empty list"
 
 
-def _to_prompts(records, name: str, unit: str, input_key: str, label_key: str, id_key: str, label_required: bool) -> list[Prompt]:
+def _to_prompts(
+    records, name: str, unit: str, input_key: str, label_key: str, id_key: str, label_required: bool
+) -> list[Prompt]:
     prompts: list[Prompt] = []
     errors: list[tuple[int, str]] = []
     first_line_of: dict[str, int] = {}
@@ -133,7 +135,9 @@ def _to_prompts(records, name: str, unit: str, input_key: str, label_key: str, i
         others = [str(n) for n, _ in errors[1:]]
         more = ""
         if others:
-            listed = ", ".join(others[:MAX_LISTED]) + (f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else "")
+            listed = ", ".join(others[:MAX_LISTED])
+            if len(others) > MAX_LISTED:
+                listed += f" and {len(others) - MAX_LISTED} more"
             more = f" (also malformed: {listed})"
         raise PromptSourceError(f"{name}:{unit}{lineno}: {msg}{more}")
     if not prompts:

@@ -97,7 +97,10 @@ async def client_run(url: str, concurrency: int, n_requests: int) -> tuple[float
 
 
 def bench_client(args) -> list[str]:
-    rows = ["| in flight C | latency L | ceiling C/L req/s | achieved req/s | ratio | client CPU ms / 1k tokens |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| in flight C | latency L | ceiling C/L req/s | achieved req/s | ratio | client CPU ms / 1k tokens |",
+        "|---|---|---|---|---|---|",
+    ]
     # From a stress case (short latency, many requests per second) to SGLang-like latencies with many in flight.
     for concurrency, latency in [(32, 0.1), (256, 1.0), (512, 2.0)]:
         proc = subprocess.Popen(

@@ -44,7 +44,9 @@ def test_sample_tokens_worked_example():
     # row 4: greedy -> argmax token 3, whatever the uniform
     assert tokens.tolist() == [3, 2, 2, 0, 3]
     # logprobs are of the untruncated tempered distribution: log p(token)
-    assert lps.tolist() == pytest.approx([math.log(0.4), math.log(0.3), math.log(0.3), math.log(0.1), math.log(0.4)], abs=1e-6)
+    assert lps.tolist() == pytest.approx(
+        [math.log(0.4), math.log(0.3), math.log(0.3), math.log(0.1), math.log(0.4)], abs=1e-6
+    )
 
 
 def test_sample_tokens_temperature_scales_logprobs():
@@ -111,10 +113,14 @@ def test_stops_on_token_ids_strings_and_length(tiny_gpt2):
             greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[])
             base = await eng.generate(prompt, greedy)
             stop_id = base.output_ids[4]
-            by_id = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id]))
+            by_id = await eng.generate(
+                prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id])
+            )
             stop_str = base.text[-3:]
             by_str = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_str]))
-            kept = await eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_str], no_stop_trim=True))
+            kept = await eng.generate(
+                prompt, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_str], no_stop_trim=True)
+            )
             zero = await eng.generate(prompt, SamplingParams(max_new_tokens=0))
             return base, stop_id, by_id, stop_str, by_str, kept, zero
 
@@ -122,7 +128,9 @@ def test_stops_on_token_ids_strings_and_length(tiny_gpt2):
     assert base.finish_reason == "length" and base.finish_detail == {"length": 12} and len(base.output_ids) == 12
     first = base.output_ids.index(stop_id)
     # The stop token is part of the response (and has its logprob), as SGLang returns it.
-    assert by_id.output_ids == base.output_ids[: first + 1] and by_id.logprobs == pytest.approx(base.logprobs[: first + 1], abs=TOL)
+    assert by_id.output_ids == base.output_ids[: first + 1] and by_id.logprobs == pytest.approx(
+        base.logprobs[: first + 1], abs=TOL
+    )
     assert by_id.finish_reason == "stop" and by_id.finish_detail == {"matched": stop_id}
     assert by_str.finish_reason == "stop" and by_str.finish_detail == {"matched": stop_str}
     assert stop_str not in by_str.text and base.text.startswith(by_str.text)
@@ -144,7 +152,9 @@ def test_stops_on_eos(tiny_gpt2):
 def test_seeded_sampling_is_reproducible(tiny_gpt2):
     async def go(seed):
         async with EmbeddedEngine(tiny_gpt2, seed=seed) as eng:
-            same = [await eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=16, sampling_seed=42)) for _ in range(2)]
+            same = [
+                await eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=16, sampling_seed=42)) for _ in range(2)
+            ]
             free = await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=16)) for p in PROMPTS))
             return same, free
 
@@ -162,7 +172,9 @@ def test_load_weights_changes_outputs_and_version(tiny_gpt2, tiny_gpt2_seed1, te
     async def go():
         async with EmbeddedEngine(tiny_gpt2) as eng:
             before = await eng.generate(PROMPTS[0], greedy)
-            running = asyncio.ensure_future(eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=40, stop_token_ids=[])))
+            running = asyncio.ensure_future(
+                eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=40, stop_token_ids=[]))
+            )
             await asyncio.sleep(0.05)
             version = await eng.load_weights(tiny_gpt2_seed1)
             after = await eng.generate(PROMPTS[0], greedy)
@@ -175,21 +187,28 @@ def test_load_weights_changes_outputs_and_version(tiny_gpt2, tiny_gpt2_seed1, te
     assert info["model_path"] == str(tiny_gpt2_seed1) and named == "v-restored"
     assert running.weight_version == "0"  # a request in flight finishes on the weights it started with
     new_model = load_causal_lm(tiny_gpt2_seed1)
-    assert max(abs(a - b) for a, b in zip(after.logprobs, teacher_forced(new_model, PROMPTS[0], after.output_ids, 0.0))) <= TOL
+    assert (
+        max(abs(a - b) for a, b in zip(after.logprobs, teacher_forced(new_model, PROMPTS[0], after.output_ids, 0.0)))
+        <= TOL
+    )
     assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 0.01
 
 
 def test_user_errors_name_the_request(tiny_gpt2):
     eng = make_engine(f"embedded:{tiny_gpt2}")
     assert isinstance(eng, EmbeddedEngine)
-    with pytest.raises(EngineError, match=r"request r-long: prompt of 1024 tokens does not fit the model's context of 1024"):
+    with pytest.raises(
+        EngineError, match=r"request r-long: prompt of 1024 tokens does not fit the model's context of 1024"
+    ):
         run(eng.generate([5] * 1024, SamplingParams(), rid="r-long"))
     with pytest.raises(EngineError, match=r"request r-vocab: input_ids must lie in \[0, 1024\)"):
         run(eng.generate([5, 4096], SamplingParams(), rid="r-vocab"))
     with pytest.raises(EngineError, match=r"cannot load a causal LM from"):
         run(eng.load_weights("/nonexistent/checkpoint"))
     # As SGLang: prompt + max_new_tokens beyond the context is refused, not silently shortened.
-    with pytest.raises(EngineError, match=r"request r-ctx: 1020 prompt tokens \+ max_new_tokens 50 exceed the model's context of 1024"):
+    with pytest.raises(
+        EngineError, match=r"request r-ctx: 1020 prompt tokens \+ max_new_tokens 50 exceed the model's context of 1024"
+    ):
         run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=50), rid="r-ctx"))
     eng.eos_ids = []
     res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=4)))

@@ -115,3 +115,7 @@ def test_unknown_preset_and_missing_tokenizer_are_clear_errors(tmp_path):
         init_model(tmp_path / "x", preset="huge")
     with pytest.raises(TokenizerError, match="cannot load a tokenizer from .*init-model"):
         load_tokenizer(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="exists and is not a model folder"):
+        init_model(tmp_path, preset="tiny")
+    assert (tmp_path / "notes.txt").exists()  # never deleted

@@ -76,7 +76,11 @@ class FakeSGLang:
     async def __aenter__(self):
         app = web.Application()
         app.add_routes(
-            [web.post("/generate", self.generate), web.get("/health", self.health), web.get("/get_model_info", self.model_info)]
+            [
+                web.post("/generate", self.generate),
+                web.get("/health", self.health),
+                web.get("/get_model_info", self.model_info),
+            ]
         )
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self.runner.setup()
@@ -103,7 +107,10 @@ async def one(fake_script, *, rid="req-1", config=None, **fake_kw):
     async with FakeSGLang(fake_script, **fake_kw) as fake:
         async with SGLangEngine(fake.url, config=config or SGLangConfig(max_retries=3, **FAST)) as eng:
             try:
-                return await eng.generate([1, 2, 3, 4], SamplingParams(temperature=0.7, max_new_tokens=3), rid=rid), fake
+                return (
+                    await eng.generate([1, 2, 3, 4], SamplingParams(temperature=0.7, max_new_tokens=3), rid=rid),
+                    fake,
+                )
             except EngineError as e:
                 return e, fake
 
@@ -117,8 +124,12 @@ def test_request_shape_and_parsed_result():
         {
             "input_ids": [1, 2, 3, 4],
             "sampling_params": {
-                "temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 3,
-                "no_stop_trim": False, "skip_special_tokens": True,
+                "temperature": 0.7,
+                "top_p": 1.0,
+                "top_k": -1,
+                "max_new_tokens": 3,
+                "no_stop_trim": False,
+                "skip_special_tokens": True,
             },
             "return_logprob": True,
             "logprob_start_len": -1,
@@ -135,7 +146,11 @@ def test_newer_server_fields_are_tolerated_and_spans_kept():
     body = ok_body(
         input_token_logprobs=[[None, 1, None]],
         weight_versions=[{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}],
-        cached_tokens=2, e2e_latency=0.1, num_retractions=0, reasoning_tokens=0, output_token_logprobs_length=3,
+        cached_tokens=2,
+        e2e_latency=0.1,
+        num_retractions=0,
+        reasoning_tokens=0,
+        output_token_logprobs_length=3,
         finish={"type": "stop", "matched": 13},
     )
     res = parse_response(body, rid="r")
@@ -147,12 +162,24 @@ def test_newer_server_fields_are_tolerated_and_spans_kept():
 @pytest.mark.parametrize(
     "body, message",
     [
-        (ok_body(lps=LPS[:2]), r"request r7: 2 logprobs for 3 response tokens .*refusing a response with missing logprobs"),
-        ({**ok_body(), "meta_info": {**ok_body()["meta_info"], "output_token_logprobs": None}}, r"request r7: response has no meta_info.output_token_logprobs"),
-        ({**ok_body(), "output_ids": [11, 99, 13]}, r"request r7: output_ids\[1\] = 99 but output_token_logprobs\[1\] names token 12"),
+        (
+            ok_body(lps=LPS[:2]),
+            r"request r7: 2 logprobs for 3 response tokens .*refusing a response with missing logprobs",
+        ),
+        (
+            {**ok_body(), "meta_info": {**ok_body()["meta_info"], "output_token_logprobs": None}},
+            r"request r7: response has no meta_info.output_token_logprobs",
+        ),
+        (
+            {**ok_body(), "output_ids": [11, 99, 13]},
+            r"request r7: output_ids\[1\] = 99 but output_token_logprobs\[1\] names token 12",
+        ),
         (ok_body(lps=[-0.5, float("nan"), -1.0]), r"request r7: logprob of response token 1 is nan"),
         (ok_body(lps=[-0.5, 0.3, -1.0]), r"request r7: logprob of response token 1 is 0.3"),
-        ({**ok_body(), "meta_info": {**ok_body()["meta_info"], "finish_reason": None}}, r"request r7: finish_reason None"),
+        (
+            {**ok_body(), "meta_info": {**ok_body()["meta_info"], "finish_reason": None}},
+            r"request r7: finish_reason None",
+        ),
     ],
     ids=["short", "missing", "ids-disagree", "nan", "positive", "no-finish"],
 )
@@ -172,7 +199,11 @@ def test_abort_keeps_the_tokens_that_have_logprobs():
     res = parse_response(ok_body(ids=[11, 12, 13], lps=[-0.5, -1.0], finish=finish), rid="r")
     assert res.finish_reason == "abort" and res.output_ids == [11, 12] and res.logprobs == [-0.5, -1.0]
     assert res.finish_detail["message"] == "aborted by the scheduler" and res.finish_detail["status_code"] == 503
-    empty = {"text": "", "output_ids": [], "meta_info": {"finish_reason": finish, "prompt_tokens": 4, "completion_tokens": 0}}
+    empty = {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {"finish_reason": finish, "prompt_tokens": 4, "completion_tokens": 0},
+    }
     res = parse_response(empty, rid="r")
     assert res.output_ids == [] and res.logprobs == [] and res.finish_reason == "abort"
 

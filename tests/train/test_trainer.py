@@ -63,6 +63,8 @@ def test_step0_ratio_one_and_checkpoint_is_a_model_folder(tiny_dataset, tiny_gpt
     before = load_file(str(tiny_gpt2 / "model.safetensors"))
     after = load_file(str(ckpt.path / "model.safetensors"))
     assert set(after) == set(before)
+    # Engines load every top-level *.safetensors as weights: the optimizer state must live elsewhere.
+    assert [p.name for p in ckpt.path.glob("*.safetensors")] == ["model.safetensors"]
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
     assert json.loads((ckpt.path / "config.json").read_text())["torch_dtype"] == "float32"
     assert torch.equal(model.state_dict()["transformer.h.0.attn.c_attn.weight"], after["transformer.h.0.attn.c_attn.weight"])

@@ -1,0 +1,71 @@
+"""Config: defaults of the issue, YAML round trip, strict keys, flag parsing, the lr schedule."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from rollshard.train.backends.schedule import lr_factor
+from rollshard.train.config import TrainConfig, add_config_flags, resolve
+
+
+def parse(*argv: str) -> TrainConfig:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    add_config_flags(p)
+    return resolve(p.parse_args(["--data", "d", "--model", "m", "--out", "o", *argv]))
+
+
+def test_defaults_are_bypass_dapo_eps_token_mean():
+    c = parse()
+    assert (c.loss.mode, c.loss.eps_low, c.loss.eps_high, c.loss.agg) == ("bypass", 0.2, 0.28, "token-mean")
+    assert c.loss.ratio_level == "token" and c.loss.kl_coef == 0.0 and c.advantage.normalize_std
+
+
+def test_flags_parse_to_field_types():
+    c = parse("--agents", "solver,selector", "--max-staleness", "2", "--no-normalize-std", "--betas", "0.9,0.95",
+              "--dual-clip-c", "none", "--ratio-level", "sequence", "--max-grad-norm", "0.5")
+    assert c.data.agents == ("solver", "selector") and c.data.max_staleness == 2
+    assert c.advantage.normalize_std is False and c.optim.betas == (0.9, 0.95)
+    assert c.loss.dual_clip_c is None and c.loss.ratio_level == "sequence" and c.optim.max_grad_norm == 0.5
+
+
+def test_yaml_then_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("loss:\n  eps_high: 0.4\n  mode: decoupled\noptim:\n  lr: 0.1\n")
+    c = parse("--config", str(f), "--lr", "0.2")
+    assert c.loss.eps_high == 0.4 and c.loss.mode == "decoupled" and c.optim.lr == 0.2
+    assert TrainConfig.from_dict(TrainConfig.from_yaml(f).to_dict()) == TrainConfig.from_yaml(f)
+    back = tmp_path / "back.yaml"
+    back.write_text(c.to_yaml())
+    assert TrainConfig.from_yaml(back) == c
+
+
+@pytest.mark.parametrize(
+    "d,message",
+    [
+        ({"losss": {}}, "unknown section"),
+        ({"loss": {"eps_hi": 0.3}}, "unknown key"),
+        ({"loss": {"agg": "mean"}}, "loss.agg"),
+        ({"data": {"groups_per_step": "many"}}, "data.groups_per_step"),
+    ],
+)
+def test_unknown_or_bad_values_name_the_key(d, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict(d)
+
+
+def test_lr_schedule_worked_values():
+    # warmup 4: 1/4, 2/4, 3/4, 4/4; then linear from 1 at update 4 to min 0.1 at update 14 (span 10).
+    assert [lr_factor(u, warmup=4, total=14, decay="linear", min_ratio=0.1) for u in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(9, warmup=4, total=14, decay="linear", min_ratio=0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(20, warmup=4, total=14, decay="linear", min_ratio=0.1) == pytest.approx(0.1)
+    # cosine half way: 0.5 * (1 + cos(pi / 2)) = 0.5
+    assert lr_factor(5, warmup=0, total=10, decay="cosine", min_ratio=0.0) == pytest.approx(0.5)
+    assert lr_factor(0, warmup=0, total=10, decay="cosine", min_ratio=0.0) == pytest.approx(1.0)
+    assert lr_factor(123, warmup=0, total=None, decay="constant", min_ratio=0.0) == 1.0
+    with pytest.raises(ValueError, match="--decay-steps"):
+        lr_factor(5, warmup=0, total=None, decay="cosine", min_ratio=0.0)
+    assert math.isclose(lr_factor(10, warmup=0, total=10, decay="cosine", min_ratio=0.2), 0.2)
