@@ -669,7 +669,7 @@ class _Stream:
             groups=float(len(mine)),
             sequences=float(len(seqs)),
             tokens=float(sum(b.num_tokens for b in batches)),
-            loss_tokens=float(sum(int(m.sum()) for m in seqs.mask)),
+            loss_tokens=float(sum(b.num_loss_tokens for b in batches)),
             micro_batches=float(len(batches)),
             packing_efficiency=efficiency,
             zero_variance_groups=float(zero_var),

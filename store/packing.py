@@ -55,6 +55,7 @@ class PackedBatch:
     sample_ids: list[str]  # [S]
     weight_versions: list[str | None]  # [S]
     num_tokens: int  # T
+    num_loss_tokens: int  # tokens with loss_mask 1
 
     @property
     def num_sequences(self) -> int:
@@ -188,6 +189,7 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
                 sample_ids=[seqs.sample_id[i] for i in ids],
                 weight_versions=[seqs.weight_version[i] for i in ids],
                 num_tokens=hi - lo,
+                num_loss_tokens=int(loss_mask[lo:hi].sum()),
             )
         )
         first = last

@@ -79,6 +79,7 @@ def dummy_batch() -> PackedBatch:
         sample_ids=["-"],
         weight_versions=[None],
         num_tokens=2,
+        num_loss_tokens=1,
     )
 
 
@@ -206,7 +207,6 @@ class Trainer:
         prox = self._frozen_logprobs(mbs, n_passes, reference=False) if cfg.loss.mode == "decoupled" else None
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
-        dummy = dummy_batch().to(dev)
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
         optim_metrics = []
         for part in parts:
@@ -215,7 +215,7 @@ class Trainer:
             for j in range(n_part):
                 self.backend.set_gradient_sync(j == n_part - 1)
                 if j >= len(part):
-                    logp, _ = self.backend.logprobs(dummy, grad=True)
+                    logp, _ = self.backend.logprobs(dummy_batch().to(dev), grad=True)
                     self.backend.backward(logp.sum() * 0.0)
                     continue
                 i = int(part[j])

@@ -219,11 +219,13 @@ def test_single_rows_and_group(tok):
 
 def test_context_limit(tok):
     system = make_agent_system("single", n_samples=1)
-    with pytest.raises(ContextFullError, match="no room for a response"):
-        run_episode(system, tok, lambda *a: "x", max_context_len=5)
-    rows, engine = run_episode(system, tok, lambda *a: "x", max_context_len=40)
+    msgs = get_task("math").messages(Prompt(prompt_id="p0", index=0, content="What is 5 + 7?"))
+    n = len(apply_chat_template(tok, msgs))
+    with pytest.raises(ContextFullError, match=f"the policy prompt is {n} tokens and the context {n}: no room"):
+        run_episode(system, tok, lambda *a: "x", max_context_len=n)
+    rows, engine = run_episode(system, tok, lambda *a: "x", max_context_len=n + 8)
     (ids, sampling, _), = engine.requests.values()
-    assert len(ids) == 32 and sampling.max_new_tokens == 40 - 32  # capped to what the context leaves
+    assert len(ids) == n and sampling.max_new_tokens == 8  # capped to what the context leaves (64 asked)
 
 
 def test_tool_loop_masks_environment_tokens(tok):

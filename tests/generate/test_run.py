@@ -405,3 +405,13 @@ def test_interrupt_commits_complete_episodes(tiny_gpt2, tmp_path):
     result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"), prompts=prompts)
     assert result.exit_code == 0 and result.prompts_skipped == len(per_prompt)
     assert len(rows_of(tmp_path / "ds")) == 24
+
+
+def test_served_engine_gives_the_embedded_rows(embedded_server, tiny_gpt2, tmp_path):
+    # The same run through `rollshard-generate serve` over HTTP and in process: the same rows, token for token.
+    common = ["--agents", "single", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "6", "--limit", "3",
+              "--concurrency", "1", "--no-progress"]
+    assert main(["--engine", embedded_server, *common, "--out", str(tmp_path / "http")]) == 0
+    assert main(["--engine", f"embedded:{tiny_gpt2}", *common, "--out", str(tmp_path / "local")]) == 0
+    http, local = rows_of(tmp_path / "http"), rows_of(tmp_path / "local")
+    assert len(http) == 6 and http == local

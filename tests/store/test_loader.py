@@ -152,6 +152,8 @@ def test_steps_hold_whole_groups_and_unpack_to_the_stored_rows(dataset):
                 assert s.group_ids[u["group"]] == r["group_id"]
                 n += 1
         assert s.metrics["tokens"] == sum(b.num_tokens for b in s.micro_batches)
+        assert s.metrics["loss_tokens"] == sum(int(b.loss_mask.sum()) for b in s.micro_batches)
+        assert s.metrics["loss_tokens"] == sum(sum(rows[sid]["loss_mask"]) for b in s.micro_batches for sid in b.sample_ids)
         assert s.metrics["packing_efficiency"] == pytest.approx(s.metrics["tokens"] / sum(
             max(24, b.num_tokens) for b in s.micro_batches))
     assert n == dataset.num_rows

@@ -51,6 +51,7 @@ def test_pack_layout_and_round_trip():
     assert eff == pytest.approx(12 / 14)
     b = batches[0]
     assert b.num_tokens == 7 and b.num_sequences == 2
+    assert (b.num_loss_tokens, batches[1].num_loss_tokens) == (3, 2)  # masks [1, 0, 1] + [1]; [1, 1]
     assert b.input_ids.tolist() == [7, 8, 1, 2, 3, 9, 4]
     assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1]
     assert b.cu_seqlens.tolist() == [0, 5, 7] and b.cu_seqlens.dtype == torch.int32
@@ -87,3 +88,11 @@ def test_budget_respected_on_random_lengths():
         assert lengths[b].sum() <= 256 or len(b) == 1
     # FFD leaves less than one bin of slack on this mix: well above 0.9
     assert packing_efficiency([int(lengths[b].sum()) for b in bins], 256) > 0.9
+
+
+def test_rows_without_tokens_pack_to_empty_sequences():
+    rows = [dict(prompt=[], response=[], logprobs=[], mask=[], temperature=1.0, reward=0.0, group=0, agent="policy",
+                 sample_id=s, version="0") for s in "ab"]
+    (b,), eff = pack(seqs_of(rows), budget=8)
+    assert b.num_tokens == 0 and b.cu_seqlens.tolist() == [0, 0, 0] and b.num_loss_tokens == 0
+    assert eff == 0.0
