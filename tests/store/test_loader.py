@@ -189,6 +189,13 @@ def test_split_is_disjoint_and_complete(dataset, world_size):
     assert len({len(steps) for steps in per_rank}) == 1
 
 
+def test_ranks_take_consecutive_slices_of_one_global_order(dataset):
+    # every rank computes the same global stream: rank slices side by side are the world-size-1 order
+    whole = run(dataset, cfg(groups_per_step=6))
+    ranks = [run(dataset, cfg(groups_per_step=2), r, 3) for r in range(3)]
+    assert [s.group_ids for s in whole] == [a.group_ids + b.group_ids + c.group_ids for a, b, c in zip(*ranks)]
+
+
 def test_partial_tail_splits_the_last_step_evenly(dataset):
     def sizes(groups_per_step, world_size):
         config = cfg(groups_per_step=groups_per_step, tail="partial")
