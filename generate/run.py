@@ -32,7 +32,6 @@ from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
     EXIT_INTERRUPTED,
-    EXIT_OK,
     EXIT_USAGE,
     ConfigMismatchError,
     Runner,
@@ -224,6 +223,8 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
     try:
         info = await _model_info(engine, args.engine)
         tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+        if not tokenizer_path:
+            raise UsageError(f"engine {args.engine!r} reports no model path to load the tokenizer from; pass --tokenizer")
         try:
             tokenizer = load_tokenizer(tokenizer_path)
         except TokenizerError as e:
@@ -358,4 +359,3 @@ def _report(args: argparse.Namespace, r: RunResult) -> None:
             f"ledger {r.ledger}; rerun the same command to retry them",
             file=sys.stderr,
         )
-    assert r.exit_code in (EXIT_OK, EXIT_FAILURES, EXIT_INTERRUPTED)

@@ -69,8 +69,8 @@ class ModelConfig:
     dtype: DType = _f("auto", "compute dtype: auto = bfloat16 autocast where the device supports it, else float32")
     attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa, flash_attention_2, eager)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    logprob_chunk_tokens: int = _f(
-        1024, "response positions per chunk of [chunk, vocab] fp32 logits (bounds logprob memory)"
+    logprob_chunk_mib: float = _f(
+        512.0, "MiB of fp32 logits computed at once (chunks of response positions; beyond one chunk, backward recomputes)"
     )
 
 
@@ -229,7 +229,7 @@ class TrainConfig:
             (data.groups_per_step > 0 and data.micro_batch_tokens > 0, "--groups-per-step, --micro-batch-tokens: > 0"),
             (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
-            (self.model.logprob_chunk_tokens > 0, "--logprob-chunk-tokens must be > 0"),
+            (self.model.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

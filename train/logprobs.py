@@ -16,9 +16,10 @@ temperature; a row sampled greedily (temperature <= 0) uses 1.
 Memory: the base model runs once to hidden states ``[T, H]``; the output head is
 applied only at the ``K`` positions that carry loss (response tokens under
 ``loss_mask``) and in chunks of ``chunk_tokens`` rows, so at most one ``[chunk, V]``
-block of fp32 logits exists at a time. When there is more than one chunk, each is
-activation-checkpointed: backward recomputes its logits instead of keeping all
-``[K, V]`` of them alive. Models that transform logits after the head are supported
+block of fp32 logits exists at a time (:func:`chunk_rows` sizes chunks from a memory
+budget: ~880 rows per 512 MiB at a 152k vocabulary). When there is more than one
+chunk, each is activation-checkpointed: backward recomputes its logits instead of
+keeping all ``[K, V]`` of them alive, at the price of one more output-head matmul. Models that transform logits after the head are supported
 for ``final_logit_softcapping`` (Gemma 2); other post-head transforms are refused.
 """
 
@@ -115,6 +116,11 @@ def _chunk(
     if with_entropy:
         entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C] H = lse - E_p[logit]
     return logp, entropy
+
+
+def chunk_rows(vocab_size: int, budget_mib: float) -> int:
+    """Positions per chunk so that one chunk's fp32 logits fit in ``budget_mib``."""
+    return max(1, int(budget_mib * (1 << 20)) // (4 * vocab_size))
 
 
 def sampling_temperature(temperature: torch.Tensor) -> torch.Tensor:  # [T]

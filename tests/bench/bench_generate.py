@@ -115,7 +115,7 @@ async def bare(url: str, prompt_ids: list[list[int]], n_requests: int, concurren
     return seconds, tokens
 
 
-async def runner(url: str, model: Path, prompts, out: Path, args) -> "RunResult":  # noqa: F821
+async def runner(url: str, model: Path, prompts, out: Path, args):
     from rollshard.generate.agents import make_agent_system
     from rollshard.generate.engines.base import SamplingParams
     from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine

@@ -7,6 +7,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -191,8 +192,8 @@ def test_bad_inputs_give_one_line_and_write_nothing(tiny_gpt2, tmp_path, capsys)
 
     err = fails("--engine", f"embedded:{tiny_gpt2}", "--prompts", bad)
     assert f"{bad}:2: not valid JSON" in err and "(also malformed: 3)" in err
-    with socket_free_port() as port:
-        err = fails("--engine", f"http://127.0.0.1:{port}", "--task", "toy")
+    port = free_port()  # nothing listens there
+    err = fails("--engine", f"http://127.0.0.1:{port}", "--task", "toy")
     assert f"cannot reach engine 'http://127.0.0.1:{port}'" in err
     err = fails("--engine", f"embedded:{tmp_path / 'no-model'}", "--task", "toy")
     assert "cannot start engine" in err
@@ -202,20 +203,10 @@ def test_bad_inputs_give_one_line_and_write_nothing(tiny_gpt2, tmp_path, capsys)
     assert "single has no option 'turns'" in err
 
 
-class socket_free_port:
-    """A port nothing listens on (bound, then closed)."""
-
-    def __enter__(self):
-        import socket
-
-        s = socket.socket()
+def free_port():
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        return self.port
-
-    def __exit__(self, *exc):
-        return False
+        return s.getsockname()[1]
 
 
 # ---- a fake SGLang server: canned answers, every response recorded --------------------------------

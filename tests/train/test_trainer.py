@@ -85,11 +85,13 @@ def test_step0_ratio_one_and_checkpoint_is_a_model_folder(tiny_dataset, tiny_gpt
 
 def test_micro_batch_split_does_not_change_the_step(tiny_dataset, tiny_gpt2, tmp_path):
     # One micro-batch per step vs many: the same loss and gradient (global token normalization).
+    # The single micro-batch also takes the chunked, checkpointed logprob path (0.05 MiB = 12 rows of 1024 logits).
     one = train(make_config(tiny_dataset, tiny_gpt2, tmp_path / "a", data={"micro_batch_tokens": 4096},
-                            trainer={"max_steps": 1}))[0]
+                            model={"logprob_chunk_mib": 0.05}, trainer={"max_steps": 1}))[0]
     many = train(make_config(tiny_dataset, tiny_gpt2, tmp_path / "b", data={"micro_batch_tokens": 48},
                              trainer={"max_steps": 1}))[0]
     assert one["data/micro_batches"] == 1 and many["data/micro_batches"] >= 3
+    assert one["data/loss_tokens"] > 3 * 12  # several chunks
     assert many["loss/total"] == pytest.approx(one["loss/total"], abs=1e-7)
     assert many["optim/grad_norm"] == pytest.approx(one["optim/grad_norm"], rel=1e-5)
 

@@ -34,7 +34,7 @@ from torch import nn
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
-from rollshard.train.logprobs import PackedPolicy, packed_logprobs
+from rollshard.train.logprobs import PackedPolicy, chunk_rows, packed_logprobs
 
 # Files of a model folder that are weights (rewritten by a checkpoint); everything else
 # (tokenizer, chat template, generation config) is copied from the source folder verbatim.
@@ -63,7 +63,8 @@ class HFBackend:
 
         model = self._load(weights_from or self.source)
         self.hf_model = model
-        self.policy = self._wrap(PackedPolicy(model, chunk_tokens=model_cfg.logprob_chunk_tokens))
+        chunk = chunk_rows(model.get_output_embeddings().weight.shape[0], model_cfg.logprob_chunk_mib)
+        self.policy = self._wrap(PackedPolicy(model, chunk_tokens=chunk))
         if model_cfg.gradient_checkpointing:
             self._enable_gradient_checkpointing(model)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -78,7 +79,7 @@ class HFBackend:
         if need_reference:
             ref = self._load(self.source)
             ref.requires_grad_(False)
-            self.reference = self._wrap(PackedPolicy(ref, chunk_tokens=model_cfg.logprob_chunk_tokens))
+            self.reference = self._wrap(PackedPolicy(ref, chunk_tokens=chunk))
 
     # -- setup ---------------------------------------------------------------------------------
 
