@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q -m "not sglang" "$@"
+.venv/bin/python -m pytest -q "$@"
 bash scripts/make_sglang_env.sh
 ROLLSHARD_REQUIRE_SGLANG=1 .venv/bin/python -m pytest -q -m sglang "$@"

@@ -116,6 +116,8 @@ class Trainer:
     def _resume_point(self) -> Checkpoint | None:
         ckpt = latest_checkpoint(self.out)
         if ckpt is None:
+            if self.cfg.trainer.resume and self.env.is_main:
+                print(f"rollshard-train: no checkpoint in {self.out}; starting from --model", file=sys.stderr)
             return None
         if not self.cfg.trainer.resume:
             raise ValueError(f"{self.out} already holds checkpoints; pass --resume to continue, or choose a new --out")
@@ -146,24 +148,9 @@ class Trainer:
                 if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
                     break  # the data ended (on some rank: all stop together)
                 metrics = self.train_step(step)
-                elapsed = time.perf_counter() - t0
                 self.step += 1
                 self.loader.set_current_version(self.version)
-                metrics.update(
-                    {
-                        "perf/step_s": elapsed,
-                        "perf/tokens_per_s": metrics["data/tokens"] / elapsed,
-                        "perf/data_wait_share": self.env.all_reduce([waited], "max")[0] / elapsed,
-                        "train/weight_version": float(self.version),
-                    }
-                )
-                self.history.append(metrics)
-                self.logger.log(self.step, metrics, histograms={"staleness": self._staleness_values(metrics)})
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{metrics.get('loss/total', 0.0):.4f}", reward=f"{metrics.get('reward/mean', 0.0):.3f}",
-                    ratio=f"{metrics.get('ratio/mean', 1.0):.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}",
-                )
+                self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
                 if tr.save_every and self.step % tr.save_every == 0:
                     self.save()
             if self.step > 0 and self.last_saved != self.step:
@@ -171,6 +158,24 @@ class Trainer:
         finally:
             bar.close()
         return self.history
+
+    def _log_step(self, metrics: dict[str, float], *, waited: float, elapsed: float, bar) -> None:
+        """Timing figures, then JSONL/TensorBoard and the progress bar."""
+        metrics.update(
+            {
+                "perf/step_s": elapsed,
+                "perf/tokens_per_s": metrics["data/tokens"] / elapsed,
+                "perf/data_wait_share": self.env.all_reduce([waited], "max")[0] / elapsed,
+                "train/weight_version": float(self.version),
+            }
+        )
+        self.history.append(metrics)
+        self.logger.log(self.step, metrics, histograms={"staleness": self._staleness_values(metrics)})
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{metrics.get('loss/total', 0.0):.4f}", reward=f"{metrics.get('reward/mean', 0.0):.3f}",
+            ratio=f"{metrics.get('ratio/mean', 1.0):.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}",
+        )
 
     def save(self) -> Path:
         states = self.env.all_gather_json(self.loader.state_dict())

@@ -50,4 +50,5 @@ def test_reward_rises_after_one_round(tiny_gpt2, tmp_path):
     # Same prompts, same sampling seed: the base model against the trained checkpoint.
     base = generate(tiny_gpt2, tmp_path / "eval-base", seed=1)
     trained = generate(run / "checkpoints" / "latest", tmp_path / "eval-trained", seed=1)
+    print(f"embedded loop: reward {base:.3f} -> {trained:.3f}; step-0 max |logp - rollout| {m0['mismatch/abs_diff_max']:.2e}")
     assert trained >= base + REWARD_GAIN, (base, trained)
