@@ -2,12 +2,12 @@
 
 One forward over the micro-batch's sequences laid end to end (no padding): the
 model gets ``input_ids [1, T]`` and ``position_ids [1, T]`` that restart at 0 for
-every sequence, and no attention mask. transformers (>= 4.56, the "packed sequence"
-detection of ``masking_utils``) derives the sequence boundaries from the position
-restarts and builds a block-diagonal causal mask (sdpa, eager) or varlen calls
-(flash attention), so no token attends across sequences. The test
-``tests/train/test_logprobs.py`` holds the packed logprobs equal to per-sequence
-forwards.
+every sequence, and no attention mask. transformers (the packed-sequence detection
+of ``masking_utils``, huggingface/transformers#39194, 4.54 and later; tested with
+5.x) derives the sequence boundaries from the position restarts and builds a
+block-diagonal causal mask (sdpa, eager) or varlen calls (flash attention), so no
+token attends across sequences. ``tests/train/test_logprobs.py`` holds the packed
+logprobs equal to per-sequence forwards (GPT-2 and Qwen3).
 
 Logprob definition (SGLang's, DESIGN.md "Generate"): ``log_softmax(logits / temperature)``
 in fp32 at the token actually stored, where ``temperature`` is the row's sampling
@@ -19,8 +19,9 @@ applied only at the ``K`` positions that carry loss (response tokens under
 block of fp32 logits exists at a time (:func:`chunk_rows` sizes chunks from a memory
 budget: ~880 rows per 512 MiB at a 152k vocabulary). When there is more than one
 chunk, each is activation-checkpointed: backward recomputes its logits instead of
-keeping all ``[K, V]`` of them alive, at the price of one more output-head matmul. Models that transform logits after the head are supported
-for ``final_logit_softcapping`` (Gemma 2); other post-head transforms are refused.
+keeping all ``[K, V]`` of them alive, at the price of one more output-head matmul.
+Models that transform logits after the head are supported for
+``final_logit_softcapping`` (Gemma 2); other post-head scalings are refused.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class PackedPolicy(nn.Module):
 
     def __init__(self, model: nn.Module, *, chunk_tokens: int = 1024):
         super().__init__()
+        try:
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "rollshard-train packs sequences and needs the packed-sequence masks of transformers 4.54 or "
+                "later (transformers.masking_utils.find_packed_sequence_indices); upgrade transformers"
+            ) from e
         self.model = model
         self.chunk_tokens = int(chunk_tokens)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)

@@ -23,7 +23,6 @@ Prints markdown tables for the README's Performance section.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import statistics
 import tempfile

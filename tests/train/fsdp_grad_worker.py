@@ -61,8 +61,8 @@ def one_step_gradients(data: str, model: str, out: str, groups_per_rank: int, bu
         (Path(out) / "metrics.json").write_text(json.dumps(metrics))
 
     resumed = Trainer(dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True)), env=env)
-    weights = resumed.backend.model_state()
-    moments = resumed.backend.optimizer_state()["state"]
+    weights = resumed.backend.model_state()  # collective; the full tensors land on rank 0
+    moments = resumed.backend.optimizer_state()
     resumed.close()
     if env.is_main:
         ckpt = latest_checkpoint(out)
@@ -72,7 +72,7 @@ def one_step_gradients(data: str, model: str, out: str, groups_per_rank: int, bu
             "step": resumed.step,
             "weights": max((weights[k] - v).abs().max().item() for k, v in saved.items()),
             "moments": max(
-                (moments[p][k] - v).abs().max().item()
+                (moments["state"][p][k] - v).abs().max().item()
                 for p, entry in saved_moments.items() for k, v in entry.items() if k.startswith("exp_avg")
             ),
         }

@@ -193,7 +193,11 @@ class HFBackend:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         sd = get_model_state_dict(self.policy, options=self._state_options())
-        return {k.removeprefix("model."): v for k, v in sd.items()}
+        # Tied weights (GPT-2's lm_head = wte) come back as separate gathered copies under FSDP; keep one
+        # name per parameter, as transformers itself saves them.
+        every = {n for n, _ in self.hf_model.named_parameters(remove_duplicate=False)}
+        tied = every - {n for n, _ in self.hf_model.named_parameters()}
+        return {k.removeprefix("model."): v for k, v in sd.items() if k.removeprefix("model.") not in tied}
 
     def optimizer_state(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name (collective under FSDP)."""
