@@ -25,7 +25,8 @@ split as evenly as possible, so a rank may get fewer groups, or none (a step wit
 micro-batches; the trainer still takes part in the step). Nothing is ever duplicated.
 
 **Filters**, in this order, each counted by reason in ``Step.metrics``: row status
-(``statuses``), agent (``agents``), staleness (rows whose integer ``weight_version``
+(``statuses``), agent (``agents``), a missing reward (a failed row may have none; one
+NaN would turn its whole group's advantages to NaN), staleness (rows whose integer ``weight_version``
 is more than ``max_staleness`` behind the current policy version are skipped; rows
 without a version too, counted apart), then groups left empty, then (optionally)
 groups whose remaining rewards are all equal (zero variance: no GRPO signal; a group
@@ -87,6 +88,7 @@ FILTER_KEYS = (
     "rows_examined",
     "filtered_rows/status",
     "filtered_rows/agent",
+    "filtered_rows/no_reward",
     "filtered_rows/stale",
     "filtered_rows/no_version",
     "filtered_groups/empty",
@@ -385,6 +387,10 @@ class _Segment:
             agent_ok = bd.pass_agent[rows]
             c["filtered_rows/agent"] += int((ok & ~agent_ok).sum())
             ok &= agent_ok
+        # A failed row may have no reward; one NaN would make its whole group's advantages NaN.
+        has_reward = np.isfinite(bd.reward[rows])
+        c["filtered_rows/no_reward"] += int((ok & ~has_reward).sum())
+        ok &= has_reward
         if self.threshold is not None:
             v = bd.version[rows]
             known = v != NO_VERSION

@@ -31,6 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SCHEMA_VERSION = "1.0"
+# Temperatures below this are greedy (SGLang's _SAMPLING_EPS): the logprob is then
+# log softmax(logits), not of logits / temperature. Engines and trainer share it.
+GREEDY_TEMPERATURE_EPS = 1e-6
 SCHEMA_MAJOR = 1
 META_SCHEMA_VERSION = b"rollshard.schema_version"
 META_CONFIG = b"rollshard.config"
@@ -221,6 +224,12 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
         ids = table.column("sample_id").to_pylist() if ids is None else ids
         for i in list(rows)[: max(0, limit - len(problems))]:
             problems.append(Problem(ids[i], field, detail_of(int(i))))
+
+    for field in ROW_SCHEMA:
+        if not field.nullable and table.column(field.name).null_count:
+            add(np.flatnonzero(table.column(field.name).is_null().to_numpy(zero_copy_only=False)), field.name, lambda i: "is null")
+    if problems:  # the checks below assume the required columns are present
+        return problems
 
     resp, resp_off = _flat(table.column("response_tokens"))
     lp, lp_off = _flat(table.column("rollout_logprobs"))

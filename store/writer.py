@@ -96,6 +96,7 @@ class ShardWriter:
         self._pending: PendingFile | None = None
         self._pq: pq.ParquetWriter | None = None
         self._shard_stats = _Counts()
+        self._groups_written: set[str] = set()  # this session's groups: none may arrive twice
         self._closed = False
 
     # -- public API -------------------------------------------------------------------------
@@ -106,23 +107,22 @@ class ShardWriter:
         table = cast_table(table)
         if table.num_rows == 0:
             return
-        groups = pc.unique(table.column("group_id"))
+        groups = pc.unique(table.column("group_id")).to_pylist()
         if len(groups) != 1:
-            raise ValueError(f"write_group takes the rows of one group; got groups {groups.to_pylist()[:5]}")
-        self._append(table, n_groups=1)
+            raise ValueError(f"write_group takes the rows of one group; got groups {groups[:5]}")
+        self._append(table, groups)
 
     def write_groups(self, table: pa.Table) -> None:
         """Buffer a table holding whole groups (every row of each group present)."""
         table = cast_table(table)
         if table.num_rows:
-            self._append(table, n_groups=pc.count_distinct(table.column("group_id")).as_py())
+            self._append(table, pc.unique(table.column("group_id")).to_pylist())
 
     def flush(self) -> None:
         """Write the buffered rows as one row group of the open shard (not yet committed)."""
         if not self._buffer:
             return
         table = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
-        self._buffer, self._buffer_bytes = [], 0
         if self._pq is None:
             rel = f"{SHARD_DIR}/{self.writer_id}-{self._next_seq():05d}.parquet"
             self._pending = PendingFile(self.storage, rel)
@@ -136,6 +136,7 @@ class ShardWriter:
                 write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
             )
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
+        self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
         if self._pending.file.tell() >= self.options.shard_bytes:
             self.commit()
 
@@ -203,13 +204,20 @@ class ShardWriter:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _append(self, table: pa.Table, n_groups: int) -> None:
+    def _append(self, table: pa.Table, group_ids: list[str]) -> None:
         self._check_open()
         if self.options.validate:
             problems = check_table(table)
             if problems:
                 raise RowInvariantError(problems)
-        self._shard_stats.add(table, n_groups)
+        repeated = self._groups_written.intersection(group_ids)
+        if repeated:
+            raise ValueError(
+                f"group {sorted(repeated)[0]!r} was already written by writer {self.writer_id!r}; "
+                "a GRPO group must be written whole, in one call"
+            )
+        self._groups_written.update(group_ids)
+        self._shard_stats.add(table, len(group_ids))
         self._buffer.append(table)
         self._buffer_bytes += table.nbytes
         if self._buffer_bytes >= self.options.row_group_bytes:

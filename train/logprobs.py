@@ -11,7 +11,8 @@ logprobs equal to per-sequence forwards (GPT-2 and Qwen3).
 
 Logprob definition (SGLang's, DESIGN.md "Generate"): ``log_softmax(logits / temperature)``
 in fp32 at the token actually stored, where ``temperature`` is the row's sampling
-temperature; a row sampled greedily (temperature <= 0) uses 1.
+temperature; a row sampled greedily (temperature < ``GREEDY_TEMPERATURE_EPS`` = 1e-6,
+SGLang's ``_SAMPLING_EPS``, the engines' threshold) uses 1.
 
 Memory: the base model runs once to hidden states ``[T, H]``; the output head is
 applied only at the ``K`` positions that carry loss (response tokens under
@@ -32,6 +33,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+
+
 class _NoPaddingHere(logging.Filter):
     """Drops transformers' "pass an attention_mask" hint: a packed batch has no padding, but a sequence
     ending in the pad/eos id trips its heuristic."""
@@ -41,9 +45,6 @@ class _NoPaddingHere(logging.Filter):
 
 
 _PADDING_HINT_FILTER = _NoPaddingHere()
-
-# Rows sampled greedily store temperature 0 (or less); SGLang reports log_softmax(logits) for them.
-GREEDY_TEMPERATURE = 0.0
 
 
 class PackedPolicy(nn.Module):
@@ -132,8 +133,8 @@ def chunk_rows(vocab_size: int, budget_mib: float) -> int:
 
 
 def sampling_temperature(temperature: torch.Tensor) -> torch.Tensor:  # [T]
-    """The row temperatures the engine divided by: greedy rows (<= 0) mean 1."""
-    return torch.where(temperature > GREEDY_TEMPERATURE, temperature, torch.ones_like(temperature))
+    """The row temperatures the engine divided by: greedy rows (< GREEDY_TEMPERATURE_EPS) mean 1."""
+    return torch.where(temperature < GREEDY_TEMPERATURE_EPS, torch.ones_like(temperature), temperature)
 
 
 def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:  # [K]

@@ -7,7 +7,7 @@ and drops the rows that finished, so a long generation never holds back new
 requests. Positions are tracked per row, so left padding changes no logit.
 
 Logprobs follow SGLang's definition (:mod:`.base`): log softmax(logits / T) of the
-sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T = 0) takes
+sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T < 1e-6) takes
 the argmax and reports log softmax(logits). Top-k and top-p filter exactly as
 SGLang's torch sampler does (top-p on the untruncated cumulative probabilities).
 
@@ -37,10 +37,9 @@ from typing import Any
 import torch
 
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
-from rollshard.store.schema import WeightSpan
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import decode, eos_token_ids, load_tokenizer
 
-GREEDY_EPS = 1e-6  # temperatures at or below this are greedy, as in SGLang
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
 IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
 
@@ -60,13 +59,13 @@ def load_causal_lm(path: str | Path, device: str = "cpu"):
 
 def sample_tokens(
     logits: torch.Tensor,  # [B, V] fp32
-    temperature: torch.Tensor,  # [B]; <= GREEDY_EPS means greedy
+    temperature: torch.Tensor,  # [B]; < GREEDY_TEMPERATURE_EPS means greedy (SGLang's rule)
     top_p: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B] long; <= 0 means no top-k
     uniform: torch.Tensor,  # [B] in [0, 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (SGLang's definition). Returns ``(tokens [B], logprobs [B])``."""
-    greedy = temperature <= GREEDY_EPS  # [B]
+    greedy = temperature < GREEDY_TEMPERATURE_EPS  # [B]
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
 

@@ -28,7 +28,7 @@ from rollshard.store.dataset import RolloutDataset
 from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
 from rollshard.store.validate import validate_dataset
 from rollshard.store.writer import ShardWriter
-from test_agents import ScriptedEngine
+from tests.generate.test_agents import ScriptedEngine
 
 N_PROMPTS = 4
 

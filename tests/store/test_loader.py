@@ -502,3 +502,20 @@ def test_hf_groups_agree_with_the_loader(dataset):
                     assert ex["loss_mask"][i] == u["loss_mask"]
                     assert ex["reward"][i] == u["reward"]
         assert seen.keys() == loader_rows.keys()
+
+
+def test_failed_rows_without_reward_are_dropped_and_counted(tmp_path):
+    # Training on "failed" is allowed, but a null reward would make its group's advantages NaN.
+    t = synthetic_table(4, 3, seed=6, **SMALL)
+    status = ["completed", "failed", "failed"] + ["completed"] * 9
+    reward = [1.0, None, 0.0] + [0.5] * 9  # one failed row has no reward, the other has one
+    t = with_columns(t, status=status, reward=reward)
+    ds = write(tmp_path, t)
+    with RolloutLoader(ds, cfg(statuses=("completed", "failed"), tail="partial")) as loader:
+        steps = list(loader)
+        stats = loader.epoch_stats
+    got = totals(steps, stats)
+    assert got["filtered_rows/no_reward"] == 1
+    assert got["filtered_rows/status"] == 0
+    rewards = [r for s in steps for b in s.micro_batches for r in b.rewards.tolist()]
+    assert len(rewards) == 11 and all(np.isfinite(rewards))

@@ -124,6 +124,20 @@ def test_unknown_status_and_duplicate_ids():
     ]
 
 
+def test_nulls_in_required_columns_are_reported():
+    # pyarrow's from_pylist does not enforce nullable=False; Parquet would refuse the row
+    # only at flush, naming no sample.
+    bad = make_row(sample_id="b").to_dict() | dict(round=None, response_tokens=None, rollout_logprobs=None, loss_mask=None)
+    t = rows_to_table([make_row(), bad])
+    problems = check_table(t)
+    assert [(p.sample_id, p.field, p.detail) for p in problems] == [
+        ("b", "round", "is null"),
+        ("b", "response_tokens", "is null"),
+        ("b", "rollout_logprobs", "is null"),
+        ("b", "loss_mask", "is null"),
+    ]
+
+
 def test_token_id_out_of_int32_is_refused():
     with pytest.raises(ValueError, match="schema v1.0"):
         rows_to_table([make_row(response_tokens=[2**31, 1, 2, 3])])

@@ -213,3 +213,15 @@ def test_remote_filesystem_path_writes_directly(tmp_path):
 def test_bad_writer_id():
     with pytest.raises(ValueError, match="writer id 'a/b' must be"):
         ShardWriter("/nonexistent-never-created", writer_id="a/b")
+
+
+def test_a_group_written_twice_is_refused(tmp_path):
+    # Two calls with one group id would put the group in two shards once a commit falls between them.
+    t = synthetic_table(2, 2, seed=12, **SMALL)
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        w.write_group(t.slice(0, 2))
+        w.commit()
+        with pytest.raises(ValueError, match="group 'p0/policy/0' was already written by writer 'w0'; a GRPO group must be written whole"):
+            w.write_group(t.slice(0, 1))
+        w.write_group(t.slice(2, 2))
+    assert RolloutDataset.open(tmp_path).num_groups == 2

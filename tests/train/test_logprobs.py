@@ -97,3 +97,36 @@ def test_loss_on_first_token_is_refused(tiny_gpt2):
             loss_mask=torch.tensor([1.0, 1.0]),
             temperature=torch.ones(2),
         )
+
+
+def test_greedy_threshold_matches_the_engines():
+    """Temperatures below 1e-6 are greedy (SGLang's _SAMPLING_EPS): divide by 1, not by T."""
+    from rollshard.generate.engines.embedded import sample_tokens
+
+    temps = torch.tensor([0.0, 5e-7, 9.9e-7, 1e-6, 0.7])
+    torch.testing.assert_close(sampling_temperature(temps), torch.tensor([1.0, 1.0, 1.0, 1e-6, 0.7]), atol=0, rtol=0)
+    # The embedded engine agrees on the same rows: logits [2, 1, 0], greedy -> token 0 with
+    # log softmax = 2 - log(e^2 + e + 1) = 2 - log(11.1073) = -0.40761.
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(3, 1)
+    tokens, lps = sample_tokens(
+        logits, torch.tensor([0.0, 5e-7, 9.9e-7]), torch.ones(3), torch.full((3,), -1), torch.zeros(3)
+    )
+    assert tokens.tolist() == [0, 0, 0]
+    torch.testing.assert_close(lps, torch.full((3,), -0.40761), atol=1e-5, rtol=0)
+    # T = 1e-6 itself is sampled, not greedy: logits / 1e-6 = [2e6, 1e6, 0] put all the mass on token 0.
+    tokens, lps = sample_tokens(logits[:1], torch.tensor([1e-6]), torch.ones(1), torch.full((1,), -1), torch.zeros(1))
+    assert tokens.tolist() == [0] and lps.item() == 0.0
+
+
+def test_row_at_tiny_temperature_is_recomputed_as_greedy(tiny_gpt2):
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2, dtype=torch.float32).eval()
+    seqs, prompt_lens, _ = _batch(model.config.vocab_size)
+    temps = [5e-7, 0.0, 5e-7, 1.0]
+    ids, pos, mask, temp, _ = _pack(seqs, prompt_lens, temps)
+    with torch.no_grad():
+        logp, _ = packed_logprobs(PackedPolicy(model), input_ids=ids, position_ids=pos, loss_mask=mask, temperature=temp)
+    # Reference: log_softmax(logits) for both greedy rows (T = 5e-7 and T = 0), i.e. T = 1.
+    expected = _reference(model, seqs, prompt_lens, [1.0, 1.0, 1.0, 1.0])
+    torch.testing.assert_close(logp, expected, atol=TOL, rtol=0)
+    # Dividing by 5e-7 would have sent every non-argmax logprob towards -1e5: a ~1 nat difference at least.
+    assert (logp[mask > 0] > -20).all()
