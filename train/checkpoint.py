@@ -13,11 +13,16 @@ Layout of ``OUT/checkpoints/step_00000012/``:
   every rank's loader state (``RolloutLoader.state_dict()``).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
-A checkpoint is written under ``.tmp-step_...`` and renamed when complete; then
+A checkpoint is written under ``.tmp-step_...``, every file and folder of it is
+fsynced, and it is renamed when complete (the parent folder fsynced after, as
+``rollshard.store.storage`` does, so the rename survives a power cut); then
 ``OUT/checkpoints/latest``, a relative symlink to it, is replaced by
 create-then-rename, so ``--model OUT/checkpoints/latest`` (or an engine's
 ``model_path``) always names a complete checkpoint. A crash while saving leaves the
-previous checkpoint as the latest one.
+previous checkpoint as the latest one. Saving a step that already exists (a resumed
+run repeating it) renames the old folder aside to ``.old-step_...``, renames the new
+one in and deletes the old one last: ``latest`` names a complete folder except for
+the instant between those two renames, never for the length of a delete.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ OPTIM_DIR = "optimizer"
 OPTIM_TENSORS = "state.safetensors"
 OPTIM_META = "meta.json"
 STATE_VERSION = 1
+OLD_PREFIX = ".old-"  # a checkpoint folder being replaced by a new save of the same step
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,7 +123,9 @@ def save_checkpoint(
     if not is_main:
         return final
     root.mkdir(parents=True, exist_ok=True)
+    _recover_aside(root)
     tmp = root / f".tmp-{checkpoint_name(step)}"
+    aside = root / f"{OLD_PREFIX}{checkpoint_name(step)}"
     if tmp.exists():
         shutil.rmtree(tmp)
     backend.save_model(tmp, model_state)
@@ -132,12 +140,52 @@ def save_checkpoint(
     }
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     (tmp / CONFIG_FILE).write_text(config_yaml)
-    if final.exists():
-        shutil.rmtree(final)
+    _fsync_tree(tmp)
+    replaced = final.exists()
+    if replaced:
+        os.replace(final, aside)  # kept whole until the new folder is in place
     os.replace(tmp, final)
+    _fsync_dir(root)
     _link_atomic(root / LATEST, final.name)
+    if replaced:
+        shutil.rmtree(aside)
     _prune(root, keep_last)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file, then every folder (deepest first), so a rename of ``folder`` publishes durable data."""
+    for dirpath, _, filenames in os.walk(folder, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _recover_aside(root: Path) -> None:
+    """Finish a re-save that a crash interrupted: an ``.old-step_N`` is garbage once ``step_N`` exists, and
+    the only copy of the step (moved back) when it does not."""
+    for old in root.glob(f"{OLD_PREFIX}step_*"):
+        final = root / old.name[len(OLD_PREFIX):]
+        if final.exists():
+            shutil.rmtree(old)
+        else:
+            os.replace(old, final)
+            _fsync_dir(root)
 
 
 def _link_atomic(link: Path, target: str) -> None:
@@ -146,6 +194,7 @@ def _link_atomic(link: Path, target: str) -> None:
         tmp.unlink()
     tmp.symlink_to(target)
     os.replace(tmp, link)
+    _fsync_dir(link.parent)
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -4,7 +4,8 @@
 
 Every config field is a flag (``--help`` lists them by section); a YAML file given
 with ``--config`` sets them first and the flags given override it. Defaults: bypass
-mode (ratio against the stored rollout logprobs), eps 0.2 / 0.28, token-mean. For
+mode (ratio against the stored rollout logprobs), eps 0.2 / 0.28 (3e-4 / 4e-4 with
+``--ratio-level sequence``, GSPO), token-mean. For
 several processes (GPUs, or a CPU gloo world) launch it with torchrun:
 
     torchrun --nproc_per_node 8 -m rollshard.train --data ... --model ... --out ...

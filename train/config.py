@@ -30,6 +30,11 @@ KLType = Literal["k1", "k2", "k3"]
 LRDecay = Literal["constant", "linear", "cosine"]
 DType = Literal["auto", "float32", "bfloat16"]
 
+# Default PPO clip range (eps_low, eps_high) per ratio level. Token ratios: DAPO's clip-higher
+# 0.2 / 0.28. Sequence ratios (GSPO) are geometric means over a whole response and sit much
+# closer to 1, so GSPO clips at 3e-4 / 4e-4 (Zheng et al. 2025); token-level eps would almost never clip.
+CLIP_EPS_DEFAULTS: dict[str, tuple[float, float]] = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
+
 
 def _f(default: Any, help: str, *, flag: str | None = None) -> Any:
     """A dataclass field with its command-line help (and flag name when it is not the field name)."""
@@ -109,13 +114,24 @@ class LossConfig:
         "bypass: ratio against the stored rollout logprobs; decoupled: ratio against a proximal policy "
         "recomputed once per step, times an importance weight pi_prox/pi_rollout",
     )
-    eps_low: float = _f(0.2, "PPO clip: ratio lower bound 1 - eps_low")
-    eps_high: float = _f(0.28, "PPO clip: ratio upper bound 1 + eps_high (clip-higher)")
+    eps_low: float | None = _f(
+        None, "PPO clip: ratio lower bound 1 - eps_low; default 0.2 with --ratio-level token, 3e-4 with sequence (GSPO)"
+    )
+    eps_high: float | None = _f(
+        None,
+        "PPO clip: ratio upper bound 1 + eps_high (clip-higher); default 0.28 with --ratio-level token, "
+        "4e-4 with sequence (GSPO)",
+    )
     dual_clip_c: float | None = _f(3.0, "dual clip for negative advantages: loss <= c * |A| ('none': off)")
-    ratio_level: RatioLevel = _f("token", "token ratio (PPO/GRPO) or sequence ratio (GSPO; use small eps)")
+    ratio_level: RatioLevel = _f(
+        "token", "token ratio (PPO/GRPO) or sequence ratio (GSPO; its default clip range is 3e-4 / 4e-4)"
+    )
     agg: Aggregation = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
     norm_len: int | None = _f(
-        None, "length constant of seq-mean-token-sum-norm (Dr. GRPO); default the step's longest response"
+        None,
+        "length constant of seq-mean-token-sum-norm (Dr. GRPO); default: the most loss tokens (loss_mask 1, so "
+        "not counting masked tool/environment tokens) of any one sequence in the whole step, over all "
+        "micro-batches, mini-batches and ranks",
     )
     is_correction: ISCorrection = _f(
         "tis", "decoupled mode: truncated (tis) or masked (mis) weight pi_prox/pi_rollout, or none"
@@ -127,6 +143,14 @@ class LossConfig:
     kl_coef: float = _f(0.0, "coefficient of the KL to the frozen reference model (the --model weights)")
     kl_type: KLType = _f("k3", "KL estimator: k1, k2 or k3")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+
+    def clip_range(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)``: the values set, else the default of the ratio level (:data:`CLIP_EPS_DEFAULTS`)."""
+        low, high = CLIP_EPS_DEFAULTS.get(self.ratio_level, CLIP_EPS_DEFAULTS["token"])
+        return (
+            float(self.eps_low) if self.eps_low is not None else low,
+            float(self.eps_high) if self.eps_high is not None else high,
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -211,7 +235,11 @@ class TrainConfig:
         return cls.from_dict(d, where=str(path))
 
     def validate(self) -> "TrainConfig":
-        """Raise ValueError with the fix for any setting a run cannot use."""
+        """Fill in the settings whose default depends on others (the clip range of the ratio level), so the
+        config written next to a checkpoint shows the values used; raise ValueError with the fix for any
+        setting a run cannot use."""
+        low, high = self.loss.clip_range()
+        self.loss = dataclasses.replace(self.loss, eps_low=low, eps_high=high)
         loss, opt, data, tr = self.loss, self.optim, self.data, self.trainer
         checks = [
             (bool(data.path), "no dataset: pass --data DATASET"),
@@ -284,8 +312,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
             kw: dict[str, Any] = dict(
-                dest=f"{name}.{field.name}", default=argparse.SUPPRESS, help=f"{field.metadata['help']} (default: {shown})"
+                dest=f"{name}.{field.name}", default=argparse.SUPPRESS, help=field.metadata["help"]
             )
+            if not (default is None and "default" in kw["help"]):  # else the help says what None means
+                kw["help"] += f" (default: {shown})"
             if hint is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:

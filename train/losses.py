@@ -8,11 +8,14 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   bypass) or the proximal policy's logprob recomputed once per step (decoupled mode,
   AReaL).
 * PPO clip, clip-higher: ``L = max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``;
-  dual clip for ``A < 0``: ``L = min(L, -c A)``.
+  dual clip for ``A < 0``: ``L = min(L, -c A)``. Unset ``eps_low`` / ``eps_high``
+  (``None``) take the default of the ratio level (``LossConfig.clip_range``):
+  0.2 / 0.28 for token ratios (DAPO), 3e-4 / 4e-4 for sequence ratios (GSPO).
 * GSPO (``ratio_level="sequence"``): ``s_i = exp(mean_t m (logp - logp_old))``, used
   per token as ``s_i * exp(logp_t - sg(logp_t))`` so its value is ``s_i`` and its
-  gradient is GSPO's (verl's "GSPO-token" form). With every token of a sequence at
-  the same log-ratio it equals the token-level loss exactly.
+  gradient is GSPO's (verl's "GSPO-token" form), clipped at GSPO's 3e-4 / 4e-4 unless
+  set. With every token of a sequence at the same log-ratio and the same eps it
+  equals the token-level loss exactly.
 * Decoupled mode: ``rho = pi / pi_prox`` and the clipped loss is multiplied by the
   (constant) importance weight ``w = pi_prox / pi_rollout``: truncated ``min(w, C)``
   (TIS) or masked ``w * [a <= w <= b]`` (MIS, icepop), per token, per sequence (the
@@ -22,7 +25,10 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   micro-batch gradients equals the gradient of one large batch:
   token-mean ``sum(m L) / n_tokens``; seq-mean-token-mean
   ``sum_i (sum_t m L / sum_t m) / n_seqs``; seq-mean-token-sum-norm (Dr. GRPO)
-  ``sum(m L) / (n_seqs * norm_len)``.
+  ``sum(m L) / (n_seqs * norm_len)``, ``norm_len`` a constant of the whole optimizer
+  step: ``--norm-len`` or the most loss tokens (``sum_t m``, masked tool tokens not
+  counted) of any sequence of the step, on any rank (the trainer computes it once per
+  step, before splitting the step into mini-batches).
 * Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
   k2 ``lr^2 / 2``, k3 ``exp(-lr) - 1 + lr``; and an entropy bonus.
 
@@ -53,7 +59,7 @@ class LossNorm:
 
     tokens: float  # tokens with loss_mask > 0
     sequences: float  # sequences with at least one such token
-    norm_len: float  # length constant of seq-mean-token-sum-norm
+    norm_len: float  # length constant of seq-mean-token-sum-norm: max loss tokens of a sequence
 
     @classmethod
     def of(
@@ -183,7 +189,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # [T]
 
     A = advantages.float()  # [T]
-    clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)  # [T]
+    eps_low, eps_high = cfg.clip_range()
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [T]
     pg = torch.maximum(-A * ratio, -A * clipped)  # [T]
     if cfg.dual_clip_c is not None:
         pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip_c), pg)
@@ -245,6 +252,7 @@ def token_metrics(
 ) -> dict[str, torch.Tensor]:
     """Mismatch, ratio, clip and importance-weight statistics over the valid tokens."""
     on = mask > 0  # [T]
+    eps_low, eps_high = config.clip_range()
     n = on.sum()
     if int(n) == 0:
         return {"tokens": n.float()}
@@ -256,8 +264,8 @@ def token_metrics(
         "ratio/mean": r.mean(),
         "ratio/min": r.min(),
         "ratio/max": r.max(),
-        "clip/frac_low": ((A < 0) & (r < 1.0 - config.eps_low)).float().mean(),
-        "clip/frac_high": ((A > 0) & (r > 1.0 + config.eps_high)).float().mean(),
+        "clip/frac_low": ((A < 0) & (r < 1.0 - eps_low)).float().mean(),
+        "clip/frac_high": ((A > 0) & (r > 1.0 + eps_high)).float().mean(),
         "mismatch/abs_diff_mean": diff.abs().mean(),
         "mismatch/abs_diff_max": diff.abs().max(),
         # k3 estimate of KL(pi_rollout || pi) from the rollout's own samples: u - 1 - log u, u = pi / pi_rollout.

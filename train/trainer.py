@@ -6,9 +6,11 @@ One step, on every data-parallel rank:
    ranks or micro-batches), broadcast to the response tokens;
 2. in decoupled mode the proximal logprobs, and with a KL term the reference
    logprobs, for every micro-batch, once, before any update;
-3. per mini-batch: the global normalizers (valid tokens, sequences, longest
-   response, summed over micro-batches and ranks), then forward + loss + backward
-   per micro-batch (gradients accumulate), then one optimizer update;
+3. the length constant of seq-mean-token-sum-norm (``--norm-len``, else the most
+   loss tokens of any sequence of the step, max over ranks), once for the whole step;
+   per mini-batch: the global normalizers (valid tokens and sequences, summed over
+   its micro-batches and the ranks), then forward + loss + backward per micro-batch
+   (gradients accumulate), then one optimizer update;
 4. metrics of all micro-batches and ranks merged, logged, and a checkpoint when due.
 
 Every rank runs the same number of forward/backward passes (FSDP's collectives need
@@ -81,6 +83,29 @@ def dummy_batch() -> PackedBatch:
         num_tokens=2,
         num_loss_tokens=1,
     )
+
+
+def step_norm_len(mbs: list[PackedBatch], env: DistEnv, *, norm_len: int | None = None) -> float:
+    """The length constant of seq-mean-token-sum-norm for a whole step: ``norm_len`` when set, else the
+    most loss tokens (``loss_mask > 0``) of any one sequence over every micro-batch of the step and every
+    rank. One value per step, so each mini-batch of it divides by the same constant (Dr. GRPO)."""
+    local = max((LossNorm.of(mb.loss_mask, mb.cu_seqlens).norm_len for mb in mbs), default=0.0)
+    (longest,) = env.all_reduce([local], "max")  # every rank calls it, whatever --norm-len says
+    return float(norm_len if norm_len is not None else longest)
+
+
+def mini_batch_norms(
+    mbs: list[PackedBatch], parts: list[np.ndarray], env: DistEnv, *, norm_len: int | None = None
+) -> list[LossNorm]:
+    """Normalizers of each mini-batch (``parts``: micro-batch indices) over every rank, so accumulating its
+    micro-batches equals one batch: its own token and sequence counts, and the step's :func:`step_norm_len`."""
+    length = step_norm_len(mbs, env, norm_len=norm_len)
+    out = []
+    for part in parts:
+        local = LossNorm.combine([LossNorm.of(mbs[i].loss_mask, mbs[i].cu_seqlens) for i in part])
+        tokens, seqs = env.all_reduce([local.tokens, local.sequences], "sum")
+        out.append(LossNorm(tokens=tokens, sequences=seqs, norm_len=length))
+    return out
 
 
 class Trainer:
@@ -213,10 +238,10 @@ class Trainer:
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
+        norms = mini_batch_norms(mbs, parts, self.env, norm_len=cfg.loss.norm_len)
         optim_metrics = []
-        for part in parts:
+        for part, norm in zip(parts, norms):
             n_part = int(self.env.all_reduce([float(len(part))], "max")[0])
-            norm = self._global_norm([mbs[i] for i in part])
             for j in range(n_part):
                 self.backend.set_gradient_sync(j == n_part - 1)
                 if j >= len(part):
@@ -276,14 +301,6 @@ class Trainer:
         for _ in range(n_passes - len(mbs)):
             self.backend.logprobs(dummy_batch().to(self.backend.device), grad=False, reference=reference)
         return out
-
-    def _global_norm(self, mbs: list[PackedBatch]) -> LossNorm:
-        """Normalizers of the mini-batch over every micro-batch and rank, so accumulation equals one batch."""
-        local = LossNorm.combine([LossNorm.of(mb.loss_mask, mb.cu_seqlens) for mb in mbs])
-        tokens, seqs = self.env.all_reduce([local.tokens, local.sequences], "sum")
-        (longest,) = self.env.all_reduce([local.norm_len], "max")
-        fixed = self.cfg.loss.norm_len
-        return LossNorm(tokens=tokens, sequences=seqs, norm_len=float(fixed if fixed is not None else longest))
 
     def _data_metrics(self, step: Any, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
         """Reward by agent, staleness counts, sizes, and the loader's own figures (as sums / means)."""

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
 from rollshard.generate.tasks.base import Prompt, Task
+from rollshard.generate.tasks.prompts import ID_SEPARATOR
 from rollshard.store.schema import Row, Status, WeightSpan
 from rollshard.store.tokenizer import encode, render_chat
 
@@ -120,6 +121,11 @@ class Episode:
         max_context_len: int | None = None,
         system: str = "",
     ):
+        if ID_SEPARATOR in prompt.prompt_id:  # load_prompts refuses these; a Prompt built in code may not
+            raise ValueError(
+                f"prompt id {prompt.prompt_id!r} contains {ID_SEPARATOR!r}, which separates the parts of group and "
+                "sample ids; give the prompt an id without it"
+            )
         self.prompt = prompt
         self.task = task
         self.engine = engine
@@ -132,6 +138,8 @@ class Episode:
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # n samples of one conversation: render once
 
     def ids(self, agent: str, round: int, index: int) -> tuple[str, str]:
+        """``(sample_id, group_id)``: ``prompt/agent/round/index`` and ``prompt/agent/round`` (the prompt id has no
+        ``/``, so different samples never share an id)."""
         group_id = f"{self.prompt.prompt_id}/{agent}/{round}"
         return f"{group_id}/{index}", group_id
 

@@ -13,7 +13,11 @@ The response must carry one logprob per response token. A missing or short
 that is not a finite float, or token ids in the logprobs that disagree with
 ``output_ids`` raise :class:`EngineError` naming the request: a response without
 its logprobs is never returned (slime issue #1976 / PR #1995). An aborted response
-(``finish_reason.type == "abort"``) keeps the tokens that have a logprob.
+(``finish_reason.type == "abort"``) keeps the tokens that have a logprob, and its
+weight-version spans are clipped to them; when that drops tokens, its text becomes
+the kept tokens' texts from the logprob items when the server sent them
+(``return_text_in_logprobs``), else empty: the server's text covers tokens that are
+not kept.
 """
 
 from __future__ import annotations
@@ -108,10 +112,15 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
                 f"request {rid}: {len(logprobs)} logprobs for {expected} response tokens "
                 f"(output_ids has {len(output_ids)}); refusing a response with missing logprobs"
             )
-    else:
+    sent = len(output_ids)
+    text = body.get("text") or ""
+    if aborted:
         # An abort may stop between sending a token and its logprob: keep the prefix that has both.
         n = min(len(output_ids), len(logprobs))
         output_ids, logprobs, lp_ids = output_ids[:n], logprobs[:n], lp_ids[:n]
+        if n < sent:
+            pieces = [it[2] if len(it) > 2 else None for it in items[:n]]
+            text = "".join(pieces) if all(isinstance(p, str) for p in pieces) else ""
     if output_ids != lp_ids:
         pos = next(i for i, (a, b) in enumerate(zip(output_ids, lp_ids)) if a != b)
         raise EngineError(
@@ -122,7 +131,7 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     n = len(output_ids)
     version = meta.get("weight_version")
     version = None if version is None else str(version)
-    spans = _weight_spans(meta.get("weight_versions"), n) or (
+    spans = _weight_spans(meta.get("weight_versions"), n, sent=sent) or (
         [WeightSpan(version=version, start=0, end=n)] if version is not None else None
     )
     known = {
@@ -136,7 +145,7 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
-        text=body.get("text") or "",
+        text=text,
         finish_reason=kind,
         finish_detail={k: v for k, v in finish.items() if k != "type"},
         weight_version=version if version is not None else (spans[-1].version if spans else None),
@@ -147,23 +156,32 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
     )
 
 
-def _weight_spans(raw: Any, n: int) -> list[WeightSpan] | None:
-    """SGLang's per-response weight version record: spans ``[{version, start, end}]`` or one version per token."""
+def _weight_spans(raw: Any, n: int, *, sent: int | None = None) -> list[WeightSpan] | None:
+    """SGLang's per-response weight version record: spans ``[{version, start, end}]`` or one version per token,
+    for the ``n`` tokens kept of the ``sent`` in ``output_ids`` (an abort keeps fewer): spans starting at or
+    after ``n`` are dropped and the others end at ``n`` at most."""
     if not raw or not isinstance(raw, list):
         return None
     if all(isinstance(s, dict) for s in raw):
-        return [WeightSpan(version=str(s["version"]), start=int(s["start"]), end=int(s["end"])) for s in raw]
+        spans = [WeightSpan(version=str(s["version"]), start=int(s["start"]), end=int(s["end"])) for s in raw]
+        return _clip_spans(spans, n)
     if all(isinstance(s, (list, tuple)) and len(s) == 3 for s in raw):  # msgspec array form [version, start, end]
-        return [WeightSpan(version=str(v), start=int(a), end=int(b)) for v, a, b in raw]
-    if len(raw) == n:  # one version per token: compress into spans
+        return _clip_spans([WeightSpan(version=str(v), start=int(a), end=int(b)) for v, a, b in raw], n)
+    if len(raw) in (n, sent):  # one version per token: compress into spans
         spans: list[WeightSpan] = []
-        for i, v in enumerate(raw):
+        for i, v in enumerate(raw[:n]):
             if spans and spans[-1].version == str(v):
                 spans[-1].end = i + 1
             else:
                 spans.append(WeightSpan(version=str(v), start=i, end=i + 1))
-        return spans
+        return spans or None
     return None
+
+
+def _clip_spans(spans: list[WeightSpan], n: int) -> list[WeightSpan] | None:
+    """The spans restricted to tokens ``[0, n)``; None when none is left."""
+    kept = [WeightSpan(version=s.version, start=s.start, end=min(s.end, n)) for s in spans if s.start < n]
+    return kept or None
 
 
 class SGLangEngine(Engine):

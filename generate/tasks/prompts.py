@@ -4,7 +4,9 @@ Each record gives the prompt under ``input_key`` (a string, or a list of
 ``{"role", "content"}`` chat messages, as slime's ``--input-key``/``--apply-chat-template``
 take them), the label under ``label_key`` and optionally an id under ``id_key``. A
 record without an id gets its 0-based position as id (``"000017"``), so ids stay the
-same when the file is read again or split across hosts.
+same when the file is read again or split across hosts. An id may not contain ``/``:
+group and sample ids are ``{prompt_id}/{agent}/{round}[/{index}]``, so a ``/`` inside
+it could make two different samples share an id.
 
 Every malformed record is found before anything runs: the error is one line naming the
 file and line (JSONL, 1-based) or row (Parquet / dataset, 0-based) of the first
@@ -23,6 +25,7 @@ from rollshard.generate.tasks.base import Prompt
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 MAX_LISTED = 10  # further bad line numbers are counted, not listed
+ID_SEPARATOR = "/"  # joins prompt id, agent, round and index into group and sample ids
 
 
 class PromptSourceError(ValueError):
@@ -123,7 +126,13 @@ def _to_prompts(
             err = f"no {label_key!r} label; this task's verifier needs one (pass --label-key)"
         if err is None:
             pid = str(rec[id_key]) if rec.get(id_key) is not None else f"{index:06d}"
-            if pid in first_line_of:
+            if ID_SEPARATOR in pid:
+                err = (
+                    f"prompt id {pid!r} contains {ID_SEPARATOR!r}, which separates the parts of group and sample "
+                    f"ids (prompt/agent/round/index); change the {id_key!r} field (e.g. '/' -> '_') or pass "
+                    "--id-key pointing at another field"
+                )
+            elif pid in first_line_of:
                 err = f"duplicate prompt id {pid!r} (first at {first_line_of[pid]})"
             else:
                 first_line_of[pid] = lineno

@@ -271,3 +271,11 @@ def test_unknown_system_and_options():
     with pytest.raises(ValueError, match="expected float"):
         make_agent_system("multi_agent", options={"correct_weight": "high"})
     assert make_agent_system("multi_agent", n_samples=5).options.num_rewriters == 5
+
+
+def test_episode_refuses_a_prompt_id_with_a_slash(tok):
+    with pytest.raises(ValueError, match=r"prompt id 'a/b' contains '/'"):
+        Episode(
+            prompt=Prompt(prompt_id="a/b", index=0, content="What is 5 + 7?", label="12"), task=get_task("math"),
+            engine=ScriptedEngine(tok, []), tokenizer=tok, sampling=SamplingParams(),
+        )

@@ -314,3 +314,31 @@ def test_make_engine_specs():
         make_engine("localhost:30000")
     with pytest.raises(ValueError, match="needs a model folder"):
         make_engine("embedded:")
+
+
+def test_abort_clips_weight_spans_and_text_to_the_kept_tokens():
+    finish = {"type": "abort", "message": "aborted by the scheduler"}
+    # 5 tokens sent, 3 with logprobs: spans [0, 2) v3, [2, 4) v4, [4, 5) v5 -> [0, 2) v3, [2, 3) v4; v5 dropped.
+    body = ok_body(
+        ids=[11, 12, 13, 14, 15], lps=[-0.5, -1.0, -0.25], finish=finish,
+        weight_versions=[{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4},
+                         {"version": "5", "start": 4, "end": 5}],
+    )
+    body["text"] = "abcde"
+    body["meta_info"]["output_token_logprobs"] = [[-0.5, 11, "a"], [-1.0, 12, "b"], [-0.25, 13, "c"]]
+    res = parse_response(body, rid="r")
+    assert res.output_ids == [11, 12, 13] and res.logprobs == [-0.5, -1.0, -0.25]
+    assert res.weight_versions == [WeightSpan(version="3", start=0, end=2), WeightSpan(version="4", start=2, end=3)]
+    assert res.text == "abc"  # the kept tokens' own texts, not the server's "abcde"
+    # Msgspec array form, a span starting exactly at the kept length, and no token texts: text is dropped.
+    body = ok_body(ids=[11, 12, 13, 14], lps=[-0.5, -1.0], finish=finish, weight_versions=[["3", 0, 2], ["4", 2, 4]])
+    res = parse_response(body, rid="r")
+    assert res.weight_versions == [WeightSpan(version="3", start=0, end=2)] and res.text == ""
+    # One version per sent token (4), 2 kept: ["3", "4", "4", "5"] -> [0, 1) v3, [1, 2) v4.
+    body = ok_body(ids=[11, 12, 13, 14], lps=[-0.5, -1.0], finish=finish, weight_versions=["3", "4", "4", "5"])
+    res = parse_response(body, rid="r")
+    assert res.weight_versions == [WeightSpan(version="3", start=0, end=1), WeightSpan(version="4", start=1, end=2)]
+    # Nothing cut: the server's text and spans stay as they are.
+    body = ok_body(finish=finish, weight_versions=[["3", 0, 3]])
+    res = parse_response(body, rid="r")
+    assert res.text == "abc" and res.weight_versions == [WeightSpan(version="3", start=0, end=3)]

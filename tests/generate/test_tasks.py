@@ -150,3 +150,21 @@ def test_parquet_and_hf_folder(tmp_path):
     pq.write_table(table.slice(0, 2), folder / "train.parquet")
     ps = load_prompts(folder, split="train")
     assert [(p.prompt_id, p.problem, p.label) for p in ps] == [("000000", "a", "1"), ("000001", "b", "2")]
+
+
+def test_prompt_id_with_a_slash_is_refused_at_loading(tmp_path):
+    # Sample ids are prompt/agent/round/index: prompt "a/b" would give "a/b/solver/0/1", which also reads as
+    # prompt "a", agent "b", round "solver"...: ids could collide, so such prompt ids are refused.
+    f = _write(
+        tmp_path / "s.jsonl",
+        [json.dumps({"id": "ok", "prompt": "x", "label": 1}), json.dumps({"id": "a/b", "prompt": "y", "label": 1})],
+    )
+    with pytest.raises(PromptSourceError) as e:
+        load_prompts(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:2: prompt id 'a/b' contains '/'")
+    assert "change the 'id' field" in msg and "--id-key" in msg and "\n" not in msg
+    # Parquet rows are named by 0-based row.
+    pq.write_table(pa.table({"uid": ["x/1"], "prompt": ["p"], "label": [1]}), tmp_path / "s.parquet")
+    with pytest.raises(PromptSourceError, match=r"s\.parquet: row 0: prompt id 'x/1' contains '/'"):
+        load_prompts(tmp_path / "s.parquet", id_key="uid")

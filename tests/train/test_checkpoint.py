@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from rollshard.train.backends.distributed import DistEnv
@@ -59,3 +62,72 @@ def test_latest_link_pruning_and_leftover_tmp(tiny_gpt2, tmp_path):
     assert (root / "latest").is_symlink() and (root / "latest").resolve() == root / "step_00000003"
     assert latest_checkpoint(tmp_path).step == 3
     assert latest_checkpoint(tmp_path / "elsewhere") is None
+
+
+def test_saving_a_step_again_keeps_latest_loadable(tiny_gpt2, tmp_path, monkeypatch):
+    import shutil
+
+    import rollshard.train.checkpoint as ckpt_mod
+
+    b = backend(tiny_gpt2)
+    one_update(b)
+    save(b, tmp_path, 1)
+    one_update(b)
+    real_rmtree = shutil.rmtree
+    deleted = []
+
+    def rmtree_then_check(path, *a, **kw):
+        real_rmtree(path, *a, **kw)
+        deleted.append(Path(path).name)
+        # Whatever was deleted, latest still names a complete checkpoint.
+        assert latest_checkpoint(tmp_path).updates in (1, 2)
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", rmtree_then_check)
+    path = save(b, tmp_path, 1)  # a resumed run repeating step 1, with 2 updates now
+    assert deleted == [".old-step_00000001"]
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.path == path and ckpt.step == 1 and ckpt.updates == 2
+    assert ckpt.optimizer_state()["state"]  # loadable
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+
+
+def test_files_and_folders_are_fsynced_before_the_rename(tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.checkpoint as ckpt_mod
+
+    b = backend(tiny_gpt2)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_mod.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt_mod.os, "replace", replace)
+    final = save(b, tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    tmp = root / ".tmp-step_00000004"
+    publish = events.index(("replace", str(tmp), str(final)))
+    synced_before = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    on_disk = {str(tmp / p.relative_to(final)) for p in final.rglob("*")} | {str(tmp)}
+    assert len(on_disk) >= 8  # config, weights, tokenizer files, optimizer/ and its two files, state, config yaml
+    assert on_disk <= synced_before, sorted(on_disk - synced_before)
+    # The parent folder after the checkpoint's rename, and again after the latest link's.
+    after = events[publish + 1:]
+    assert ("fsync", str(root)) in after
+    link = after.index(("replace", str(root / "latest.tmp"), str(root / "latest")))
+    assert ("fsync", str(root)) in after[link + 1:]
+
+
+def test_interrupted_resave_is_recovered(tiny_gpt2, tmp_path):
+    b = backend(tiny_gpt2)
+    save(b, tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_00000001", root / ".old-step_00000001")  # a crash right after moving it aside
+    save(b, tmp_path, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert latest_checkpoint(tmp_path).step == 2

@@ -6,9 +6,10 @@ import argparse
 import math
 
 import pytest
+import yaml
 
 from rollshard.train.backends.schedule import lr_factor
-from rollshard.train.config import TrainConfig, add_config_flags, resolve
+from rollshard.train.config import LossConfig, TrainConfig, add_config_flags, resolve
 
 
 def parse(*argv: str) -> TrainConfig:
@@ -69,3 +70,28 @@ def test_lr_schedule_worked_values():
     with pytest.raises(ValueError, match="--decay-steps"):
         lr_factor(5, warmup=0, total=None, decay="cosine", min_ratio=0.0)
     assert math.isclose(lr_factor(10, warmup=0, total=10, decay="cosine", min_ratio=0.2), 0.2)
+
+
+def test_clip_eps_resolve_by_ratio_level(tmp_path, capsys):
+    from rollshard.train.cli import build_parser, main
+
+    assert LossConfig().eps_low is None and LossConfig().eps_high is None  # unset until resolved
+    gspo = parse("--ratio-level", "sequence")
+    assert (gspo.loss.eps_low, gspo.loss.eps_high) == (3e-4, 4e-4)
+    assert (parse().loss.eps_low, parse().loss.eps_high) == (0.2, 0.28)
+    mixed = parse("--ratio-level", "sequence", "--eps-high", "0.001").loss
+    assert (mixed.eps_low, mixed.eps_high) == (3e-4, 0.001)
+    # A YAML file that sets the level (and no eps) resolves the same way; flags still override.
+    f = tmp_path / "c.yaml"
+    f.write_text("loss:\n  ratio_level: sequence\n")
+    from_file = parse("--config", str(f)).loss
+    assert (from_file.eps_low, from_file.eps_high) == (3e-4, 4e-4)
+    assert parse("--config", str(f), "--ratio-level", "token").loss.eps_high == 0.28
+    # The resolved config (written next to every checkpoint, --print-config) shows the values.
+    assert main(["--data", "d", "--model", "m", "--out", "o", "--ratio-level", "sequence", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["loss"]
+    assert (printed["eps_low"], printed["eps_high"]) == (3e-4, 4e-4)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "default 0.2 with --ratio-level token, 3e-4 with sequence (GSPO)" in help_text
+    eps_low_help = help_text.split("PPO clip: ratio lower bound", 1)[1].split("--eps-high", 1)[0]
+    assert "(default: None)" not in eps_low_help

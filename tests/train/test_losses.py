@@ -163,11 +163,12 @@ def test_micro_batch_split_equals_one_batch(agg):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_gspo_equals_token_level_when_tokens_share_one_ratio(agg):
     # seq0 every token at ratio 1.5 (A=+1), seq1 every token at ratio 0.7 (A=-1): GSPO s_i equals each token ratio.
+    # Same clip range on both sides (GSPO's own default is 3e-4 / 4e-4).
     lr = [0.0, L(1.5), L(1.5), L(1.5), 0.0, L(0.7), L(0.7)]
     adv = [0.0, 1, 1, 1, 0, -1, -1]
     mask = [0.0, 1, 1, 1, 0, 1, 1]
     loss_t, grad_t, _ = run(lr, adv, mask, [0, 4, 7], cfg(agg=agg))
-    loss_s, grad_s, _ = run(lr, adv, mask, [0, 4, 7], cfg(agg=agg, ratio_level="sequence"))
+    loss_s, grad_s, _ = run(lr, adv, mask, [0, 4, 7], cfg(agg=agg, ratio_level="sequence", eps_low=0.2, eps_high=0.28))
     assert loss_s.item() == pytest.approx(loss_t.item(), abs=1e-7)
     torch.testing.assert_close(grad_s, grad_t, atol=1e-7, rtol=0)
 
@@ -277,3 +278,28 @@ def test_config_dataclass_is_kw_only():
     with pytest.raises(TypeError):
         LossConfig("bypass")  # type: ignore[misc]
     assert dataclasses.replace(LossConfig(), eps_high=0.3).eps_high == 0.3
+
+
+def test_gspo_clips_at_its_own_small_eps():
+    # One sequence, two tokens at log-ratios log 1.002 and log 1.0: s = exp(mean) = sqrt(1.002) = 1.0009995, A = +1.
+    # GSPO default eps_high 4e-4: s > 1.0004 -> clipped, loss -1.0004 per token (token-mean -1.0004), no gradient.
+    # With token-level eps (0.28) nothing would clip: loss -1.0009995, gradient -0.5 per token.
+    lr = [L(1.002), 0.0]
+    loss, grad, m = run(lr, [1.0, 1.0], [1.0, 1.0], [0, 2], cfg(ratio_level="sequence"))
+    assert loss.item() == pytest.approx(-1.0004, abs=1e-7)
+    assert grad.abs().max().item() == 0.0
+    assert m["clip/frac_high"].item() == 1.0
+    loss, grad, _ = run(lr, [1.0, 1.0], [1.0, 1.0], [0, 2], cfg(ratio_level="sequence", eps_low=0.2, eps_high=0.28))
+    assert loss.item() == pytest.approx(-math.sqrt(1.002), abs=1e-7)
+    torch.testing.assert_close(grad, torch.full((2,), -math.sqrt(1.002) / 2), atol=1e-7, rtol=0)
+    # A < 0, s = sqrt(0.999) = 0.9994999 < 1 - 3e-4: clipped low at 0.9997 (loss +0.9997, no gradient).
+    loss, grad, m = run([L(0.999), 0.0], [-1.0, -1.0], [1.0, 1.0], [0, 2], cfg(ratio_level="sequence"))
+    assert loss.item() == pytest.approx(0.9997, abs=1e-7)
+    assert grad.abs().max().item() == 0.0 and m["clip/frac_low"].item() == 1.0
+
+
+def test_clip_range_defaults_by_ratio_level():
+    assert LossConfig().clip_range() == (0.2, 0.28)
+    assert LossConfig(ratio_level="sequence").clip_range() == (3e-4, 4e-4)
+    assert LossConfig(ratio_level="sequence", eps_high=0.01).clip_range() == (3e-4, 0.01)
+    assert LossConfig(eps_low=0.1).clip_range() == (0.1, 0.28)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from rollshard.train.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
 from rollshard.train.config import TrainConfig
+from rollshard.train.losses import LossNorm
 from rollshard.train.metrics import read_metrics
 from rollshard.train.trainer import Trainer
 
@@ -122,3 +123,95 @@ def test_existing_run_needs_resume_flag(tiny_dataset, tiny_gpt2, tmp_path):
     train(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run", trainer={"max_steps": 1}))
     with pytest.raises(ValueError, match="--resume"):
         Trainer(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run", trainer={"max_steps": 2}))
+
+
+def _micro_batch(loss_tokens: list[int], prompt: int = 2, tool: int = 3):
+    """A packed micro-batch: each sequence has ``prompt`` prompt tokens, then its loss tokens and ``tool``
+    masked (loss_mask 0) environment tokens, so response length = loss tokens + tool."""
+    from rollshard.store.packing import PackedBatch
+
+    lens = [prompt + n + tool for n in loss_tokens]
+    T = sum(lens)
+    mask = torch.cat([torch.tensor([0.0] * prompt + [1.0] * n + [0.0] * tool) for n in loss_tokens])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    S = len(loss_tokens)
+    return PackedBatch(
+        input_ids=torch.zeros(T, dtype=torch.int64), position_ids=torch.cat([torch.arange(n) for n in lens]),
+        cu_seqlens=cu, loss_mask=mask, rollout_logprobs=torch.zeros(T), temperature=torch.ones(T),
+        response_start=cu[:-1].long() + prompt, seq_group=torch.arange(S), rewards=torch.zeros(S),
+        agents=["a"] * S, sample_ids=[str(i) for i in range(S)], weight_versions=[None] * S,
+        num_tokens=T, num_loss_tokens=int(mask.sum()),
+    )
+
+
+class _TwoRanks:
+    """DistEnv stand-in: a second rank holding ``other`` (tokens, sequences) per call and a longest of ``longest``."""
+
+    def __init__(self, *, longest: float, other: tuple[float, float]):
+        self.longest, self.other, self.calls = longest, other, []
+
+    def all_reduce(self, values, op="sum"):
+        self.calls.append(op)
+        if op == "max":
+            return [max(v, self.longest) for v in values]
+        return [v + o for v, o in zip(values, self.other)]
+
+
+def test_norm_len_is_one_constant_per_step():
+    import numpy as np
+
+    from rollshard.train.backends.distributed import DistEnv
+    from rollshard.train.trainer import mini_batch_norms, step_norm_len
+
+    # Loss tokens per sequence: mb0 [3, 5], mb1 [2, 9], mb2 [4]; masked tool tokens (3 each) are not counted.
+    mbs = [_micro_batch([3, 5]), _micro_batch([2, 9]), _micro_batch([4])]
+    one = mini_batch_norms(mbs, np.array_split(np.arange(3), 1), DistEnv())
+    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), DistEnv())  # parts [0, 1] and [2]
+    assert [(n.tokens, n.sequences, n.norm_len) for n in one] == [(23.0, 5.0, 9.0)]
+    # The second mini-batch alone has a longest sequence of 4: it still divides by the step's 9.
+    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(19.0, 4.0, 9.0), (4.0, 1.0, 9.0)]
+    # Dr. GRPO: each token's loss weight 1 / (n_seqs * norm_len) uses the same norm_len in every mini-batch.
+    assert {n.norm_len for n in two} == {one[0].norm_len}
+    # --norm-len wins; the max over ranks is still taken (every rank must call the same collectives).
+    assert step_norm_len(mbs, DistEnv(), norm_len=16) == 16.0
+    env = _TwoRanks(longest=12.0, other=(10.0, 2.0))
+    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), env)
+    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(29.0, 6.0, 12.0), (14.0, 3.0, 12.0)]
+    assert env.calls == ["max", "sum", "sum"]  # the length once per step, before the mini-batches
+    assert step_norm_len([], DistEnv()) == 0.0
+
+
+def test_sum_norm_mini_batches_share_the_step_norm_len(tiny_dataset, tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.policy_loss
+
+    def spy(*args, norm, **kw):
+        seen.append(norm.norm_len)
+        return real(*args, norm=norm, **kw)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    config = make_config(
+        tiny_dataset, tiny_gpt2, tmp_path / "run", data={"micro_batch_tokens": 48},
+        loss={"agg": "seq-mean-token-sum-norm"}, trainer={"max_steps": 1, "mini_batches": 2},
+    )
+    trainer = Trainer(config)
+    try:
+        step = next(iter(trainer.loader))
+        mbs = step.micro_batches
+        half = (len(mbs) + 1) // 2  # np.array_split: the first mini-batch takes the extra micro-batch
+        for mb in mbs[half:]:  # the second mini-batch keeps at most 4 loss tokens per sequence
+            for a, b in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
+                on = torch.nonzero(mb.loss_mask[a:b]).flatten() + a
+                mb.loss_mask[on[4:]] = 0.0
+            mb.num_loss_tokens = int(mb.loss_mask.sum())
+        per_mb = [LossNorm.of(mb.loss_mask, mb.cu_seqlens).norm_len for mb in mbs]
+        trainer.train_step(step)
+    finally:
+        trainer.close()
+    # Loss tokens of the longest sequence: 10 (max_new_tokens) in the first mini-batch, 4 in the second;
+    # both mini-batches divide by the step's 10.
+    assert max(per_mb[:half]) == 10.0 and max(per_mb[half:]) == 4.0
+    assert len(seen) == len(mbs) >= 3
+    assert set(seen) == {max(per_mb)}
