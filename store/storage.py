@@ -32,6 +32,8 @@ class HashingFile(io.RawIOBase):
     buffers wait in between.
     """
 
+    _SYNC = b""  # queue marker: flush and fsync what was written so far
+
     def __init__(self, sink: BinaryIO, max_pending: int = 16):
         self._sink = sink
         self._pos = 0
@@ -44,7 +46,10 @@ class HashingFile(io.RawIOBase):
     def _drain(self) -> None:
         while (data := self._queue.get()) is not None:
             try:
-                if self._error is None:
+                if self._error is None and data is self._SYNC:
+                    self._sink.flush()
+                    os.fsync(self._sink.fileno())
+                elif self._error is None:
                     self.sha256.update(data)
                     self._sink.write(data)
             except BaseException as e:  # re-raised on the writer's thread at the next call
@@ -69,6 +74,12 @@ class HashingFile(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def sync_in_background(self) -> None:
+        """Start an fsync of what is written so far on the I/O thread; the commit's own
+        fsync then only waits for the bytes written after it."""
+        if hasattr(self._sink, "fileno"):
+            self._queue.put(self._SYNC)
 
     def flush(self) -> None:
         self._queue.join()

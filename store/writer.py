@@ -137,6 +137,8 @@ class ShardWriter:
             )
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
         self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
+        if self.storage.local:
+            self._pending.file.sync_in_background()
         if self._pending.file.tell() >= self.options.shard_bytes:
             self.commit()
 
