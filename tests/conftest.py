@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -21,3 +29,61 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     from rollshard.generate.models import init_model
 
     return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", preset="tiny-qwen3", seed=0)
+
+
+# -- the real SGLang server (the `-m sglang` tier) --------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
+SGLANG_STARTUP_TIMEOUT_S = 600  # sglang + torch import dominates; minutes on a busy 2-core machine
+
+
+@contextlib.contextmanager
+def launch_sglang(model: Path, log_dir: Path, *, max_total_tokens: int = 8192) -> Iterator[str]:
+    """The real SGLang server on CPU for a GPT-2-architecture model, fp32; yields its URL.
+
+    Skips without the environment of scripts/make_sglang_env.sh, and fails instead when
+    ROLLSHARD_REQUIRE_SGLANG is set (the test script's SGLang tier must not skip silently).
+    """
+    python = SGLANG_VENV / "bin" / "python"
+    if not (python.is_file() and any(SGLANG_VENV.glob("lib/python3*/site-packages/sglang/__init__.py"))):
+        reason = f"no SGLang environment at {SGLANG_VENV}; build it with scripts/make_sglang_env.sh"
+        if os.environ.get("ROLLSHARD_REQUIRE_SGLANG"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = log_dir / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}  # it selects kernels PyPI lacks
+    cmd = [
+        str(python), "-m", "sglang.launch_server", "--model-path", str(model),
+        "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch", "--skip-server-warmup", "--max-total-tokens", str(max_total_tokens),
+        "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SGLANG_STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"SGLang server did not start (exit {proc.poll()}); log tail:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own process group: scheduler and detokenizer too
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -9,12 +9,6 @@ it takes ~30 s to start on an idle machine.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -22,18 +16,12 @@ import pytest
 from rollshard.generate.engines import SamplingParams, make_engine
 from rollshard.generate.engines.embedded import load_causal_lm
 
+from tests.conftest import launch_sglang
+
 pytestmark = pytest.mark.sglang
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
-PYTHON = VENV / "bin" / "python"
-STARTUP_TIMEOUT_S = 600  # import of sglang + torch dominates; minutes on a busy 2-core machine
 TOL = 1e-4  # SGLang's CPU torch_native fp32 path vs transformers fp32; measured ~5e-7
 PROMPTS = [[1, 5, 6, 7], [1, *range(10, 40)], [3, 4], list(range(100, 181))]
-
-
-def _has_sglang() -> bool:
-    return PYTHON.is_file() and any(VENV.glob("lib/python3*/site-packages/sglang/__init__.py"))
 
 
 def run(coro):
@@ -42,50 +30,8 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def sglang_server(tiny_gpt2, tmp_path_factory):
-    if not _has_sglang():
-        reason = f"no SGLang environment at {VENV}; build it with scripts/make_sglang_env.sh"
-        if os.environ.get("ROLLSHARD_REQUIRE_SGLANG"):  # the test script's SGLang tier must not skip silently
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    cmd = [
-        str(PYTHON), "-m", "sglang.launch_server", "--model-path", str(tiny_gpt2),
-        "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
-        "--sampling-backend", "pytorch", "--skip-server-warmup", "--max-total-tokens", "4096",
-        "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text()[-3000:]
-                pytest.fail(f"SGLang server did not start (exit {proc.poll()}); log tail:\n{tail}")
-            time.sleep(1.0)
+    with launch_sglang(tiny_gpt2, tmp_path_factory.mktemp("sglang"), max_total_tokens=4096) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group: scheduler and detokenizer too
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,6 @@ fp32 rounding (ratio 1 at step 0).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import polars as pl
@@ -26,63 +20,18 @@ from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.cli import main as train_main
 from rollshard.train.metrics import read_metrics
 
+from tests.conftest import launch_sglang
+
 pytestmark = pytest.mark.sglang
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
-PYTHON = VENV / "bin" / "python"
-STARTUP_TIMEOUT_S = 600  # sglang + torch import dominates; minutes on a busy 2-core machine
 FP32_LOGPROB_TOL = 1e-5  # SGLang torch_native fp32 on CPU vs the trainer's packed transformers forward
 REWARD_GAIN = 0.05  # as in test_closed_loop.py
 
 
-def _has_sglang() -> bool:
-    return PYTHON.is_file() and any(VENV.glob("lib/python3*/site-packages/sglang/__init__.py"))
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def sglang_server(tiny_gpt2, tmp_path_factory):
-    if not _has_sglang():
-        reason = f"no SGLang environment at {VENV}; build it with scripts/make_sglang_env.sh"
-        if os.environ.get("ROLLSHARD_REQUIRE_SGLANG"):  # the test script's SGLang tier must not skip silently
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    cmd = [
-        str(PYTHON), "-m", "sglang.launch_server", "--model-path", str(tiny_gpt2),
-        "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
-        "--sampling-backend", "pytorch", "--skip-server-warmup", "--max-total-tokens", "8192",
-        "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"SGLang server did not start (exit {proc.poll()}); log tail:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1.0)
+    with launch_sglang(tiny_gpt2, tmp_path_factory.mktemp("sglang"), max_total_tokens=8192) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own process group: scheduler and detokenizer too
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def generate(url: str, out: Path, seed: int) -> pl.DataFrame:
