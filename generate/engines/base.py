@@ -19,6 +19,19 @@ from typing import Any
 from rollshard.store.schema import WeightSpan
 
 
+# SGLang sampling parameters rollshard does not use, at the value that makes them a no-op. The client
+# sends them explicitly so a server's defaults (or its --preferred-sampling-params) cannot change the
+# sampling distribution, and with it the logprobs, behind the trainer's back; the embedded engine
+# accepts them at exactly these values.
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """SGLang ``sampling_params``; field names and meanings follow SGLang's native API."""
@@ -64,6 +77,11 @@ class GenerateResult:
 
 class EngineError(RuntimeError):
     """A request failed for good (after retries, or a 4xx); the message names the request."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine stopped answering at all (every server refuses connections): a run should stop, not retry
+    each remaining prompt. Raised by an engine's circuit breaker; the message says what was seen."""
 
 
 class Engine(abc.ABC):
