@@ -28,6 +28,7 @@ from rollshard.store.dataset import RolloutDataset
 from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
 from rollshard.store.validate import validate_dataset
 from rollshard.store.writer import ShardWriter
+from tests.gated_main import start_gated, wait_for_gate
 from tests.generate.test_agents import ScriptedEngine
 
 N_PROMPTS = 4
@@ -109,26 +110,15 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(reference, tiny_gpt2, t
     assert rows_of(out) == before
 
 
-def _wait_for_shards(path, count, proc, timeout=120.0):
-    manifest = path / "_manifests" / "gen-0-of-1.json"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return
-        try:
-            if len(json.loads(manifest.read_text())["shards"]) >= count:
-                return
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            pass
-        time.sleep(0.01)
-    raise AssertionError("the run committed nothing in time")
-
-
 def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_path, capsys):
     out = tmp_path / "ds"
     args = base_args(tiny_gpt2, out, "--commit-every", "1")
-    proc = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for_shards(out, 1, proc)
+    gate = tmp_path / "first-commit"  # the run stops right after its first shard commit, until killed
+    proc = start_gated(
+        "rollshard.store.writer:ShardWriter.commit", 1, gate, "rollshard.generate", *args,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    wait_for_gate(proc, gate)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()

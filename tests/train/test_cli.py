@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import yaml
@@ -15,6 +13,7 @@ from safetensors.torch import load_file
 from rollshard.train.checkpoint import CONFIG_FILE, latest_checkpoint
 from rollshard.train.cli import main
 from rollshard.train.metrics import read_metrics
+from tests.gated_main import start_gated, wait_for_gate
 
 
 def args_for(data, model, out, *extra):
@@ -63,25 +62,20 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dataset, tiny_gpt2, tmp_path
     reference = read_metrics(tmp_path / "ref")
     assert [r["step"] for r in reference] == list(range(1, steps + 1))
 
-    # The same run as a real process, killed with SIGKILL once its second checkpoint is on disk.
+    # The same run as a real process, gated after its second checkpoint is saved, then killed with SIGKILL.
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    gate = tmp_path / "at-step-2"
+    proc = start_gated(
+        "rollshard.train.trainer:save_checkpoint", 2, gate, "rollshard.train",
+        *args_for(tiny_dataset, tiny_gpt2, out, *common), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            ckpt = latest_checkpoint(out) if (out / "checkpoints" / "latest").exists() else None
-            if ckpt is not None and ckpt.step >= 2:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.01)
+        wait_for_gate(proc, gate)
+        os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
-    killed_at = latest_checkpoint(out).step
-    assert proc.returncode == -signal.SIGKILL and 2 <= killed_at < steps, (proc.returncode, killed_at)
+    assert proc.returncode == -signal.SIGKILL and latest_checkpoint(out).step == 2
 
     assert main(args_for(tiny_dataset, tiny_gpt2, out, *common, "--resume")) == 0
     resumed = read_metrics(out)
