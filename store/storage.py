@@ -14,9 +14,10 @@ import io
 import os
 import queue
 import threading
+import time
 import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pyarrow.fs as pafs
 
@@ -30,37 +31,72 @@ class HashingFile(io.RawIOBase):
     write run on a background thread (hashlib and file writes release the GIL), so they
     overlap with Parquet encoding instead of adding to it; at most ``max_pending``
     buffers wait in between.
+
+    The hand-off survives an exception raised into the writing thread at any point (a
+    KeyboardInterrupt in a user's script, say): it shares no Python-level lock with the
+    I/O thread (``queue.Queue``'s condition variables are left held by an exception
+    that lands inside them, and both threads then wait forever). Buffers go through a
+    ``SimpleQueue`` (C, atomic put and get), waits are short polls, and the I/O thread
+    stops once :meth:`close` was called and nothing is left to write, so a lost end
+    marker cannot leave :meth:`close` joining forever.
     """
 
-    _SYNC = b""  # queue marker: flush and fsync what was written so far
+    _SYNC = object()  # queue marker: flush and fsync what was written so far
+    _POLL_S = 0.05  # the I/O thread's wait for work; bounds how late it notices close()
+    _WAIT_S = 0.0005  # the writer's poll while the queue is full or draining
 
     def __init__(self, sink: BinaryIO, max_pending: int = 16):
         self._sink = sink
         self._pos = 0
         self.sha256 = hashlib.sha256()
-        self._queue: queue.Queue[bytes | None] = queue.Queue(max_pending)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._max_pending = max_pending
+        self._sent = 0  # buffers queued (the writer's thread only)
+        self._done = 0  # buffers handled (the I/O thread only)
+        self._closing = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name="rollshard-shard-io", daemon=True)
         self._thread.start()
 
     def _drain(self) -> None:
-        while (data := self._queue.get()) is not None:
+        while True:
+            try:
+                data = self._queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if self._closing:
+                    return
+                continue
             try:
                 if self._error is None and data is self._SYNC:
                     self._sink.flush()
                     os.fsync(self._sink.fileno())
-                elif self._error is None:
+                elif self._error is None and data is not None:
                     self.sha256.update(data)
                     self._sink.write(data)
             except BaseException as e:  # re-raised on the writer's thread at the next call
                 self._error = e
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                self._done += 1
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _put(self, item: Any) -> None:
+        while self._sent - self._done >= self._max_pending:
+            self._check_thread()
+            time.sleep(self._WAIT_S)
+        self._queue.put(item)
+        self._sent += 1
+
+    def _wait_drained(self) -> None:
+        while self._done < self._sent:
+            self._check_thread()
+            time.sleep(self._WAIT_S)
+
+    def _check_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise OSError("the shard's I/O thread stopped before the shard was complete")
 
     def writable(self) -> bool:
         return True
@@ -68,7 +104,7 @@ class HashingFile(io.RawIOBase):
     def write(self, data) -> int:  # type: ignore[override]
         self._raise_pending()
         chunk = bytes(data)  # the caller may reuse its buffer once write returns
-        self._queue.put(chunk)
+        self._put(chunk)
         self._pos += len(chunk)
         return len(chunk)
 
@@ -79,17 +115,19 @@ class HashingFile(io.RawIOBase):
         """Start an fsync of what is written so far on the I/O thread; the commit's own
         fsync then only waits for the bytes written after it."""
         if hasattr(self._sink, "fileno"):
-            self._queue.put(self._SYNC)
+            self._put(self._SYNC)
 
     def flush(self) -> None:
-        self._queue.join()
+        self._wait_drained()
         self._raise_pending()
         self._sink.flush()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        if not self.closed:
+            self._closing = True  # the I/O thread writes what is queued, then stops
+            self._queue.put(None)  # wakes it now rather than at its next poll
+            while self._thread.is_alive():
+                self._thread.join(self._POLL_S)
         super().close()
         self._raise_pending()
 
@@ -145,6 +183,18 @@ class Storage:
             self.fs.delete_file(self.path(rel))
         except FileNotFoundError:
             pass
+
+    def remove_atomic_leftovers(self, rel: str) -> list[str]:
+        """Delete the temporary files a crash inside :meth:`write_atomic` of ``rel`` left behind (the caller
+        must own ``rel``: another process may be writing its own). Returns the removed paths."""
+        if not self.local:
+            return []
+        final = Path(self.path(rel))
+        removed = []
+        for tmp in final.parent.glob(f".{final.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed.append(str(tmp))
+        return removed
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a small file (a manifest) so readers see the old or the new content, never a mix."""

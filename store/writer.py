@@ -265,6 +265,7 @@ class ShardWriter:
             for rel in self.storage.list(TMP_DIR, ".parquet"):
                 if mine.match(rel):
                     self.storage.delete(rel)
+            self.storage.remove_atomic_leftovers(Manifest.rel_path(self.writer_id))
 
     def _acquire_lock(self):
         if not self.storage.local:
