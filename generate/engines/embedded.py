@@ -8,17 +8,26 @@ requests. Positions are tracked per row, so left padding changes no logit.
 
 Logprobs follow SGLang's definition (:mod:`.base`): log softmax(logits / T) of the
 sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T < 1e-6) takes
-the argmax and reports log softmax(logits). Top-k and top-p filter exactly as
-SGLang's torch sampler does (top-p on the untruncated cumulative probabilities).
+the argmax and reports log softmax(logits). Top-k and top-p decide the kept tokens
+exactly as SGLang's torch sampler does (:mod:`.sampler`).
 
 Each request draws its random numbers from its own generator, seeded by
 ``sampling_seed`` or, when absent, by the engine seed and the request's arrival
-order; so a seeded request's tokens do not depend on what else is in the batch
-(up to float rounding of the batched forward).
+order, and the sampler draws in vocabulary order, so a seeded request's tokens do not
+depend on what else is in the batch: a lost row is regenerated token for token. The
+exception is a draw that lands within float rounding (~1e-7) of a CDF interval or a
+top-k/top-p boundary, where the batched forward's rounding can decide; BATCH_INVARIANCE
+below gives the measured rate.
 
 Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
 ``/update_weights_from_disk``: requests already running finish on the old weights,
 new ones wait, and the swap happens when the batch is empty.
+
+Aborts (:meth:`EmbeddedEngine.abort`, ``POST /abort_request`` on the server) behave
+like SGLang's: a queued request is answered at once with no tokens, a running one
+after its current decode step with the tokens and logprobs it has; the finish
+reasons are SGLang's (``"Abort in waiting queue"``; ``"Aborted"`` with
+``status_code``/``err_type`` null). Requests are matched by their exact rid.
 """
 
 from __future__ import annotations
@@ -36,12 +45,18 @@ from typing import Any
 
 import torch
 
+from rollshard.generate.engines import kv_cache
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
-from rollshard.store.tokenizer import decode, eos_token_ids, load_tokenizer
+from rollshard.generate.engines.kv_cache import Batch
+from rollshard.generate.engines.sampler import sample_tokens
+from rollshard.store.schema import WeightSpan
+from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
 
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
 IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
+# SGLang's finish reasons for an aborted request (tokenizer_manager / schedule_batch.FINISH_ABORT).
+ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 def load_causal_lm(path: str | Path, device: str = "cpu"):
@@ -55,35 +70,6 @@ def load_causal_lm(path: str | Path, device: str = "cpu"):
     except (OSError, ValueError) as e:
         raise EngineError(f"cannot load a causal LM from {str(path)!r}: {e}") from e
     return model.to(device).eval()
-
-
-def sample_tokens(
-    logits: torch.Tensor,  # [B, V] fp32
-    temperature: torch.Tensor,  # [B]; < GREEDY_TEMPERATURE_EPS means greedy (SGLang's rule)
-    top_p: torch.Tensor,  # [B]
-    top_k: torch.Tensor,  # [B] long; <= 0 means no top-k
-    uniform: torch.Tensor,  # [B] in [0, 1)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob (SGLang's definition). Returns ``(tokens [B], logprobs [B])``."""
-    greedy = temperature < GREEDY_TEMPERATURE_EPS  # [B]
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
-
-    probs_sort, probs_idx = logp.exp().sort(dim=-1, descending=True)  # [B, V]
-    cum = probs_sort.cumsum(dim=-1)  # [B, V]
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))  # [B]
-    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
-    drop = (rank >= k[:, None]) | ((cum - probs_sort) > top_p[:, None])  # [B, V]; SGLang's rule
-    kept = probs_sort.masked_fill(drop, 0.0)  # [B, V]; a prefix of the sorted order
-    kept_cum = kept.cumsum(dim=-1)  # [B, V]
-    target = uniform * kept_cum[:, -1]  # [B]
-    pos = (kept_cum <= target[:, None]).sum(dim=-1)  # [B]; first index whose cumsum exceeds target
-    pos = torch.minimum(pos, (~drop).sum(dim=-1) - 1)  # [B]; rounding at the top end stays inside the kept set
-    sampled = probs_idx.gather(-1, pos[:, None]).squeeze(-1)  # [B]
-
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,46 +87,9 @@ class _Request:
     out_lps: list[float] = dataclasses.field(default_factory=list)
     finish: dict[str, Any] | None = None
     cancelled: bool = False
+    abort_requested: bool = False  # set by abort() on the event loop, acted on by the worker
     generator: torch.Generator | None = None
     weight_version: str = "0"
-
-
-class _Batch:
-    """The running batch: rows, their KV cache, attention mask and next positions."""
-
-    def __init__(self) -> None:
-        self.rows: list[_Request] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer ([B, H, L, D], [B, H, L, D])
-        self.mask = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
-        self.pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the next input token
-        self.last = torch.zeros(0, dtype=torch.long)  # [B] next input token
-
-
-def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
-
-
-def _out_cache(out):
-    return out["cache"] if "cache" in out else out["past_key_values"]
-
-
-def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    if hasattr(DynamicCache, "from_legacy_cache"):
-        return DynamicCache.from_legacy_cache(tuple(kv))
-    return DynamicCache(kv)
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.full(shape, value, dtype=t.dtype, device=t.device), t], dim=dim)
 
 
 class EmbeddedEngine(Engine):
@@ -159,7 +108,10 @@ class EmbeddedEngine(Engine):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.weight_version = str(weight_version)
-        self.tokenizer = load_tokenizer(model_path)
+        try:
+            self.tokenizer = load_tokenizer(model_path)
+        except TokenizerError as e:
+            raise EngineError(str(e)) from e
         self.eos_ids = eos_token_ids(self.tokenizer, model_path)
         self.model = load_causal_lm(model_path, device)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -172,6 +124,7 @@ class EmbeddedEngine(Engine):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._live: set[_Request] = set()  # submitted and not yet answered, for abort()
         self.num_in_flight = 0  # requests submitted and not yet answered
 
     # ---- public API -------------------------------------------------------------------------
@@ -219,11 +172,32 @@ class EmbeddedEngine(Engine):
         req.future.add_done_callback(_mark)
         self._ensure_thread()
         self.num_in_flight += 1
+        with self._lock:
+            self._live.add(req)
         try:
             self._queue.put(req)
             return await req.future
         finally:
             self.num_in_flight -= 1
+            with self._lock:
+                self._live.discard(req)
+
+    def abort(self, rid: str) -> bool:
+        """Abort the request(s) with this rid, queued or running; False when none is in flight.
+
+        The request's ``generate`` returns with finish reason ``abort`` (see the module docstring)."""
+        return self._abort(lambda req: req.rid == rid)
+
+    def abort_all(self) -> bool:
+        """Abort every request in flight; False when there was none."""
+        return self._abort(lambda req: True)
+
+    def _abort(self, match) -> bool:
+        with self._lock:
+            hits = [req for req in self._live if match(req) and not req.future.done()]
+        for req in hits:
+            req.abort_requested = True
+        return bool(hits)
 
     async def model_info(self) -> dict[str, Any]:
         return {
@@ -276,7 +250,7 @@ class EmbeddedEngine(Engine):
                 self._thread.start()
 
     def _run(self) -> None:
-        batch = _Batch()
+        batch = Batch()
         waiting: list[_Request] = []
         while True:
             if self._closed.is_set():
@@ -293,6 +267,7 @@ class EmbeddedEngine(Engine):
                 continue
             if not swap_pending:
                 waiting += self._drain(block=not batch.rows and not waiting)
+            waiting = self._drop_aborted(waiting)
             room = self.max_batch_size - len(batch.rows)
             admit, waiting = (waiting[:room], waiting[room:]) if not swap_pending else ([], waiting)
             try:
@@ -308,7 +283,18 @@ class EmbeddedEngine(Engine):
                 for req in batch.rows + admit:
                     if req.finish is None:
                         self._fail(req, EngineError(f"request {req.rid}: embedded engine error: {e!r}"))
-                batch = _Batch()
+                batch = Batch()
+
+    def _drop_aborted(self, waiting: list[_Request]) -> list[_Request]:
+        """Answer the waiting requests that were aborted (with no tokens, as SGLang's waiting queue does)."""
+        keep = []
+        for req in waiting:
+            if req.abort_requested:
+                req.finish = dict(ABORT_WAITING)
+                self._answer(req)
+            else:
+                keep.append(req)
+        return keep
 
     def _drain(self, block: bool = False) -> list[_Request]:
         out: list[_Request] = []
@@ -332,7 +318,7 @@ class EmbeddedEngine(Engine):
         self.weight_version = version
         done.set()
 
-    def _admit(self, batch: _Batch, new: list[_Request]) -> _Batch:
+    def _admit(self, batch: Batch, new: list[_Request]) -> Batch:
         """Prefill ``new`` (in chunks of MAX_PREFILL_TOKENS), sample each first token, merge into ``batch``."""
         for req in new:
             req.generator = torch.Generator().manual_seed(req.seed)
@@ -348,10 +334,10 @@ class EmbeddedEngine(Engine):
             chunks[-1].append(req)
         for chunk in chunks:
             if chunk:
-                batch = self._merge(batch, self._prefill(chunk))
+                batch = kv_cache.merge(batch, self._prefill(chunk))
         return batch
 
-    def _prefill(self, rows: list[_Request]) -> _Batch:
+    def _prefill(self, rows: list[_Request]) -> Batch:
         length = max(len(r.input_ids) for r in rows)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor(
@@ -366,41 +352,23 @@ class EmbeddedEngine(Engine):
         )
         # Padding slots never influence a real token, but zero them so a NaN there cannot leak through 0 * NaN.
         keep = mask[:, None, :, None]  # [n, 1, L, 1]
-        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in _cache_tensors(_out_cache(out))]
-        new = _Batch()
+        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in kv_cache.cache_tensors(kv_cache.out_cache(out))]
+        new = Batch()
         new.rows, new.kv, new.mask = list(rows), kv, mask
         new.pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)
         new.last = self._sample(rows, out.logits[:, -1, :])
         return new
 
-    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
-        if not a.rows:
-            return b
-        length = max(a.mask.shape[1], b.mask.shape[1])
-        m = _Batch()
-        m.rows = a.rows + b.rows
-        m.mask = torch.cat([_left_pad(a.mask, length, 1, False), _left_pad(b.mask, length, 1, False)])
-        m.kv = [
-            (
-                torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)]),
-                torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)]),
-            )
-            for (ka, va), (kb, vb) in zip(a.kv, b.kv)
-        ]
-        m.pos = torch.cat([a.pos, b.pos])
-        m.last = torch.cat([a.last, b.last])
-        return m
-
-    def _decode(self, batch: _Batch) -> None:
+    def _decode(self, batch: Batch) -> None:
         batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)  # [B, L+1]
         out = self.model(
             input_ids=batch.last[:, None],
             attention_mask=batch.mask.long(),
             position_ids=batch.pos[:, None],
             use_cache=True,
-            **{self._cache_kw: _make_cache(batch.kv)},
+            **{self._cache_kw: kv_cache.make_cache(batch.kv)},
         )
-        batch.kv = _cache_tensors(_out_cache(out))
+        batch.kv = kv_cache.cache_tensors(kv_cache.out_cache(out))
         batch.pos = batch.pos + 1
         batch.last = self._sample(batch.rows, out.logits[:, -1, :])
 
@@ -413,7 +381,7 @@ class EmbeddedEngine(Engine):
             torch.tensor([p.temperature for p in s], dtype=torch.float32, device=dev),
             torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
             torch.tensor([p.top_k for p in s], dtype=torch.long, device=dev),
-            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64).float() for r in rows]).to(dev),
+            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(dev),
         )
         for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             req.out_ids.append(tok)
@@ -434,26 +402,16 @@ class EmbeddedEngine(Engine):
         if len(req.out_ids) >= req.max_new_tokens:
             req.finish = {"type": "length", "length": len(req.out_ids)}
 
-    def _finish_rows(self, batch: _Batch) -> _Batch:
+    def _finish_rows(self, batch: Batch) -> Batch:
         keep = []
         for i, req in enumerate(batch.rows):
+            if req.abort_requested and req.finish is None:
+                req.finish = dict(ABORT_RUNNING)
             if req.finish is not None:
                 self._answer(req)
             elif not req.cancelled:
                 keep.append(i)
-        if len(keep) == len(batch.rows):
-            return batch
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        out = _Batch()
-        out.rows = [batch.rows[i] for i in keep]
-        if not keep:
-            return out
-        mask = batch.mask[idx]  # [B', L]
-        start = int((mask.any(dim=0).long().cumsum(0) == 0).sum())  # leading columns that are padding in every row
-        out.mask = mask[:, start:]
-        out.kv = [(k[idx, :, start:], v[idx, :, start:]) for k, v in batch.kv]
-        out.pos, out.last = batch.pos[idx], batch.last[idx]
-        return out
+        return kv_cache.select(batch, keep)
 
     # ---- answers ----------------------------------------------------------------------------
 

@@ -30,30 +30,34 @@ def reference(model_path):
 
 
 def test_sample_tokens_worked_example():
-    # probs [0.1, 0.2, 0.3, 0.4]; sorted descending: tokens 3, 2, 1, 0 with cumsum 0.4, 0.7, 0.9, 1.0.
-    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).repeat(5, 1)
-    temp = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
-    top_p = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0])
-    top_k = torch.tensor([2, 2, -1, -1, -1])
-    uniform = torch.tensor([0.5, 0.6, 0.99, 0.95, 0.3])
+    # probs [0.1, 0.2, 0.3, 0.4]. The kept set is decided in sorted order (tokens 3, 2, 1, 0; cumsum .4, .7,
+    # .9, 1.0), the token drawn by inverse CDF over the kept probabilities in vocabulary order (tokens 0..3).
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).repeat(7, 1)
+    temp = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    top_p = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([2, 2, -1, -1, -1, -1, 2])
+    uniform = torch.tensor([0.3, 0.5, 0.4, 0.25, 0.05, 0.3, 1.0], dtype=torch.float64)
     tokens, lps = sample_tokens(logits, temp, top_p, top_k, uniform)
-    # row 0: top-k 2 keeps {3: .4, 2: .3}; target .5 * .7 = .35 < .4 -> token 3
-    # row 1: target .6 * .7 = .42 > .4 -> token 2
-    # row 2: top-p .5 keeps tokens whose preceding mass <= .5: {3, 2}; target .99 * .7 -> token 2
-    # row 3: no truncation; target .95 -> cumsum passes .95 at the 4th sorted token -> token 0
-    # row 4: greedy -> argmax token 3, whatever the uniform
-    assert tokens.tolist() == [3, 2, 2, 0, 3]
+    # row 0: top-k 2 keeps {2: .3, 3: .4}; kept cumsum in vocab order [0, 0, .3, .7]; target .3 * .7 = .21 -> token 2
+    # row 1: target .5 * .7 = .35 > .3 -> token 3
+    # row 2: top-p .5 keeps tokens whose preceding sorted mass <= .5: {3, 2}; target .4 * .7 = .28 -> token 2
+    # row 3: no truncation; cumsum [.1, .3, .6, 1.0]; target .25 -> token 1
+    # row 4: target .05 < .1 -> token 0
+    # row 5: greedy -> argmax token 3, whatever the uniform
+    # row 6: u = 1 (beyond the draw's range) puts the target on the total: the guard keeps the last kept token 3
+    assert tokens.tolist() == [2, 3, 2, 1, 0, 3, 3]
     # logprobs are of the untruncated tempered distribution: log p(token)
-    assert lps.tolist() == pytest.approx(
-        [math.log(0.4), math.log(0.3), math.log(0.3), math.log(0.1), math.log(0.4)], abs=1e-6
-    )
+    assert lps.tolist() == pytest.approx([math.log(p) for p in (0.3, 0.4, 0.3, 0.2, 0.1, 0.4, 0.4)], abs=1e-6)
+    # The same guard never lands on a dropped token after the kept ones: top-k 2 keeps {0, 1} of [.4, .3, .2, .1].
+    tokens, _ = sample_tokens(logits[:1].flip(-1), temp[:1], top_p[:1], top_k[:1], torch.ones(1, dtype=torch.float64))
+    assert tokens.tolist() == [1]
 
 
 def test_sample_tokens_temperature_scales_logprobs():
     # T = 0.5 squares the probabilities: [.01, .04, .09, .16] / .30
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
     _, lp = sample_tokens(logits, torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([-1]), torch.tensor([0.0]))
-    assert lp.item() == pytest.approx(math.log(0.16 / 0.30), abs=1e-6)  # u = 0 picks the top token
+    assert lp.item() == pytest.approx(math.log(0.01 / 0.30), abs=1e-6)  # u = 0 picks the first token in vocab order
 
 
 def test_sample_tokens_frequencies_follow_top_k_distribution():
