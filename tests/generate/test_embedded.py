@@ -11,6 +11,8 @@ import torch
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm, sample_tokens
 
+from .gated_engine import GatedEngine, until
+
 TOL = 1e-5  # fp32 batched-with-cache vs unpadded full forward; measured ~1e-6
 PROMPTS = [[1, 5, 6, 7], [1, *range(10, 40)], [3, 4], list(range(100, 181))]  # uneven lengths: 4, 31, 2, 81
 
@@ -87,19 +89,26 @@ def test_logprobs_equal_teacher_forced_recomputation(model_path, reference, teac
 
 def test_staggered_arrivals_join_the_running_batch(tiny_qwen3, teacher_forced, tf_logits):
     reference = load_causal_lm(tiny_qwen3)
+    first_len, gate, rest_len = 100, 5, 30
 
     async def go():
-        async with EmbeddedEngine(tiny_qwen3, seed=5) as eng:
+        async with GatedEngine(tiny_qwen3, seed=5) as eng:
             eng.eos_ids = []  # every request runs to its length
-            first = asyncio.ensure_future(eng.generate(PROMPTS[3], SamplingParams(max_new_tokens=300)))
-            await asyncio.sleep(0.3)
-            assert not first.done()  # the first request is decoding when the others arrive
-            sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=30)
-            rest = [eng.generate(p, sp) for p in PROMPTS[:3]]
-            return await asyncio.gather(first, *rest)
+            eng.block_at_step(gate)
+            first = asyncio.ensure_future(eng.generate(PROMPTS[3], SamplingParams(max_new_tokens=first_len)))
+            await eng.wait_blocked()  # the worker is inside decode step 5 of the first request
+            sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=rest_len)
+            rest = [asyncio.ensure_future(eng.generate(p, sp)) for p in PROMPTS[:3]]
+            await until(lambda: eng.num_in_flight == 4)  # all three are queued
+            eng.release.set()
+            return await asyncio.gather(first, *rest), eng.batch_sizes
 
-    results = run(go())
+    results, sizes = run(go())
+    # The first request decodes alone for 5 steps; the others are prefilled right after step 5 and decode
+    # with it (29 steps after their prefill token); it then runs alone to its 100th token (99 steps in all).
+    assert sizes == [1] * gate + [4] * (rest_len - 1) + [1] * (first_len - 1 - gate - (rest_len - 1))
     for i, (prompt, res) in enumerate(zip([PROMPTS[3], *PROMPTS[:3]], results)):
+        assert len(res.output_ids) == (first_len if i == 0 else rest_len)
         temp = 1.0 if i == 0 else 0.7
         want = teacher_forced(reference, prompt, res.output_ids, temp)
         assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
@@ -174,13 +183,18 @@ def test_load_weights_changes_outputs_and_version(tiny_gpt2, tiny_gpt2_seed1, te
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
 
     async def go():
-        async with EmbeddedEngine(tiny_gpt2) as eng:
+        async with GatedEngine(tiny_gpt2) as eng:
+            eng.eos_ids = []  # the running request must reach the gate
             before = await eng.generate(PROMPTS[0], greedy)
+            eng.block_at_step(5)
             running = asyncio.ensure_future(
                 eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=40, stop_token_ids=[]))
             )
-            await asyncio.sleep(0.05)
-            version = await eng.load_weights(tiny_gpt2_seed1)
+            await eng.wait_blocked()  # the running request is mid-decode (5 of its 40 tokens)
+            swap = asyncio.ensure_future(eng.load_weights(tiny_gpt2_seed1))
+            await until(lambda: eng._swap is not None)  # the new weights are loaded and the swap requested
+            eng.release.set()
+            version = await swap
             after = await eng.generate(PROMPTS[0], greedy)
             info = await eng.model_info()
             named = await eng.load_weights(tiny_gpt2, "v-restored")
@@ -189,7 +203,11 @@ def test_load_weights_changes_outputs_and_version(tiny_gpt2, tiny_gpt2_seed1, te
     before, running, version, after, info, named = run(go())
     assert version == "1" and after.weight_version == "1" and info["weight_version"] == "1"
     assert info["model_path"] == str(tiny_gpt2_seed1) and named == "v-restored"
-    assert running.weight_version == "0"  # a request in flight finishes on the weights it started with
+    # A request in flight finishes on the weights it started with: every logprob is the old model's.
+    assert running.weight_version == "0" and len(running.output_ids) == 40
+    old_model = load_causal_lm(tiny_gpt2)
+    want = teacher_forced(old_model, PROMPTS[1], running.output_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(running.logprobs, want)) <= TOL
     new_model = load_causal_lm(tiny_gpt2_seed1)
     assert (
         max(abs(a - b) for a, b in zip(after.logprobs, teacher_forced(new_model, PROMPTS[0], after.output_ids, 0.0)))
