@@ -6,7 +6,9 @@ the template already writes every marker, and encoding the text (rather than
 transformers' ``apply_chat_template(tokenize=True)``, whose return type changed
 between transformers 4 and 5) gives the same ids on both major versions.
 
-Loading is offline (``local_files_only``): a model folder must hold its tokenizer.
+Loading is offline (``local_files_only``): a model folder must hold its tokenizer, and
+a tokenizer without a vocabulary (what transformers 5.x builds for a folder lacking
+tokenizer files) is refused when it is loaded.
 """
 
 from __future__ import annotations
@@ -21,20 +23,30 @@ Message = dict[str, Any]  # {"role": ..., "content": ...}
 
 
 class TokenizerError(ValueError):
-    """A tokenizer could not be loaded or has no chat template."""
+    """A tokenizer could not be loaded, has no vocabulary or has no chat template."""
+
+
+# Any real tokenizer encodes this to at least one id; one that does not has no vocabulary to speak of.
+PROBE_TEXT = "Hello world 123"
 
 
 @functools.lru_cache(maxsize=16)
 def _load(path: str):
     from transformers import AutoTokenizer
 
+    how = "pass a model folder holding tokenizer.json, e.g. one built by `rollshard-generate init-model PATH`"
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot load a tokenizer from {path!r} ({e.__class__.__name__}); {how}") from e
+    # transformers 5.x builds an empty tokenizer (special tokens only) for a folder without tokenizer files
+    # instead of raising; every request would then fail later with "empty input_ids".
+    if len(tok) == 0 or not tok.encode(PROBE_TEXT, add_special_tokens=False):
         raise TokenizerError(
-            f"cannot load a tokenizer from {path!r} ({e.__class__.__name__}); pass a model folder holding "
-            "tokenizer.json, e.g. one built by `rollshard-generate init-model --preset tiny PATH`"
-        ) from e
+            f"no tokenizer vocabulary in {path!r}: the tokenizer loaded from it encodes {PROBE_TEXT!r} to no ids "
+            f"(are its tokenizer files missing?); {how}"
+        )
+    return tok
 
 
 def load_tokenizer(path: str | os.PathLike):

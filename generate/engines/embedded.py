@@ -352,7 +352,8 @@ class EmbeddedEngine(Engine):
         )
         # Padding slots never influence a real token, but zero them so a NaN there cannot leak through 0 * NaN.
         keep = mask[:, None, :, None]  # [n, 1, L, 1]
-        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in kv_cache.cache_tensors(kv_cache.out_cache(out))]
+        layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
+        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in layers]
         new = Batch()
         new.rows, new.kv, new.mask = list(rows), kv, mask
         new.pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 
 import pytest
 import torch
 
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm, sample_tokens
+from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 
 from .gated_engine import GatedEngine, until
 
@@ -235,3 +237,17 @@ def test_user_errors_name_the_request(tiny_gpt2):
     eng.eos_ids = []
     res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=4)))
     assert res.finish_reason == "length" and len(res.output_ids) == 4
+
+
+def test_a_model_folder_without_its_tokenizer_fails_at_start(tiny_gpt2, tmp_path):
+    # transformers 5.x loads such a folder as an empty tokenizer instead of raising; every request would
+    # then fail with "empty input_ids". The folder is refused when it is loaded, naming what it lacks.
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_gpt2, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+    want = rf"no tokenizer vocabulary in '{folder}'.*tokenizer\.json.*rollshard-generate init-model"
+    with pytest.raises(TokenizerError, match=want):
+        load_tokenizer(folder)
+    with pytest.raises(EngineError, match=want):
+        EmbeddedEngine(folder)
