@@ -10,8 +10,13 @@ Rerunning the same command resumes: prompts already in DATASET are skipped, the 
 n`` on n hosts split the prompts (by position modulo n) into the one dataset, each
 host writing as writer ``gen-i-of-n``.
 
+Resuming checks the settings (the first differing one is named) and every prompt
+already in the dataset: its stored ``prompt_hash`` (rendered prompt ids and label) must
+match the source's, so an edited or swapped prompt file is refused rather than skipped.
+
 Exit status: 0 every prompt is in the dataset; 1 some prompts failed (listed in
-``DATASET/_failures/``; rerun to retry); 2 a usage error (bad arguments, a malformed
+``DATASET/_failures/``; rerun to retry) or the engine stopped answering (rerun once it
+is back); 2 a usage error (bad arguments, a malformed
 prompt file, an unreachable engine, a dataset made with other settings) -- nothing is
 written then; 130 interrupted (complete episodes are committed).
 """
@@ -21,6 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
+import json
 import sys
 from importlib import metadata
 from typing import Any
@@ -28,6 +35,7 @@ from typing import Any
 import aiohttp
 
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
+from rollshard.generate.agents.base import prompt_hash
 from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
@@ -38,13 +46,14 @@ from rollshard.generate.runner import (
     RunnerOptions,
     RunResult,
     check_resume_config,
+    check_resume_prompts,
     shard_prompts,
     writer_id_for,
 )
 from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.schema import SchemaVersionError
-from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+from rollshard.store.tokenizer import TokenizerError, apply_chat_template, load_tokenizer
 from rollshard.store.writer import ShardWriter
 
 PROG = "rollshard-generate"
@@ -139,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--retries", type=int, default=2, metavar="N",
         help="extra attempts of a prompt after an engine error (default: %(default)s)",
     )
+    r.add_argument(
+        "--allow-skipped-calls", action="store_true",
+        help="store an episode without the calls whose prompt does not fit the context (multi_agent rewriters, "
+        "selector) instead of failing its prompt; skipped calls are counted per role in the summary",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -196,6 +210,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, list[Prom
     except (ValueError, PromptSourceError) as e:
         raise UsageError(str(e)) from e
     args.prompts = str(source)
+    args.prompts_fingerprint = prompts_fingerprint(prompts)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     return task, system, shard_prompts(prompts, args.shard_index, args.num_shards)
@@ -235,6 +250,16 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
             weight_version=info.get("weight_version"),
             max_context_len=_context_len(args, info, tokenizer),
         )
+        _check_existing_prompts(args.out, prompts, task, tokenizer)
+        warning = prompts and system.context_warning(
+            sampling=sampling,
+            context=config["max_context_len"],
+            task=task,
+            prompt=prompts[0],
+            count_tokens=lambda messages: len(apply_chat_template(tokenizer, messages)),
+        )
+        if warning and not args.allow_skipped_calls:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
         writer_id = writer_id_for(args.shard_index, args.num_shards)
         try:
             writer = ShardWriter(args.out, writer_id=writer_id, config=config)
@@ -257,6 +282,7 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
                     commit_interval=args.commit_interval,
                     seed=args.seed,
                     max_context_len=config["max_context_len"],
+                    allow_skipped_calls=args.allow_skipped_calls,
                     progress=not args.no_progress,
                 ),
             )
@@ -315,6 +341,7 @@ def _generation_config(args, system: AgentSystem, task: Task, sampling: Sampling
         "agents": system.config(),
         "task": task.name,
         "prompts": args.prompts,
+        "prompts_fingerprint": args.prompts_fingerprint,
         "input_key": args.input_key,
         "label_key": args.label_key,
         "id_key": args.id_key,
@@ -325,6 +352,7 @@ def _generation_config(args, system: AgentSystem, task: Task, sampling: Sampling
         "shard_index": args.shard_index,
         "num_shards": args.num_shards,
         "concurrency": args.concurrency,
+        "allow_skipped_calls": args.allow_skipped_calls,
     }
 
 
@@ -341,6 +369,29 @@ def _check_existing(out: str, config: dict[str, Any]) -> None:
         raise UsageError(str(e)) from e
 
 
+def _check_existing_prompts(out: str, prompts: list[Prompt], task: Task, tokenizer) -> None:
+    """A resume refuses prompts that changed under their id (see :func:`check_resume_prompts`)."""
+    try:
+        dataset = RolloutDataset.open(out)
+    except DatasetNotFoundError:
+        return
+    try:
+        check_resume_prompts(
+            dataset, prompts, lambda p: prompt_hash(apply_chat_template(tokenizer, task.messages(p)), p.label)
+        )
+    except ConfigMismatchError as e:
+        raise UsageError(str(e)) from e
+
+
+def prompts_fingerprint(prompts: list[Prompt]) -> str:
+    """Content hash of the whole prompt source (ids, prompts, labels, in order), kept in the run config."""
+    h = hashlib.blake2b(digest_size=12)
+    for p in prompts:
+        h.update(json.dumps([p.prompt_id, p.content, p.label], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 def _report(args: argparse.Namespace, r: RunResult) -> None:
     seconds = max(r.seconds, 1e-9)
     rate = f"{r.rows / seconds:.1f} rows/s, {r.response_tokens / seconds:.0f} response tokens/s"
@@ -350,6 +401,19 @@ def _report(args: argparse.Namespace, r: RunResult) -> None:
         f"{r.rows} rows, {r.response_tokens} response tokens ({rate}) -> {args.out}",
         file=sys.stderr,
     )
+    if r.rows_by_agent or r.skipped_calls:
+        by_agent = ", ".join(f"{agent} {n}" for agent, n in sorted(r.rows_by_agent.items())) or "none"
+        line = f"{PROG}: rows by agent: {by_agent}"
+        if r.skipped_calls:
+            skipped = ", ".join(f"{agent} {n}" for agent, n in sorted(r.skipped_calls.items()))
+            line += f"; calls skipped (prompt over the context, --allow-skipped-calls): {skipped}"
+        print(line, file=sys.stderr)
+    if r.engine_down:
+        print(
+            f"{PROG}: gave up on the engine: {r.engine_down}; complete prompts are committed; "
+            "rerun the same command once it is back",
+            file=sys.stderr,
+        )
     if r.exit_code == EXIT_INTERRUPTED:
         print(f"{PROG}: interrupted; complete prompts are committed; rerun the same command to finish", file=sys.stderr)
     if r.failed:

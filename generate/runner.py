@@ -20,7 +20,14 @@ after each failure and at the end to hold exactly the prompts of this writer sti
 missing. Nothing is dropped silently: a rerun retries them.
 
 Interrupt (SIGINT/SIGTERM): stop starting episodes, cancel those in flight (a rerun
-regenerates them), commit every complete one, and return :data:`EXIT_INTERRUPTED`.
+regenerates them), commit every complete one, and return :data:`EXIT_INTERRUPTED`. The
+handlers stay installed until that final commit is done, so a second interrupt cannot
+tear it: it only says that the commit is still running; a third raises
+KeyboardInterrupt (the open shard is then discarded; committed shards stay).
+
+An engine that stops answering altogether (:class:`EngineUnavailableError`, the SGLang
+client's circuit breaker) stops the run the same way: complete episodes committed, the
+rest left for a rerun, exit :data:`EXIT_FAILURES` with one line.
 """
 
 from __future__ import annotations
@@ -32,15 +39,24 @@ import heapq
 import itertools
 import json
 import math
+import os
 import signal
+import sys
 import time
+from collections import Counter
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
 from rollshard.generate.agents import AgentSystem, Episode
-from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
+from rollshard.generate.engines.base import (
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    GenerateResult,
+    SamplingParams,
+)
 from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.schema import Row, rows_to_table
@@ -154,6 +170,7 @@ class RunnerOptions:
     commit_interval: float = 60.0  # seconds between shard commits
     seed: int = 0
     max_context_len: int | None = None
+    allow_skipped_calls: bool = False  # store an episode without its optional calls that do not fit the context
     progress: bool = True
 
 
@@ -165,10 +182,21 @@ class RunResult:
     episodes: int = 0
     rows: int = 0
     response_tokens: int = 0
+    rows_by_agent: Counter = dataclasses.field(default_factory=Counter)  # of the rows written by this run
+    skipped_calls: Counter = dataclasses.field(default_factory=Counter)  # by agent: calls over the context
     failed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     interrupted: bool = False
+    engine_down: str | None = None  # why the engine was given up on (EngineUnavailableError)
     ledger: str | None = None
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """A finished episode: its rows and the calls it skipped (by agent)."""
+
+    rows: list[Row]
+    skipped: Counter
 
 
 class Runner:
@@ -194,6 +222,8 @@ class Runner:
         self.options = options
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._signals = 0  # interrupts received
+        self._previous_handlers: dict[int, Any] = {}
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -227,45 +257,49 @@ class Runner:
         queue, order = iter(todo), itertools.count()
         self._install_signal_handlers()
         try:
-            while True:
-                while not self._stopping and len(self._tasks) < in_flight_max:
-                    prompt = next(queue, None)
-                    if prompt is None:
+            try:
+                while True:
+                    while not self._stopping and len(self._tasks) < in_flight_max:
+                        prompt = next(queue, None)
+                        if prompt is None:
+                            break
+                        task = asyncio.ensure_future(self._episode(prompt, next(order)))
+                        task.prompt = prompt  # type: ignore[attr-defined]
+                        self._tasks.add(task)
+                    if not self._tasks:
                         break
-                    task = asyncio.ensure_future(self._episode(prompt, next(order)))
-                    task.prompt = prompt  # type: ignore[attr-defined]
-                    self._tasks.add(task)
-                if not self._tasks:
-                    break
-                finished, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
-                    self._tasks.discard(task)
-                    if not task.cancelled():
-                        self._finished(task.prompt, task.result())  # type: ignore[attr-defined]
-                self._maybe_write_and_commit(final=False)
+                    finished, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                    for task in finished:
+                        self._tasks.discard(task)
+                        if not task.cancelled():
+                            self._finished(task.prompt, task.result())  # type: ignore[attr-defined]
+                    self._maybe_write_and_commit(final=False)
+            finally:
+                for task in self._tasks:
+                    task.cancel()
+                if self._tasks:
+                    await asyncio.gather(*self._tasks, return_exceptions=True)
+                self._bar.close()
+            self._maybe_write_and_commit(final=True)  # interrupts are still caught here: nothing tears it
         finally:
             self._remove_signal_handlers()
-            for task in self._tasks:
-                task.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._bar.close()
-        self._maybe_write_and_commit(final=True)
         result = self._result
         result.ledger = self._ledger.finish(self._done)
-        result.interrupted = self._stopping
+        result.interrupted = self._stopping and result.engine_down is None
         result.seconds = time.monotonic() - start
         if result.interrupted:
             result.exit_code = EXIT_INTERRUPTED
-        elif result.failed:
+        elif result.failed or result.engine_down:
             result.exit_code = EXIT_FAILURES
         return result
 
-    def _finished(self, prompt: Prompt, outcome: list[Row] | dict[str, Any]) -> None:
-        if isinstance(outcome, list):
+    def _finished(self, prompt: Prompt, outcome: _Outcome | dict[str, Any] | None) -> None:
+        if outcome is None:  # given up with the engine: not a failure of this prompt, a rerun does it
+            return
+        if isinstance(outcome, _Outcome):
             self._pending.append((prompt, outcome))
-            self._made_rows += len(outcome)
-            self._made_tokens += sum(len(row.response_tokens) for row in outcome)
+            self._made_rows += len(outcome.rows)
+            self._made_tokens += sum(len(row.response_tokens) for row in outcome.rows)
         else:
             self._fail(prompt, outcome)
         elapsed = max(time.monotonic() - self._start, 1e-9)
@@ -297,26 +331,28 @@ class Runner:
         if not batch:
             return
         try:
-            self.writer.write_groups(rows_to_table([row for _, rows in batch for row in rows]))
+            self.writer.write_groups(rows_to_table([row for _, out in batch for row in out.rows]))
             written = batch
         except ValueError:  # a row breaks the schema or an invariant: find the episode, write the others
             written = []
-            for prompt, rows in batch:
+            for prompt, out in batch:
                 try:
-                    self.writer.write_groups(rows_to_table(rows))  # validates every row before buffering any
-                    written.append((prompt, rows))
+                    self.writer.write_groups(rows_to_table(out.rows))  # validates every row before buffering any
+                    written.append((prompt, out))
                 except ValueError as e:
                     self._fail(prompt, _failure(e, 1))
         r = self._result
-        for prompt, rows in written:
+        for prompt, out in written:
             r.episodes += 1
-            r.rows += len(rows)
-            r.response_tokens += sum(len(row.response_tokens) for row in rows)
+            r.rows += len(out.rows)
+            r.response_tokens += sum(len(row.response_tokens) for row in out.rows)
+            r.rows_by_agent.update(row.agent for row in out.rows)
+            r.skipped_calls.update(out.skipped)
             self._done.add(prompt.prompt_id)
         self._since_commit += len(written)
 
-    async def _episode(self, prompt: Prompt, priority: int) -> list[Row] | dict[str, Any]:
-        """The episode's rows, or a failure record after the last attempt."""
+    async def _episode(self, prompt: Prompt, priority: int) -> _Outcome | dict[str, Any] | None:
+        """The episode's rows, a failure record after the last attempt, or None when the engine is down."""
         attempts = self.options.retries + 1
         engine = self.engine.for_episode(priority)
         for attempt in range(attempts):
@@ -329,13 +365,17 @@ class Runner:
                 seed=self.options.seed,
                 attempt=attempt,
                 max_context_len=self.options.max_context_len,
+                allow_skip=self.options.allow_skipped_calls,
                 system=self.system.name,
             )
             try:
                 rows = await self.system.run(episode)
                 if not rows:
                     raise ValueError(f"agent system {self.system.name!r} produced no rows")
-                return rows
+                return _Outcome(rows, episode.skipped)
+            except EngineUnavailableError as e:
+                self._engine_down(e)
+                return None
             except TRANSIENT_ERRORS as e:
                 error = e
                 if attempt + 1 < attempts:
@@ -344,32 +384,57 @@ class Runner:
                 return _failure(e, attempt + 1)
         return _failure(error, attempts)
 
+    def _engine_down(self, error: EngineUnavailableError) -> None:
+        """Stop as on an interrupt: nothing more can be generated, and retrying every prompt would only wait."""
+        if self._result.engine_down is None:
+            self._result.engine_down = " ".join(str(error).split())
+            self._stop()
+
     # -- interrupt --------------------------------------------------------------------------
 
-    def _interrupt(self) -> None:
+    def _stop(self) -> None:
         self._stopping = True
         for task in self._tasks:
             task.cancel()
-        self._remove_signal_handlers()  # a second Ctrl-C raises KeyboardInterrupt as usual
+
+    def _interrupt(self) -> None:
+        if not self._stopping:
+            n = sum(1 for t in self._tasks if not t.done())
+            _say(f"stopping: committing the complete prompts; the {n} in flight are left for a rerun")
+        self._stop()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """A plain signal handler (not the event loop's): it runs even while the final commit blocks the loop,
+        and it never raises into that commit but at the third interrupt."""
+        self._signals += 1
+        if self._signals == 1:
+            self._loop.call_soon_threadsafe(self._interrupt)
+        elif self._signals == 2:
+            _say("still committing the complete prompts; interrupt once more to quit without them", raw=True)
+        else:
+            raise KeyboardInterrupt
 
     def _install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, self._interrupt)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal here
+                self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: the caller handles signals
                 pass
 
     def _remove_signal_handlers(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.remove_signal_handler(sig)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous)
+        self._previous_handlers.clear()
+
+
+def _say(message: str, *, raw: bool = False) -> None:
+    """One line on stderr; ``raw`` from a signal handler, where print() may re-enter a half-written buffer."""
+    line = f"rollshard-generate: {message}\n"
+    if raw:
+        os.write(sys.stderr.fileno(), line.encode())
+    else:
+        print(line, end="", file=sys.stderr, flush=True)
 
 
 class Ledger:
@@ -380,6 +445,7 @@ class Ledger:
         self.rel = f"{FAILURE_DIR}/{writer.writer_id}.jsonl"
         self.writer_id = writer.writer_id
         self.entries: dict[str, dict[str, Any]] = {}
+        self.storage.remove_atomic_leftovers(self.rel)  # a crash inside an earlier save; this writer owns the file
         if self.storage.exists(self.rel):
             for line in self.storage.read_bytes(self.rel).decode().splitlines():
                 if line.strip():
@@ -419,18 +485,76 @@ class Ledger:
 
 
 def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None:
-    """Refuse to add rows made with other generation settings to an existing dataset."""
+    """Refuse to add rows made with other generation settings to an existing dataset, naming the setting."""
     for manifest in dataset.manifests:
         old = manifest.config or {}
         if not manifest.shards or "agents" not in old:
             continue
         for key in GENERATION_KEYS:
-            if old.get(key) != config.get(key):
-                there, now = (json.dumps(c.get(key), sort_keys=True) for c in (old, config))
+            diff = _first_difference(old.get(key), config.get(key), key)
+            if diff is not None:
+                name, there, now = diff
                 raise ConfigMismatchError(
-                    f"{dataset.storage.uri} holds rows generated with another {key} ({there} there, {now} now; "
-                    f"writer {manifest.writer_id}); resume with the original settings or write to a new --out"
+                    f"{dataset.storage.uri} holds rows generated with another {name} ({_show(there)} there, "
+                    f"{_show(now)} now; writer {manifest.writer_id}); resume with the original settings or write "
+                    "to a new --out"
                 )
+
+
+def _first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first (dotted key, old value, new value) where two JSON-like values differ; None if equal."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new), key=str):
+            diff = _first_difference(old.get(key), new.get(key), f"{path}.{key}")
+            if diff is not None:
+                return diff
+        return None
+    return None if old == new else (path, old, new)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def check_resume_prompts(dataset: RolloutDataset, prompts: list[Prompt], hash_of) -> None:
+    """Refuse to resume when a prompt already in the dataset is not the same prompt any more.
+
+    Each row keeps ``metadata.prompt_hash`` (the rendered prompt ids and label, see
+    :func:`rollshard.generate.agents.base.prompt_hash`); ``hash_of(prompt)`` computes the
+    current one. A prompt source edited, reordered or swapped under position ids would
+    otherwise be skipped as done while the dataset holds the old prompts. Prompts not yet
+    in the dataset may be added freely. Rows written before hashes were kept are not checked.
+    """
+    stored = _stored_prompt_hashes(dataset)
+    if not stored:
+        return
+    for prompt in prompts:
+        there = stored.get(prompt.prompt_id)
+        if there is None:
+            continue
+        now = hash_of(prompt)
+        if now != there:
+            raise ConfigMismatchError(
+                f"prompt {prompt.prompt_id!r} (position {prompt.index} of the source) is not the prompt "
+                f"{dataset.storage.uri} holds under that id: its text, label or rendering changed (prompt hash "
+                f"{there} there, {now} now); resume with the original prompt source or write to a new --out"
+            )
+
+
+def _stored_prompt_hashes(dataset: RolloutDataset) -> dict[str, str]:
+    """``prompt_id -> metadata.prompt_hash`` of the dataset's rows (one per prompt; none for older rows)."""
+    import polars as pl
+
+    if not dataset.shards:
+        return {}
+    frame = (
+        dataset.scan()
+        .select("prompt_id", pl.col("metadata").str.json_path_match("$.prompt_hash").alias("hash"))
+        .drop_nulls("hash")
+        .unique("prompt_id", keep="first")
+        .collect()
+    )
+    return dict(zip(frame["prompt_id"].to_list(), frame["hash"].to_list()))
 
 
 def _failure(error: BaseException, attempts: int) -> dict[str, Any]:

@@ -1,31 +1,51 @@
-"""Run a command module with a gate: after the N-th return of one function, signal and block forever.
+"""Run a command module with gates: at the N-th call of a function, signal the test and wait.
 
-    python -m tests.gated_main rollshard.train.trainer:save_checkpoint 2 SIGNAL_FILE rollshard.train ARGS...
+    python -m tests.gated_main GATE_JSON MODULE ARGS...
 
-Kill tests use it instead of racing a timer: the process stops at a known point (its
-second checkpoint is on disk, its first shard is committed), writes ``SIGNAL_FILE`` and
-waits there until the test kills it, whatever the speed of the machine.
-``TARGET`` is ``module:function`` or ``module:Class.method``; patch the name where the
-caller looks it up (``rollshard.train.trainer:save_checkpoint``, not the checkpoint module).
+Kill and interrupt tests use gates instead of racing a timer: the process stops at a
+known point (its second checkpoint is on disk, its first shard committed, its final
+commit about to start), writes the gate's ``signal`` file and waits there, until the
+test kills it or creates the gate's ``release`` file, whatever the speed of the machine.
+
+A gate's ``target`` is ``module:function`` or ``module:Class.method``; patch the name
+where the caller looks it up (``rollshard.train.trainer:save_checkpoint``, not the
+checkpoint module). ``before`` gates wait before the call, the others after it returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import json
 import runpy
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GATE_TIMEOUT_S = 600.0  # a deadline for a broken run, not an expectation of speed
+POLL_S = 0.01
 
 
-def install_gate(target: str, count: int, signal_file: Path) -> None:
-    module_name, _, attr_path = target.partition(":")
+@dataclasses.dataclass
+class Gate:
+    target: str
+    count: int
+    signal: str
+    release: str | None = None  # None: wait until killed
+    before: bool = False
+
+
+def _wait(gate: Gate) -> None:
+    Path(gate.signal).write_text(gate.target)
+    while gate.release is None or not Path(gate.release).exists():
+        time.sleep(POLL_S)  # a plain sleep: signals sent by the test are handled here as anywhere else
+
+
+def install_gate(gate: Gate) -> None:
+    module_name, _, attr_path = gate.target.partition(":")
     owner = importlib.import_module(module_name)
     *parents, name = attr_path.split(".")
     for part in parents:
@@ -35,37 +55,40 @@ def install_gate(target: str, count: int, signal_file: Path) -> None:
 
     @functools.wraps(original)
     def gated(*args, **kwargs):
-        out = original(*args, **kwargs)
         calls["n"] += 1
-        if calls["n"] == count:
-            signal_file.write_text(str(calls["n"]))
-            threading.Event().wait()  # until the test kills this process
+        if gate.before and calls["n"] == gate.count:
+            _wait(gate)
+        out = original(*args, **kwargs)
+        if not gate.before and calls["n"] == gate.count:
+            _wait(gate)
         return out
 
     setattr(owner, name, gated)
 
 
-def start_gated(target: str, count: int, signal_file: Path, module: str, *args, **popen) -> subprocess.Popen:
-    """``python -m module args`` in a subprocess, gated at the ``count``-th return of ``target``."""
-    cmd = [sys.executable, "-m", "tests.gated_main", target, str(count), str(signal_file), module, *map(str, args)]
+def start_gated(gates: list[Gate], module: str, *args, **popen) -> subprocess.Popen:
+    """``python -m module args`` in a subprocess with ``gates`` installed."""
+    spec = json.dumps([dataclasses.asdict(g) for g in gates])
+    cmd = [sys.executable, "-m", "tests.gated_main", spec, module, *map(str, args)]
     return subprocess.Popen(cmd, cwd=REPO, **popen)
 
 
-def wait_for_gate(proc: subprocess.Popen, signal_file: Path) -> None:
-    """Block until the gated process reached its gate; fail if it exits first."""
+def wait_for_gate(proc: subprocess.Popen, gate: Gate) -> None:
+    """Block until the gated process reached ``gate``; fail if it exits first."""
     deadline = time.monotonic() + GATE_TIMEOUT_S
-    while not signal_file.exists():
+    while not Path(gate.signal).exists():
         if proc.poll() is not None:
-            raise AssertionError(f"the gated process exited ({proc.returncode}) before reaching its gate")
+            raise AssertionError(f"the gated process exited ({proc.returncode}) before reaching {gate.target}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"the gated process did not reach its gate in {GATE_TIMEOUT_S:.0f} s")
-        time.sleep(0.01)
+            raise AssertionError(f"the gated process did not reach {gate.target} in {GATE_TIMEOUT_S:.0f} s")
+        time.sleep(POLL_S)
 
 
 def main() -> None:
-    target, count, signal_file, module, *argv = sys.argv[1:]
-    install_gate(target, int(count), Path(signal_file))
+    spec, module, *argv = sys.argv[1:]
+    for gate in json.loads(spec):
+        install_gate(Gate(**gate))
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

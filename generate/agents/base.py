@@ -25,6 +25,7 @@ import abc
 import dataclasses
 import hashlib
 import json
+from collections import Counter
 from typing import Any, ClassVar
 
 from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
@@ -40,6 +41,12 @@ def derive_seed(run_seed: int, sample_id: str, turn: int) -> int:
     """Per-request sampling seed: a hash of (run seed, sample id, turn), stable across runs and hosts."""
     digest = hashlib.blake2b(f"{run_seed}\x00{sample_id}\x00{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_MODULUS
+
+
+def prompt_hash(prompt_ids: list[int], label: Any) -> str:
+    """Hash of a prompt's rendered first-turn ids and its label (JSON), as stored in row metadata."""
+    payload = json.dumps([list(prompt_ids), label], sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -119,6 +126,7 @@ class Episode:
         seed: int = 0,
         attempt: int = 0,
         max_context_len: int | None = None,
+        allow_skip: bool = False,
         system: str = "",
     ):
         if ID_SEPARATOR in prompt.prompt_id:  # load_prompts refuses these; a Prompt built in code may not
@@ -134,8 +142,11 @@ class Episode:
         self.seed = seed
         self.attempt = attempt
         self.max_context_len = max_context_len
+        self.allow_skip = allow_skip
         self.system = system
+        self.skipped: Counter = Counter()  # optional calls skipped because their prompt did not fit, by agent
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # n samples of one conversation: render once
+        self._prompt_hash: str | None = None
 
     def ids(self, agent: str, round: int, index: int) -> tuple[str, str]:
         """``(sample_id, group_id)``: ``prompt/agent/round/index`` and ``prompt/agent/round`` (the prompt id has no
@@ -155,8 +166,11 @@ class Episode:
     ) -> AgentCall | None:
         """One model turn on ``messages`` (chat template applied).
 
-        If the prompt leaves no room for a response within ``max_context_len``: raises
-        :class:`ContextFullError` when ``required``, else returns None (the call is skipped).
+        If the prompt leaves no room for a response within ``max_context_len``: returns None
+        (the call is skipped, and counted in :attr:`skipped`) when the call is not
+        ``required`` and the run allows skipping (``--allow-skipped-calls``); otherwise raises
+        :class:`ContextFullError`, which fails the episode: a silently thinner episode
+        (solver rows only, say) would look like a complete one in the dataset.
         """
         sample_id, group_id = self.ids(agent, round, index)
         prompt_text, prompt_ids = self._prompt(messages)
@@ -171,12 +185,14 @@ class Episode:
         )
         if await self._turn(call):
             return call
-        if required:
-            raise ContextFullError(
-                f"the {agent} prompt is {len(call.prompt_ids)} tokens and the context {self.max_context_len}: "
-                "no room for a response; shorten the prompt or raise --max-context-len"
-            )
-        return None
+        if not required and self.allow_skip:
+            self.skipped[agent] += 1
+            return None
+        hint = "" if required else ", or pass --allow-skipped-calls to store the episode without such calls"
+        raise ContextFullError(
+            f"the {agent} prompt is {len(call.prompt_ids)} tokens and the context {self.max_context_len}: "
+            f"no room for a response; lower --max-new-tokens or --n-samples, or raise --max-context-len{hint}"
+        )
 
     def _prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """Chat template applied (text, ids), once per distinct conversation of the episode.
@@ -220,8 +236,23 @@ class Episode:
     def verify(self, text: str):
         return self.task.verify(text, self.prompt.label)
 
+    @property
+    def prompt_hash(self) -> str:
+        """Identity of the source prompt as the run saw it: its rendered ids (task template, chat template and
+        tokenizer applied) and its label. Stored in every row; a resume compares it (see :func:`prompt_hash`)."""
+        if self._prompt_hash is None:
+            _, ids = self._prompt(self.task.messages(self.prompt))
+            self._prompt_hash = prompt_hash(ids, self.prompt.label)
+        return self._prompt_hash
+
     def row(self, call: AgentCall, reward: float, metadata: dict[str, Any]) -> Row:
-        meta = {"task": self.task.name, "system": self.system, "label": self.prompt.label, "turns": call.turns}
+        meta = {
+            "task": self.task.name,
+            "system": self.system,
+            "label": self.prompt.label,
+            "prompt_hash": self.prompt_hash,
+            "turns": call.turns,
+        }
         meta.update(metadata)
         return Row(
             sample_id=call.sample_id,
@@ -259,6 +290,14 @@ class AgentSystem(abc.ABC):
     @abc.abstractmethod
     def max_parallel_calls(self) -> int:
         """Most engine requests one episode has in flight at once (sizes the episode pool)."""
+
+    def context_warning(
+        self, *, sampling: SamplingParams, context: int | None, task: Task, prompt: Prompt, count_tokens
+    ) -> str | None:
+        """Said at start when this system's calls can outgrow the context with these settings (their prompts
+        hold earlier responses), judged on the source's first ``prompt``; ``count_tokens(messages)`` is the
+        rendered length of a conversation. None when they cannot, or the system cannot tell."""
+        return None
 
     def config(self) -> dict[str, Any]:
         """The system's settings, for the run config stored with the dataset."""

@@ -39,9 +39,14 @@ means. It is on by default so rewards match slime's; ``correct_weight=1
 incorrect_weight=1`` turns it off.
 
 Groups: solvers of a prompt form one group (round 0), rewriters another (round 1), the
-selector a group of one (round 2). A call whose prompt would not fit the context
-(``--max-context-len``) is skipped and has no row; a skipped solver prompt fails the
-episode.
+selector a group of one (round 2).
+
+Context: a rewriter's prompt holds every parsed solver answer, the selector's every
+parsed rewrite, so they grow with ``--n-samples`` and ``--max-new-tokens``. A call whose
+prompt does not fit the context fails the episode (it goes to the failure ledger), unless
+the run passes ``--allow-skipped-calls``: the call is then skipped, has no row, and is
+counted per role in the run's summary. A solver prompt that does not fit always fails.
+:meth:`MultiAgent.context_warning` says at start when the settings make this likely.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ import dataclasses
 import re
 
 from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode
+from rollshard.generate.engines.base import SamplingParams
+from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.store.schema import Row
 
 SOLVER, REWRITER, SELECTOR = "solver", "rewriter", "selector"
@@ -139,6 +146,28 @@ class MultiAgent(AgentSystem):
     @property
     def max_parallel_calls(self) -> int:
         return max(self.options.num_solvers, self.options.num_rewriters)
+
+    def context_warning(
+        self, *, sampling: SamplingParams, context: int | None, task: Task, prompt: Prompt, count_tokens
+    ) -> str | None:
+        if context is None:
+            return None
+        o = self.options
+        # The rewriter prompt around k empty candidates, plus k answers of at most max_new_tokens each, cut to
+        # max_candidate_chars (a token is at least one character), plus its own response.
+        k = o.num_solvers
+        problem = task.messages(prompt)[-1]["content"]
+        frame = REWRITE_TEMPLATE.format(problem=problem, count=k, candidates=format_candidates([""] * k, 0))
+        per_answer = min(sampling.max_new_tokens, o.max_candidate_chars)
+        need = count_tokens(task.chat(frame)) + k * per_answer + sampling.max_new_tokens
+        if need <= context:
+            return None
+        return (
+            f"multi_agent: a rewriter prompt with {k} solver answers of up to {per_answer} tokens plus its own "
+            f"{sampling.max_new_tokens}-token response can reach {need} tokens, more than the context of {context}; "
+            "calls that do not fit fail their prompt (lower --n-samples or --max-new-tokens, or pass "
+            "--allow-skipped-calls to store episodes without them)"
+        )
 
     async def run(self, episode: Episode) -> list[Row]:
         o = self.options

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from rollshard.generate.agents import make_agent_system
 from rollshard.generate.agents.tool_loop import observation
-from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
+from rollshard.generate.engines.base import Engine, EngineError, EngineUnavailableError, SamplingParams
 from rollshard.generate.run import main
 from rollshard.generate.runner import Runner, RunnerOptions
 from rollshard.generate.tasks import get_task, load_prompts
@@ -28,7 +28,7 @@ from rollshard.store.dataset import RolloutDataset
 from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
 from rollshard.store.validate import validate_dataset
 from rollshard.store.writer import ShardWriter
-from tests.gated_main import start_gated, wait_for_gate
+from tests.gated_main import Gate, start_gated, wait_for_gate
 from tests.generate.test_agents import ScriptedEngine
 
 N_PROMPTS = 4
@@ -106,18 +106,17 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(reference, tiny_gpt2, t
     assert rows_of(out) == before
     assert main(base_args(tiny_gpt2, out, "--temperature", "0.5")) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "holds rows generated with another sampling" in err
+    # The setting that differs is named, not the whole sampling block.
+    assert "\n" not in err and "holds rows generated with another sampling.temperature (1.0 there, 0.5 now" in err
     assert rows_of(out) == before
 
 
 def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_path, capsys):
     out = tmp_path / "ds"
     args = base_args(tiny_gpt2, out, "--commit-every", "1")
-    gate = tmp_path / "first-commit"  # the run stops right after its first shard commit, until killed
-    proc = start_gated(
-        "rollshard.store.writer:ShardWriter.commit", 1, gate, "rollshard.generate", *args,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    # The run stops right after its first shard commit, until killed.
+    gate = Gate("rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "first-commit"))
+    proc = start_gated([gate], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_gate(proc, gate)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -396,3 +395,138 @@ def test_served_engine_gives_the_embedded_rows(embedded_server, tiny_gpt2, tmp_p
     assert main(["--engine", f"embedded:{tiny_gpt2}", *common, "--out", str(tmp_path / "local")]) == 0
     http, local = rows_of(tmp_path / "http"), rows_of(tmp_path / "local")
     assert len(http) == 6 and http == local
+
+
+# ---- interrupts, a dead engine, prompts that outgrow the context, prompt identity on resume ----------------
+
+
+def test_second_interrupt_during_the_final_commit_still_commits_complete_episodes(reference, tiny_gpt2, tmp_path):
+    out = tmp_path / "ds"
+    args = base_args(tiny_gpt2, out, "--commit-every", "1000", "--commit-interval", "100000")
+    # Two episodes complete (not yet committed) and two in flight when the first Ctrl-C comes; the second one
+    # comes as the final commit is about to start.
+    two_done = Gate("rollshard.generate.runner:Runner._finished", 2, str(tmp_path / "two-done"), str(tmp_path / "go1"))
+    committing = Gate(
+        "rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "commit"), str(tmp_path / "go2"), before=True
+    )
+    proc = start_gated(
+        [two_done, committing], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_gate(proc, two_done)
+        proc.send_signal(signal.SIGINT)
+        (tmp_path / "go1").touch()
+        wait_for_gate(proc, committing)
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: proc.poll() is not None or any("still committing" in line for line in lines))
+        (tmp_path / "go2").touch()
+        assert proc.wait(timeout=300) == 130
+    finally:
+        proc.kill()
+    err = "".join(lines)
+    assert "stopping: committing the complete prompts; the 2 in flight are left for a rerun" in err
+    assert "still committing the complete prompts; interrupt once more to quit without them" in err
+    done = {r["prompt_id"] for r in rows_of(out)}
+    assert len(done) == 2 and len(rows_of(out)) == 10  # exactly the two complete episodes, nothing in flight
+    assert_valid(out)
+    assert main(args) == 0 and rows_of(out) == rows_of(reference)
+
+
+def wait_until(condition, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+class DyingEngine(Engine):
+    """Answers ``healthy`` requests, then raises what a circuit breaker raises for every later one."""
+
+    def __init__(self, inner, healthy):
+        self.inner, self.healthy, self.calls = inner, healthy, 0
+
+    async def generate(self, input_ids, sampling, *, rid=None):
+        self.calls += 1
+        if self.calls > self.healthy:
+            raise EngineUnavailableError("SGLang server http://127.0.0.1:1 refused 8 connections in a row")
+        return await self.inner.generate(input_ids, sampling, rid=rid)
+
+    async def model_info(self):
+        return await self.inner.model_info()
+
+
+def test_a_dead_engine_stops_the_run_at_once_with_complete_episodes_committed(tiny_gpt2, tmp_path):
+    tok = load_tokenizer(tiny_gpt2)
+    prompts = load_prompts(get_task("math").default_prompts())[:12]
+    good = ScriptedEngine(tok, lambda *a: "\\boxed{1}")
+    dying = DyingEngine(good, healthy=6)  # three 2-sample episodes, then the engine is gone
+    result = _run(tmp_path, tok, dying, prompts=prompts)
+    assert result.exit_code == 1 and result.engine_down and "refused 8 connections" in result.engine_down
+    # No episode retried and no prompt put in the ledger: the calls after the engine died are at most those of
+    # the episodes already started (8 of 2 calls), not prompts x attempts (9 x 3 x 2).
+    assert dying.calls - 6 <= 8 * 2 and not result.failed and result.ledger is None
+    assert result.episodes == 3 and len(rows_of(tmp_path / "ds")) == 6
+    result = _run(tmp_path, tok, good, prompts=prompts)  # back: the rerun does the rest
+    assert result.exit_code == 0 and result.prompts_skipped == 3 and len(rows_of(tmp_path / "ds")) == 24
+
+
+def test_multi_agent_calls_over_the_context_fail_unless_allowed(tiny_gpt2, tmp_path, capsys):
+    # Solver prompts are <= 65 tokens and fit 100 with 6 new tokens; a rewriter prompt is >= 105 tokens.
+    common = ["--max-context-len", "100"]
+    assert main(base_args(tiny_gpt2, tmp_path / "strict", *common)) == 1
+    err = capsys.readouterr().err
+    assert "warning: multi_agent: a rewriter prompt with 2 solver answers of up to 6 tokens" in err
+    assert "more than the context of 100" in err and "--allow-skipped-calls" in err
+    assert "4 prompts failed (first: math-000: ContextFullError: the rewriter prompt is" in err
+    assert not (tmp_path / "strict" / "shards").exists() or not rows_of(tmp_path / "strict")
+
+    assert main(base_args(tiny_gpt2, tmp_path / "lenient", *common, "--allow-skipped-calls")) == 0
+    err = capsys.readouterr().err
+    assert "rows by agent: solver 8; calls skipped (prompt over the context, --allow-skipped-calls): rewriter 8" in err
+    assert {r["agent"] for r in rows_of(tmp_path / "lenient")} == {"solver"}
+
+
+def _prompt_file(path, texts):
+    path.write_text("".join(json.dumps({"prompt": t, "label": "1"}) + "\n" for t in texts))
+    return path
+
+
+def test_resume_refuses_prompts_changed_under_their_id(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    source = _prompt_file(tmp_path / "a.jsonl", ["What is 0 + 1?", "What is 1 + 0?", "What is 2 - 1?"])
+
+    def gen(prompts):
+        args = ["--engine", f"embedded:{tiny_gpt2}", "--agents", "single", "--task", "math", "--n-samples", "2",
+                "--max-new-tokens", "4", "--no-progress", "--prompts", str(prompts), "--out", str(out)]
+        return main(args)
+
+    assert gen(source) == 0
+    capsys.readouterr()
+    before = rows_of(out)
+    assert {json.loads(r["metadata"])["prompt_hash"] for r in before}.__len__() == 3
+    # Another file with position ids: the same ids name other prompts.
+    other = _prompt_file(tmp_path / "b.jsonl", ["What is 5 - 4?", "What is 1 * 1?", "What is 3 - 2?"])
+    assert gen(other) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompt '000000' (position 0 of the source) is not the prompt" in err
+    # The same file with its second prompt edited: that one is named.
+    edited = _prompt_file(tmp_path / "a.jsonl", ["What is 0 + 1?", "What is 1 + 1?", "What is 2 - 1?"])
+    assert gen(edited) == 2
+    assert "prompt '000001' (position 1 of the source)" in capsys.readouterr().err
+    assert rows_of(out) == before
+    # Prompts appended to the source are new work, not a conflict: only they are generated.
+    _prompt_file(tmp_path / "a.jsonl", ["What is 0 + 1?", "What is 1 + 0?", "What is 2 - 1?", "What is 9 - 8?"])
+    assert gen(source) == 0
+    assert "1 of 4 prompts done" in capsys.readouterr().err and len(rows_of(out)) == 8
+
+
+def test_failure_ledger_temp_file_of_a_crash_is_cleaned(tiny_gpt2, tmp_path):
+    tok = load_tokenizer(tiny_gpt2)
+    (tmp_path / "ds" / "_failures").mkdir(parents=True)
+    leftover = tmp_path / "ds" / "_failures" / ".gen-0-of-1.jsonl.0badc0de.tmp"
+    leftover.write_text('{"prompt_id": ')
+    result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"))
+    assert result.exit_code == 0 and not leftover.exists()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from rollshard.train.checkpoint import CONFIG_FILE, latest_checkpoint
 from rollshard.train.cli import main
 from rollshard.train.metrics import read_metrics
-from tests.gated_main import start_gated, wait_for_gate
+from tests.gated_main import Gate, start_gated, wait_for_gate
 
 
 def args_for(data, model, out, *extra):
@@ -64,10 +64,10 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dataset, tiny_gpt2, tmp_path
 
     # The same run as a real process, gated after its second checkpoint is saved, then killed with SIGKILL.
     out = tmp_path / "killed"
-    gate = tmp_path / "at-step-2"
+    gate = Gate("rollshard.train.trainer:save_checkpoint", 2, str(tmp_path / "at-step-2"))
     proc = start_gated(
-        "rollshard.train.trainer:save_checkpoint", 2, gate, "rollshard.train",
-        *args_for(tiny_dataset, tiny_gpt2, out, *common), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [gate], "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         wait_for_gate(proc, gate)
