@@ -47,13 +47,18 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The ``sampling_params`` of a request: the set fields, plus :data:`NEUTRAL_SAMPLING` spelled out."""
         # Shallow on purpose: dataclasses.asdict deep-copies, a measurable cost per request at high rates.
         out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        for name in _SAMPLING_FIELDS:
+            v = getattr(self, name)
             if v is not None:
-                out[f.name] = list(v) if isinstance(v, list) else v
+                out[name] = list(v) if isinstance(v, list) else v
+        out.update(NEUTRAL_SAMPLING)
         return out
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclasses.dataclass(kw_only=True)

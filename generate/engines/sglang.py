@@ -2,13 +2,49 @@
 
 One pooled aiohttp session per event loop, bounded concurrency, several server URLs
 (each request goes to the one with the fewest requests in flight) or one
-sglang-router URL. Connection errors, timeouts and 5xx answers are retried with
-exponential backoff and jitter, preferring another server; a 4xx is the caller's
-fault and fails at once. :meth:`SGLangEngine.health_check` asks every server for
-``/health`` and ``/get_model_info`` and fails with one line naming the first that
-does not answer.
+sglang-router URL.
 
-The response must carry one logprob per response token. A missing or short
+Retries. Connection errors, timeouts, 5xx answers and aborts whose ``status_code`` is
+>= 500 (the server's own failure: out of memory, retraction, its timeouts; see
+:mod:`.sglang_protocol`) are retried with exponential backoff and jitter, preferring
+another server; a 4xx is the caller's fault and fails at once. Every other abort (a
+client's ``/abort_request``, a weight update aborting all requests, a 4xx-type abort) is
+final: it comes back as an ``abort`` result. A retry gets a fresh server-side id,
+``retry<N>-<rid>``: SGLang aborts every request whose id *starts with* the aborted one,
+so a retry must not extend the id of the attempt it replaces.
+
+Abandoned attempts are aborted. When an attempt times out, or the task awaiting it is
+cancelled (Ctrl-C, a caller's ``wait_for``), the client posts ``/abort_request`` with the
+attempt's id to the server the attempt went to, in the background and within
+``abort_timeout_s``, so the server stops generating for nobody; :meth:`close` waits for
+those posts (as long again at most). A failed abort is logged at debug level and never
+replaces the original error. A dropped connection is not aborted: the server sees the
+same disconnect and SGLang aborts the request itself.
+
+Circuit breaker. Connection failures (refused, reset, server disconnected, and TCP
+connect timeouts: a host that is down answers nothing at all) are counted per server,
+over all requests; any HTTP answer from a server (even a 5xx: it is alive) resets its
+count. When every server has ``breaker_threshold`` failures in a row, the request that
+failed, and every request after it or retrying, raises :class:`EngineUnavailableError`
+at once, without sending or sleeping. Per server, not one count for all: with hundreds
+of requests in flight, one dead server among live ones refuses a hundred connections in
+a row before a live one answers, and must not stop the run. A whole-request timeout does
+not count (a long generation is not a dead server). The breaker has no timer: it closes
+again on evidence of life, an answer to a request that was in flight when it opened, or
+a successful :meth:`SGLangEngine.health_check` (a run stops at the first
+EngineUnavailableError; an interactive user restarts the server and calls
+``health_check``).
+
+Health. :meth:`SGLangEngine.health_check` asks every server for ``/health`` and
+``/get_model_info``, retrying connection errors, timeouts and 5xx like ``/generate``
+(a server that is still starting answers 503); a 4xx or a model info that is not a JSON
+object fails at once. It refuses a server whose ``preferred_sampling_params`` differ
+from what the client sends: SGLang fills every sampling parameter a request leaves out
+from them, so the stored logprobs would describe another distribution than the trainer
+assumes. The client sends :data:`~.base.NEUTRAL_SAMPLING` with every request for the
+same reason.
+
+Parsing. The response must carry one logprob per response token. A missing or short
 ``meta_info.output_token_logprobs`` on a response that did not abort, a logprob
 that is not a finite float, or token ids in the logprobs that disagree with
 ``output_ids`` raise :class:`EngineError` naming the request: a response without
@@ -17,7 +53,8 @@ its logprobs is never returned (slime issue #1976 / PR #1995). An aborted respon
 weight-version spans are clipped to them; when that drops tokens, its text becomes
 the kept tokens' texts from the logprob items when the server sent them
 (``return_text_in_logprobs``), else empty: the server's text covers tokens that are
-not kept.
+not kept. ``meta["weight_versions_sent"]`` keeps the spans as the server sent them
+(None when it sent none and the single span was made from ``weight_version``).
 """
 
 from __future__ import annotations
@@ -25,20 +62,41 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 import uuid
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
-import numpy as np
 
-from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
-from rollshard.store.schema import WeightSpan
+from rollshard.generate.engines.base import (
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    GenerateResult,
+    SamplingParams,
+)
+from rollshard.generate.engines.sglang_protocol import (
+    TransientAbortError,
+    parse_response,
+    preferred_sampling_differences,
+)
 
-FINISH_TYPES = ("stop", "length", "abort")
-# A logprob is <= 0 mathematically; GPU kernels can round a near-certain token's to a hair above 0.
-# Such values are stored as 0.0; anything larger means the server sent something else (e.g. a logit).
-POSITIVE_LOGPROB_TOL = 1e-4
+__all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response"]
+
+log = logging.getLogger(__name__)
+
+# Connections beyond max_concurrency kept for /abort_request: when every generate connection hangs
+# (the case aborts exist for), an abort must not queue behind them for a free one.
+CONTROL_CONNECTIONS = 16
+# Transport failures that say the server is not there (as opposed to slow): what the breaker counts.
+CONNECTION_FAILURES = (
+    aiohttp.ClientConnectorError,  # refused, unreachable, DNS
+    aiohttp.ConnectionTimeoutError,  # no TCP handshake within connect_timeout_s
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,  # reset by peer
+    ConnectionError,
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,16 +105,23 @@ class SGLangConfig:
 
     max_concurrency: int = 256  # requests in flight over all URLs
     request_timeout_s: float = 600.0  # whole request, connect to last byte
-    connect_timeout_s: float = 10.0
-    max_retries: int = 4  # attempts after the first, on connection errors, timeouts and 5xx
+    connect_timeout_s: float = 10.0  # TCP handshake
+    max_retries: int = 4  # attempts after the first, on connection errors, timeouts and 5xx; health_check too
     backoff_base_s: float = 0.5  # first retry waits about this long, then doubles
     backoff_max_s: float = 30.0
-    health_timeout_s: float = 5.0
+    health_timeout_s: float = 5.0  # one /health or /get_model_info attempt
+    abort_timeout_s: float = 2.0  # one /abort_request for an abandoned attempt; close() waits as long for them
+    breaker_threshold: int = 8  # connection failures in a row on every server stop the engine; 0: never
     logprob_start_len: int = -1  # SGLang: -1 computes no input-token logprobs
 
 
 class _Retryable(Exception):
     """A transient failure of one attempt (connection, timeout, 5xx)."""
+
+    def __init__(self, message: str, *, connection: bool = False, may_run_on: bool = False) -> None:
+        super().__init__(message)
+        self.connection = connection  # the server did not answer at all: counts for the breaker
+        self.may_run_on = may_run_on  # the server may still be generating for it: abort it there
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:
@@ -65,123 +130,42 @@ def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | No
     return step / 2 + (rng or random).uniform(0, step / 2)
 
 
-def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
-    """Validate one ``/generate`` response and turn it into a :class:`GenerateResult` (see module docstring)."""
-    meta = body.get("meta_info")
-    if not isinstance(meta, dict):
-        raise EngineError(f"request {rid}: response has no meta_info object")
-    finish = meta.get("finish_reason")
-    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
-        raise EngineError(f"request {rid}: finish_reason {finish!r} is not one of {FINISH_TYPES}")
-    kind = finish["type"]
-    aborted = kind == "abort"
+class _Breaker:
+    """Consecutive connection failures per server, over all requests (see the module docstring)."""
 
-    items = meta.get("output_token_logprobs")
-    output_ids = body.get("output_ids")
-    if items is None and not aborted:
-        raise EngineError(
-            f"request {rid}: response has no meta_info.output_token_logprobs "
-            "(was return_logprob dropped by a proxy?); refusing a response without its logprobs"
-        )
-    items = items or []
-    if not isinstance(items, list):
-        raise EngineError(f"request {rid}: output_token_logprobs is {type(items).__name__}, expected a list")
+    def __init__(self, urls: Sequence[str], threshold: int) -> None:
+        self.threshold = threshold
+        self.failures = dict.fromkeys(urls, 0)
+        self.down = 0  # servers with at least `threshold` failures in a row
+        self.last = ""
+        self.open = False
 
-    try:
-        lp_raw, lp_ids = ([it[0] for it in items], [it[1] for it in items]) if items else ([], [])
-        lps = np.asarray(lp_raw, dtype=np.float64)  # None -> nan, rejected below
-    except (TypeError, IndexError, KeyError, ValueError) as e:
-        raise EngineError(f"request {rid}: output_token_logprobs items must be [logprob, token_id, text]: {e}") from e
-    bad = ~(np.isfinite(lps) & (lps <= POSITIVE_LOGPROB_TOL))
-    if bad.any():
-        pos = int(np.argmax(bad))
-        raise EngineError(
-            f"request {rid}: logprob of response token {pos} is {lp_raw[pos]!r}, expected a finite float <= 0"
-        )
-    logprobs = np.minimum(lps, 0.0).tolist()
+    def alive(self, url: str) -> None:
+        if self.failures[url]:
+            if self.threshold and self.failures[url] >= self.threshold:
+                self.down -= 1
+            self.failures[url] = 0
+            self.open = False
 
-    completion = meta.get("completion_tokens")
-    if output_ids is None:
-        output_ids = lp_ids
-    if not isinstance(output_ids, list):
-        raise EngineError(f"request {rid}: output_ids is {type(output_ids).__name__}, expected a list")
-    if not aborted:
-        expected = len(output_ids) if completion is None else int(completion)
-        if len(output_ids) != expected or len(logprobs) != expected:
-            raise EngineError(
-                f"request {rid}: {len(logprobs)} logprobs for {expected} response tokens "
-                f"(output_ids has {len(output_ids)}); refusing a response with missing logprobs"
+    def reset(self) -> None:
+        self.failures = dict.fromkeys(self.failures, 0)
+        self.down, self.open = 0, False
+
+    def failure(self, url: str, error: str) -> None:
+        self.failures[url] += 1
+        self.last = error
+        if self.threshold and self.failures[url] == self.threshold:
+            self.down += 1
+            self.open = self.down == len(self.failures)
+
+    def check(self) -> None:
+        if self.open:
+            urls = list(self.failures)
+            servers = f"server {urls[0]}" if len(urls) == 1 else "servers " + ", ".join(urls)
+            raise EngineUnavailableError(
+                f"SGLang {servers} unavailable: {sum(self.failures.values())} connection failures in a row, "
+                f"the last: {self.last}; restart the server and rerun"
             )
-    sent = len(output_ids)
-    text = body.get("text") or ""
-    if aborted:
-        # An abort may stop between sending a token and its logprob: keep the prefix that has both.
-        n = min(len(output_ids), len(logprobs))
-        output_ids, logprobs, lp_ids = output_ids[:n], logprobs[:n], lp_ids[:n]
-        if n < sent:
-            pieces = [it[2] if len(it) > 2 else None for it in items[:n]]
-            text = "".join(pieces) if all(isinstance(p, str) for p in pieces) else ""
-    if output_ids != lp_ids:
-        pos = next(i for i, (a, b) in enumerate(zip(output_ids, lp_ids)) if a != b)
-        raise EngineError(
-            f"request {rid}: output_ids[{pos}] = {output_ids[pos]} but output_token_logprobs[{pos}] names token "
-            f"{lp_ids[pos]}; ids and logprobs disagree"
-        )
-
-    n = len(output_ids)
-    version = meta.get("weight_version")
-    version = None if version is None else str(version)
-    spans = _weight_spans(meta.get("weight_versions"), n, sent=sent) or (
-        [WeightSpan(version=version, start=0, end=n)] if version is not None else None
-    )
-    known = {
-        "finish_reason",
-        "output_token_logprobs",
-        "weight_version",
-        "weight_versions",
-        "prompt_tokens",
-        "completion_tokens",
-    }
-    return GenerateResult(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        text=text,
-        finish_reason=kind,
-        finish_detail={k: v for k, v in finish.items() if k != "type"},
-        weight_version=version if version is not None else (spans[-1].version if spans else None),
-        weight_versions=spans,
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        completion_tokens=n,
-        meta={k: v for k, v in meta.items() if k not in known and k != "input_token_logprobs"},
-    )
-
-
-def _weight_spans(raw: Any, n: int, *, sent: int | None = None) -> list[WeightSpan] | None:
-    """SGLang's per-response weight version record: spans ``[{version, start, end}]`` or one version per token,
-    for the ``n`` tokens kept of the ``sent`` in ``output_ids`` (an abort keeps fewer): spans starting at or
-    after ``n`` are dropped and the others end at ``n`` at most."""
-    if not raw or not isinstance(raw, list):
-        return None
-    if all(isinstance(s, dict) for s in raw):
-        spans = [WeightSpan(version=str(s["version"]), start=int(s["start"]), end=int(s["end"])) for s in raw]
-        return _clip_spans(spans, n)
-    if all(isinstance(s, (list, tuple)) and len(s) == 3 for s in raw):  # msgspec array form [version, start, end]
-        return _clip_spans([WeightSpan(version=str(v), start=int(a), end=int(b)) for v, a, b in raw], n)
-    if len(raw) in (n, sent):  # one version per token: compress into spans
-        spans: list[WeightSpan] = []
-        for i, v in enumerate(raw[:n]):
-            if spans and spans[-1].version == str(v):
-                spans[-1].end = i + 1
-            else:
-                spans.append(WeightSpan(version=str(v), start=i, end=i + 1))
-        return spans or None
-    return None
-
-
-def _clip_spans(spans: list[WeightSpan], n: int) -> list[WeightSpan] | None:
-    """The spans restricted to tokens ``[0, n)``; None when none is left."""
-    kept = [WeightSpan(version=s.version, start=s.start, end=min(s.end, n)) for s in spans if s.start < n]
-    return kept or None
 
 
 class SGLangEngine(Engine):
@@ -197,21 +181,26 @@ class SGLangEngine(Engine):
             raise ValueError("SGLangEngine needs at least one server URL, e.g. http://127.0.0.1:30000")
         self.config = config or SGLangConfig()
         self.in_flight = {u: 0 for u in self.urls}
+        self.breaker = _Breaker(self.urls, self.config.breaker_threshold)
         self._rng = random.Random(seed)
         self._next = 0  # round-robin start among equally loaded servers
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._aborts: set[asyncio.Task] = set()
 
     # ---- plumbing ---------------------------------------------------------------------------
 
     def _http(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency, limit_per_host=0, ttl_dns_cache=300)
+            connector = aiohttp.TCPConnector(
+                limit=self.config.max_concurrency + CONTROL_CONNECTIONS, limit_per_host=0, ttl_dns_cache=300
+            )
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps)
             self._sem = asyncio.Semaphore(self.config.max_concurrency)
             self._loop = loop
+            self._aborts = set()
         return self._session, self._sem
 
     def _pick(self, avoid: str | None = None) -> str:
@@ -228,16 +217,40 @@ class SGLangEngine(Engine):
         try:
             async with session.post(url + path, json=payload, timeout=timeout) as resp:
                 raw = await resp.read()
-                if resp.status >= 500:
-                    raise _Retryable(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
-                if resp.status >= 400:
-                    raise EngineError(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-            raise _Retryable(f"{type(e).__name__} talking to {url}{path}: {e}".rstrip(": ")) from e
+        except CONNECTION_FAILURES as e:
+            raise _Retryable(_transport_error(e, url, path), connection=True) from e
+        except asyncio.TimeoutError as e:  # sent, no answer in time: the server may still be generating
+            raise _Retryable(_transport_error(e, url, path), may_run_on=True) from e
+        except aiohttp.ClientError as e:  # a broken answer: the server is done with the request
+            raise _Retryable(_transport_error(e, url, path)) from e
+        self.breaker.alive(url)
+        if resp.status >= 500:
+            raise _Retryable(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
+        if resp.status >= 400:
+            raise EngineError(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
         try:
             return json.loads(raw) if raw else {}
         except ValueError as e:
             raise _Retryable(f"non-JSON answer from {url}{path}: {_snippet(raw)}") from e
+
+    def _abort_later(self, url: str, rid: str) -> None:
+        """Post ``/abort_request`` for ``rid`` to ``url`` in the background; close() waits for it."""
+        session, _ = self._http()
+        task = asyncio.get_running_loop().create_task(self._abort(session, url, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, session: aiohttp.ClientSession, url: str, rid: str) -> None:
+        if session.closed:  # close() stopped waiting for it; a new session would leak
+            log.debug("abort of %s on %s dropped: the engine is closed", rid, url)
+            return
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+            async with session.post(url + "/abort_request", json={"rid": rid}, timeout=timeout) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            # Best effort: the caller already has the error that made the attempt be abandoned.
+            log.debug("abort of %s on %s failed: %s", rid, url, _transport_error(e, url, "/abort_request"))
 
     # ---- Engine API -------------------------------------------------------------------------
 
@@ -252,39 +265,63 @@ class SGLangEngine(Engine):
             "return_logprob": True,
             "logprob_start_len": cfg.logprob_start_len,
         }
-        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         _, sem = self._http()
+        breaker = self.breaker
         last_url: str | None = None
         errors: list[str] = []
         for attempt in range(cfg.max_retries + 1):
+            breaker.check()
             if attempt:
                 await asyncio.sleep(backoff_delay(attempt - 1, cfg.backoff_base_s, cfg.backoff_max_s, self._rng))
-            # A retried request gets a fresh server-side id: the first attempt may still be running there.
-            payload["rid"] = rid if attempt == 0 else f"{rid}.retry{attempt}"
+            server_rid = payload["rid"] = rid if attempt == 0 else f"retry{attempt}-{rid}"
             async with sem:
+                breaker.check()  # it may have opened while this request waited for a slot or slept
                 url = last_url = self._pick(avoid=last_url)
                 self.in_flight[url] += 1
                 try:
                     body = await self._post(url, "/generate", payload, timeout)
                 except _Retryable as e:
                     errors.append(str(e))
+                    if e.may_run_on:
+                        self._abort_later(url, server_rid)
+                    if e.connection:
+                        breaker.failure(url, str(e))
+                        breaker.check()
                     continue
                 except EngineError as e:
                     raise EngineError(f"request {rid}: {e}") from e
+                except asyncio.CancelledError:
+                    self._abort_later(url, server_rid)
+                    raise
                 finally:
                     self.in_flight[url] -= 1
             if not isinstance(body, dict):
                 raise EngineError(f"request {rid}: /generate answered {type(body).__name__}, expected one JSON object")
-            return parse_response(body, rid=rid)
+            try:
+                return parse_response(body, rid=rid)
+            except TransientAbortError as e:
+                errors.append(f"{url}/generate aborted it with status_code {e.status_code} ({e.reason})")
         raise EngineError(f"request {rid}: gave up after {cfg.max_retries + 1} attempts; last error: {errors[-1]}")
 
     async def model_info(self) -> dict[str, Any]:
-        return (await self._get_all("/get_model_info"))[0]
+        return (await self._on_every_server(self._model_info))[0]
 
-    async def health_check(self) -> list[dict[str, Any]]:
-        """``/health`` then ``/get_model_info`` on every server; one-line EngineError naming the first failure."""
-        await self._get_all("/health", want_json=False)
-        return await self._get_all("/get_model_info")
+    async def health_check(self, sampling: SamplingParams | None = None) -> list[dict[str, Any]]:
+        """``/health`` then ``/get_model_info`` on every server, with retries; one-line EngineError naming the
+        first server that fails, or whose ``preferred_sampling_params`` differ from what requests with
+        ``sampling`` (default: ``SamplingParams()``) send. Success closes the circuit breaker."""
+        sampling = sampling or SamplingParams()
+
+        async def check(url: str) -> dict[str, Any]:
+            await self._get(url, "/health", want_json=False)
+            info = await self._model_info(url)
+            _check_preferred(url, info.get("preferred_sampling_params"), sampling)
+            return info
+
+        infos = await self._on_every_server(check)
+        self.breaker.reset()
+        return infos
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None
@@ -299,35 +336,79 @@ class SGLangEngine(Engine):
         return await self._post_all("/update_weight_version", {"new_version": str(new_version)})
 
     async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._aborts and self._loop is loop:
+            # Each abort is bounded by its own timeout; the margin covers their start-up, not a hang.
+            await asyncio.wait(set(self._aborts), timeout=self.config.abort_timeout_s + 1.0)
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
 
     # ---- control-plane helpers ----------------------------------------------------------------
 
-    async def _get_all(self, path: str, *, want_json: bool = True) -> list[Any]:
-        session, _ = self._http()
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+    async def _on_every_server(self, fn: Callable[[str], Awaitable[Any]]) -> list[Any]:
+        tasks = [asyncio.ensure_future(fn(u)) for u in self.urls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # one server failed: stop retrying the others
+                t.cancel()
 
-        async def one(url: str) -> Any:
+    async def _model_info(self, url: str) -> dict[str, Any]:
+        info = await self._get(url, "/get_model_info")
+        if not isinstance(info, dict):
+            raise EngineError(
+                f"SGLang server {url}: GET /get_model_info answered {type(info).__name__}, not a JSON object; "
+                "check that the URL points at an SGLang server"
+            )
+        return info
+
+    async def _get(self, url: str, path: str, *, want_json: bool = True) -> Any:
+        """GET with the retries of /generate: connection errors, timeouts and 5xx are retried, a 4xx is not."""
+        session, _ = self._http()
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s)
+        attempts = cfg.max_retries + 1
+        failure, cause = "", None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(backoff_delay(attempt - 1, cfg.backoff_base_s, cfg.backoff_max_s, self._rng))
             try:
                 async with session.get(url + path, timeout=timeout) as resp:
                     raw = await resp.read()
-                    if resp.status != 200:
-                        raise EngineError(
-                            f"SGLang server {url} is not healthy: GET {path} answered HTTP {resp.status}: {_snippet(raw)}"
-                        )
-                    return json.loads(raw) if want_json else raw.decode(errors="replace")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 reason = f"{type(e).__name__}: {e}".rstrip(": ")
+                failure = (
+                    f"SGLang server {url} unreachable after {attempts} attempts (GET {path}: {reason}); "
+                    "start it or fix the URL"
+                )
+                cause = e
+                continue
+            if resp.status >= 500:
+                failure = (
+                    f"SGLang server {url} is not healthy: GET {path} answered HTTP {resp.status} "
+                    f"{attempts} times, the last: {_snippet(raw)}; wait until it has started, or restart it"
+                )
+                cause = None
+                continue
+            if resp.status != 200:
                 raise EngineError(
-                    f"SGLang server {url} unreachable (GET {path}: {reason}); start it or fix the URL"
+                    f"SGLang server {url} is not healthy: GET {path} answered HTTP {resp.status}: {_snippet(raw)}; "
+                    "check that the URL points at an SGLang server"
+                )
+            if not want_json:
+                return raw.decode(errors="replace")
+            try:
+                return json.loads(raw)
+            except ValueError as e:
+                raise EngineError(
+                    f"SGLang server {url}: GET {path} answered non-JSON: {_snippet(raw)}; "
+                    "check that the URL points at an SGLang server"
                 ) from e
-
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+        raise EngineError(failure) from cause
 
     async def _post_all(self, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
 
         async def one(url: str) -> dict[str, Any]:
             try:
@@ -339,6 +420,24 @@ class SGLangEngine(Engine):
             return out
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+
+def _check_preferred(url: str, preferred: Any, sampling: SamplingParams) -> None:
+    diffs = preferred_sampling_differences(preferred, sampling)
+    if diffs is None:
+        raise EngineError(
+            f"SGLang server {url} reports preferred_sampling_params {preferred!r}, not a JSON object; "
+            "restart it without --preferred-sampling-params"
+        )
+    if diffs:
+        raise EngineError(
+            f"SGLang server {url} has --preferred-sampling-params that change what this client samples: "
+            f"{', '.join(diffs)}; restart it without --preferred-sampling-params"
+        )
+
+
+def _transport_error(e: BaseException, url: str, path: str) -> str:
+    return f"{type(e).__name__} talking to {url}{path}: {e}".rstrip(": ")
 
 
 def _snippet(raw: bytes, limit: int = 300) -> str:
