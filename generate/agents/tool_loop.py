@@ -6,7 +6,10 @@ last, the environment appends an observation to the same token stream:
 
 * the turn contains ``<calc>EXPR</calc>`` (the turn stops at ``</calc>``): the
   observation is ``\\n<result>VALUE</result>\\n`` with EXPR evaluated (``+ - * / ** %``,
-  parentheses, numbers; anything else gives ``error``);
+  parentheses, numbers); what cannot be evaluated gives ``error: REASON`` (not arithmetic,
+  division by zero, a result over :data:`MAX_DIGITS` digits, an expression over
+  :data:`MAX_EXPR_CHARS` characters). The bounds keep every evaluation to microseconds:
+  the model writes these expressions, and ``((10**64)**64)**64`` must not hang a run;
 * otherwise: ``\\n<result>no calculation</result>\\n``.
 
 Observation tokens are not the policy's: loss_mask 0 and logprob 0.0 (slime's rule for
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import math
 import operator
 import re
 
@@ -29,7 +33,10 @@ from rollshard.store.schema import Row
 AGENT = "policy"
 CALL_END = "</calc>"
 CALL_RE = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.S)
-MAX_EXPONENT = 64  # keeps 9**9**9-style expressions from hanging the run
+MAX_EXPR_CHARS = 200  # longer model output is not a calculation worth running
+MAX_DIGITS = 100  # every intermediate integer stays below 10**MAX_DIGITS
+_LIMIT = 10**MAX_DIGITS
+_MAX_BITS = _LIMIT.bit_length()
 _OPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -42,31 +49,61 @@ _OPS = {
 }
 
 
+class CalcError(ValueError):
+    """An expression the calculator refuses; the message becomes the tool's answer."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class ToolLoopOptions:
     n_samples: int = 4
     turns: int = 2  # model turns per trajectory
 
 
+def _bounded(value):
+    if isinstance(value, int) and abs(value) >= _LIMIT:
+        raise CalcError(f"result over {MAX_DIGITS} digits")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalcError("result too large")
+    return value
+
+
+def _power(base, exponent):
+    # Refuse before computing: the size of an integer power is known from its operands.
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
+        if exponent * (abs(base).bit_length() - 1) > _MAX_BITS:
+            raise CalcError(f"result over {MAX_DIGITS} digits")
+    return base**exponent
+
+
 def calculate(expr: str) -> str:
-    """Evaluate an arithmetic expression without ``eval``; ``"error"`` for anything else."""
+    """Evaluate an arithmetic expression without ``eval``; ``"error: REASON"`` for anything else."""
 
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            return node.value
+            return _bounded(node.value)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](left, right)
-        raise ValueError(f"unsupported expression {ast.dump(node)[:40]}")
+            op = _power if isinstance(node.op, ast.Pow) else _OPS[type(node.op)]
+            return _bounded(op(left, right))
+        raise CalcError("not arithmetic")
 
+    text = expr.strip()
+    if len(text) > MAX_EXPR_CHARS:
+        return f"error: expression over {MAX_EXPR_CHARS} characters"
     try:
-        value = ev(ast.parse(expr.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError):
-        return "error"
+        value = ev(ast.parse(text, mode="eval").body)
+    except CalcError as e:
+        return f"error: {e}"
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except OverflowError:
+        return "error: result too large"
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return "error: not arithmetic"
+    if isinstance(value, complex):  # a negative base to a fractional power
+        return "error: not a real number"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)

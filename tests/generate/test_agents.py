@@ -255,12 +255,34 @@ def test_tool_loop_masks_environment_tokens(tok):
 
 def test_tool_loop_environment():
     assert calculate("2 + 3 * (4 - 1)") == "11"
-    assert calculate("7 / 2") == "3.5"
-    assert calculate("2 ** 1000") == "error"  # exponent over MAX_EXPONENT
-    assert calculate("__import__('os')") == "error"
-    assert calculate("1 / 0") == "error"
+    assert calculate("7 / 2") == "3.5" and calculate("2 ** -2") == "0.25"
+    assert calculate("10 ** 99") == "1" + "0" * 99  # the largest power of ten under MAX_DIGITS = 100 digits
+    assert calculate("2 ** 1000") == "error: result over 100 digits"
+    assert calculate("__import__('os')") == "error: not arithmetic"
+    assert calculate("1 / 0") == "error: division by zero" and calculate("5 % 0") == "error: division by zero"
+    assert calculate("(-8) ** 0.5") == "error: not a real number"
+    assert calculate("1e308 * 10") == "error: result too large" and calculate("10.0 ** 400") == "error: result too large"
+    assert calculate("1" * 201) == "error: expression over 200 characters"
     assert observation("no call here") == "\n<result>no calculation</result>\n"
     assert observation("<calc>1+1</calc> and <calc>2*5") == "\n<result>10</result>\n"  # the last call, even cut at the stop
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "((10**64)**64)**64",  # raised an uncaught ValueError (int -> str over 4,300 digits)
+        "(((10**64)**64)**64)**64",  # ran for more than 8 s
+        "9**64**64",
+        "10.0**64**64",
+        "(10**50*10**50)*(10**50*10**50)",
+        "-(10**99)*10",
+    ],
+)
+def test_calculator_bounds_the_work_of_hostile_expressions(expr):
+    # Refused by the size of the operands before any big number is built: this returns at once whatever the
+    # machine, where unbounded evaluation would raise, or run for minutes (the test's timeout catches that).
+    assert calculate(expr) == "error: result over 100 digits"
+    assert observation(f"<calc>{expr}</calc>") == "\n<result>error: result over 100 digits</result>\n"
 
 
 def test_unknown_system_and_options():
