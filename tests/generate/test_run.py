@@ -190,6 +190,14 @@ def test_bad_inputs_give_one_line_and_write_nothing(tiny_gpt2, tmp_path, capsys)
     assert "neither 'embedded:PATH' nor" in err
     err = fails("--engine", f"embedded:{tiny_gpt2}", "--agents", "single", "--agent-option", "turns=2")
     assert "single has no option 'turns'" in err
+    # A model folder without its tokenizer: refused at start (transformers would build an empty one, and then
+    # every request would fail with "empty input_ids").
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_gpt2, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink()
+    err = fails("--engine", f"embedded:{bare}", "--task", "toy")
+    assert "cannot start engine" in err and "tokenizer.json" in err
 
 
 def free_port():
