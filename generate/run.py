@@ -36,7 +36,7 @@ import aiohttp
 
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
 from rollshard.generate.agents.base import prompt_hash
-from rollshard.generate.engines.base import Engine, EngineError, SamplingParams
+from rollshard.generate.engines.base import Engine, EngineError, EngineSettingsError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
     EXIT_INTERRUPTED,
@@ -236,7 +236,7 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
     _quiet_model_loading()
     engine = await _connect(args)
     try:
-        info = await _model_info(engine, args.engine)
+        info = await _model_info(engine, args.engine, sampling)
         tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
         if not tokenizer_path:
             raise UsageError(f"engine {args.engine!r} reports no model path to load the tokenizer from; pass --tokenizer")
@@ -308,12 +308,12 @@ async def _connect(args: argparse.Namespace) -> Engine:
         raise UsageError(f"cannot start engine {args.engine!r}: {e}") from e
 
 
-async def _model_info(engine: Engine, spec: str) -> dict[str, Any]:
-    """The engine's model info, after checking every server answers (one line if one does not)."""
+async def _model_info(engine: Engine, spec: str, sampling: SamplingParams) -> dict[str, Any]:
+    """The engine's model info, after checking every server answers and samples as asked (one line if not)."""
     try:
-        if hasattr(engine, "health_check"):
-            return (await engine.health_check())[0]
-        return await engine.model_info()
+        return (await engine.health_check(sampling))[0]
+    except EngineSettingsError as e:
+        raise UsageError(f"engine {spec!r} cannot be used as it is: {e}") from e
     except (EngineError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
         raise UsageError(f"cannot reach engine {spec!r}: {e}") from e
 

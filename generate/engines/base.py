@@ -84,6 +84,11 @@ class EngineError(RuntimeError):
     """A request failed for good (after retries, or a 4xx); the message names the request."""
 
 
+class EngineSettingsError(EngineError):
+    """The engine answers, but is set up so that its samples would not be what this run asks for (e.g. a
+    server's --preferred-sampling-params); the message says what to change."""
+
+
 class EngineUnavailableError(EngineError):
     """The engine stopped answering at all (every server refuses connections): a run should stop, not retry
     each remaining prompt. Raised by an engine's circuit breaker; the message says what was seen."""
@@ -101,7 +106,7 @@ class Engine(abc.ABC):
     async def model_info(self) -> dict[str, Any]:
         """``/get_model_info``-shaped dict (``model_path``, ``weight_version``, ...); raises EngineError if unreachable."""
 
-    async def health_check(self) -> list[dict[str, Any]]:
+    async def health_check(self, sampling: SamplingParams | None = None) -> list[dict[str, Any]]:
         """One ``model_info`` per server behind the engine; raises EngineError (one line) if one is unreachable."""
         return [await self.model_info()]
 

@@ -72,6 +72,7 @@ import aiohttp
 from rollshard.generate.engines.base import (
     Engine,
     EngineError,
+    EngineSettingsError,
     EngineUnavailableError,
     GenerateResult,
     SamplingParams,
@@ -209,7 +210,11 @@ class SGLangEngine(Engine):
         start = self._next % k
         self._next += 1
         order = candidates[start:] + candidates[:start]
-        return min(order, key=lambda u: self.in_flight[u])
+        # A server refusing connections fails at once and so always looks least loaded: each of its failures in a
+        # row counts as a fair share of requests in flight, so it gets traffic (and a chance to come back) only
+        # when the others are busier than that.
+        share = max(1, self.config.max_concurrency // len(self.urls))
+        return min(order, key=lambda u: self.in_flight[u] + share * self.breaker.failures[u])
 
     async def _post(self, url: str, path: str, payload: dict[str, Any], timeout: aiohttp.ClientTimeout) -> Any:
         """One attempt; 2xx -> parsed JSON, 5xx/transport -> _Retryable, 4xx -> EngineError."""
@@ -425,12 +430,12 @@ class SGLangEngine(Engine):
 def _check_preferred(url: str, preferred: Any, sampling: SamplingParams) -> None:
     diffs = preferred_sampling_differences(preferred, sampling)
     if diffs is None:
-        raise EngineError(
+        raise EngineSettingsError(
             f"SGLang server {url} reports preferred_sampling_params {preferred!r}, not a JSON object; "
             "restart it without --preferred-sampling-params"
         )
     if diffs:
-        raise EngineError(
+        raise EngineSettingsError(
             f"SGLang server {url} has --preferred-sampling-params that change what this client samples: "
             f"{', '.join(diffs)}; restart it without --preferred-sampling-params"
         )

@@ -219,12 +219,22 @@ class FakeSGLang:
 
     TEXTS = ["\\boxed{42}", "it is 41", "Judgment: 1", "Judgment: 2", "so \\boxed{42}. Judgment: 7"]
 
-    def __init__(self, model_path):
+    def __init__(self, model_path, *, die_after=None, preferred=None):
         self.model_path = str(model_path)
         self.tok = load_tokenizer(model_path)
         self.sent = {}
+        self.die_after = die_after  # answer this many /generate requests, then stop listening
+        self.preferred = preferred  # what /get_model_info reports as preferred_sampling_params
+        self.answered = 0
 
     async def generate(self, request):
+        if self.die_after is not None and self.answered >= self.die_after:
+            if self.answered == self.die_after:  # the server goes away: its socket closes, connections drop
+                self.answered += 1
+                asyncio.ensure_future(self.runner.cleanup())
+            request.transport.close()
+            return web.Response(status=503)
+        self.answered += 1
         body = await request.json()
         sp = body["sampling_params"]
         rng = random.Random(sp["sampling_seed"])
@@ -247,7 +257,10 @@ class FakeSGLang:
         return web.json_response(resp)
 
     async def info(self, request):
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path, "weight_version": "w3"})
+        return web.json_response(
+            {"model_path": self.model_path, "tokenizer_path": self.model_path, "weight_version": "w3",
+             "preferred_sampling_params": self.preferred}
+        )
 
     async def health(self, request):
         return web.Response(text="ok")
@@ -538,3 +551,37 @@ def test_failure_ledger_temp_file_of_a_crash_is_cleaned(tiny_gpt2, tmp_path):
     leftover.write_text('{"prompt_id": ')
     result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"))
     assert result.exit_code == 0 and not leftover.exists()
+
+
+def test_a_server_that_dies_mid_run_ends_it_with_one_line(tiny_gpt2, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"What is {i} + 1?", "label": "1"}) + "\n" for i in range(40)))
+    out = tmp_path / "ds"
+    args = ["--agents", "single", "--task", "math", "--prompts", str(prompts), "--n-samples", "2",
+            "--max-new-tokens", "8", "--concurrency", "4", "--no-progress", "--out", str(out)]
+    with FakeSGLang(tiny_gpt2, die_after=10) as server:
+        assert main(["--engine", server.url, *args]) == 1
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "gave up on the engine" in x]
+    assert f"SGLang server {server.url} unavailable: 8 connection failures in a row" in line
+    assert line.endswith("complete prompts are committed; rerun the same command once it is back")
+    rows = rows_of(out)
+    assert len(rows) == 2 * len({r["prompt_id"] for r in rows}) <= 10  # whole episodes, from the 10 answers
+    assert not (out / "_failures").exists()  # nothing failed: the rest was never tried
+    assert_valid(out)
+    with FakeSGLang(tiny_gpt2) as server:  # back (on another port): the same command finishes the run
+        assert main(["--engine", server.url, *args]) == 0
+    assert len(rows_of(out)) == 80
+    assert_valid(out)
+
+
+def test_server_with_preferred_sampling_params_is_refused(tiny_gpt2, tmp_path, capsys):
+    args = ["--agents", "single", "--task", "toy", "--limit", "2", "--no-progress", "--out", str(tmp_path / "ds")]
+    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7}) as server:
+        assert main(["--engine", server.url, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"engine {server.url!r} cannot be used as it is: SGLang server" in err
+        assert "temperature=0.7 (client sends 1.0); restart it without --preferred-sampling-params" in err
+        assert not (tmp_path / "ds").exists()
+        # A run that asks for exactly what the server prefers loses nothing: accepted.
+        assert main(["--engine", server.url, "--temperature", "0.7", *args]) == 0
