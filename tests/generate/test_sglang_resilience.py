@@ -293,6 +293,24 @@ def test_one_dead_server_among_live_ones_never_trips_the_breaker():
     assert on_dead > 2  # the dead server did fail more often in a row than the threshold
 
 
+def test_requests_go_to_the_live_server_once_the_other_refused():
+    # A refusing server fails at once, so by load alone it would always look free and take every other first
+    # attempt (each then paying a backoff). After its first failure it counts as loaded; it gets traffic only
+    # when the live one is busier than a fair share.
+    async def go():
+        async with FakeSGLang() as live:
+            dead = f"http://127.0.0.1:{free_port()}"
+            cfg = SGLangConfig(max_concurrency=8, breaker_threshold=100, **FAST)
+            async with SGLangEngine([dead, live.url], config=cfg) as eng:
+                attempts = count_generate_posts(eng)
+                for _ in range(20):  # one at a time: the load of both servers is 0 at every pick
+                    assert (await eng.generate([1], SamplingParams())).output_ids == IDS
+            return attempts.count(dead), len(live.requests)
+
+    on_dead, on_live = run(go())
+    assert on_dead <= 1 and on_live == 20
+
+
 def test_all_servers_dead_open_the_breaker_naming_them():
     async def go():
         dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
