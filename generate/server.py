@@ -6,14 +6,23 @@ real one:
 
 * ``POST /generate`` — ``input_ids`` (or ``text``), ``sampling_params``,
   ``return_logprob``, ``rid`` -> ``{"text", "output_ids", "meta_info"}``;
+* ``POST /abort_request`` ``{"rid", "abort_all"}`` -> 200 with an empty body, as SGLang
+  (also for a rid not in flight); the aborted ``/generate`` answers 200 with finish
+  reason ``abort`` and the tokens generated so far with their logprobs;
 * ``GET /health``, ``GET /get_model_info``;
 * ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` ->
   ``{"success", "message", "num_paused_requests"}``;
 * ``POST /update_weight_version`` ``{"new_version"}``; ``/flush_cache``.
 
-Not supported (400): streaming, batched ``input_ids`` (a list of lists), and
+Every body is validated by :mod:`rollshard.generate.serve_requests` (400 naming the
+field). Not supported (400): streaming, batched ``input_ids`` (a list of lists), and
 sampling parameters other than the ones in :class:`SamplingParams` unless they hold
 their neutral value (``min_p: 0``, penalties 0/1, ...).
+
+The event loop only routes: bodies are capped relative to the context
+(:func:`body_limit`, 413 beyond), a ``text`` that cannot fit the context is refused
+before it is tokenized, large bodies are parsed and texts tokenized on threads, so one
+huge request cannot stall ``/health`` or the other requests.
 """
 
 from __future__ import annotations
@@ -21,33 +30,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import signal
 import time
 from typing import Any
 
 from aiohttp import web
 
-from rollshard.generate.engines.base import EngineError, SamplingParams
+from rollshard.generate.engines.base import EngineError
 from rollshard.generate.engines.embedded import EmbeddedEngine
-from rollshard.store.tokenizer import encode
+from rollshard.generate.serve_requests import RequestError, parse_abort, parse_generate
+from rollshard.store.tokenizer import TokenizerError, encode
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# SGLang sampling parameters this engine does not implement, with the value that makes them a no-op.
-NEUTRAL_SAMPLING = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "ignore_eos": False,
-    "spaces_between_special_tokens": True,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "logit_bias": None,
-    "custom_params": None,
-}
+# A JSON string escapes a byte into at most 6 characters (\u00XX); the rest of a body (sampling
+# parameters, stop strings) gets this much room on top.
+JSON_ESCAPE_FACTOR = 6
+BODY_OVERHEAD_BYTES = 64 * 1024
+PARSE_ON_LOOP_MAX_BYTES = 64 * 1024  # larger bodies are parsed on a thread
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for: its longest vocabulary entry's.
+
+    Vocabulary entries spell their text with at least as many bytes as it has (byte-level BPE maps
+    each byte to one character; SentencePiece writes a space as the 3-byte U+2581)."""
+    return max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
+
+
+def body_limit(context: int, token_bytes: int) -> int:
+    """Largest request body accepted: a text of ``context`` tokens, JSON-escaped, or as many ids."""
+    ids = context * (len(str(context * 1000)) + 2)  # "12345, " per id, for any vocabulary up to 1000x the context
+    return max(context * token_bytes * JSON_ESCAPE_FACTOR, ids) + BODY_OVERHEAD_BYTES
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -56,7 +69,23 @@ def _error(status: int, message: str) -> web.Response:
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=request.client_max_size,
+            actual_size=request.content_length or 0,
+            text=json.dumps(
+                {
+                    "error": {
+                        "message": f"request body exceeds the limit of {request.client_max_size} bytes "
+                        "(a text or input_ids filling the model's context fits); send a shorter prompt"
+                    }
+                }
+            ),
+            content_type="application/json",
+        ) from e
+    try:
+        body = json.loads(raw) if len(raw) <= PARSE_ON_LOOP_MAX_BYTES else await asyncio.to_thread(json.loads, raw)
     except ValueError as e:
         raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from e
     if not isinstance(body, dict):
@@ -64,27 +93,18 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def sampling_from_json(raw: dict[str, Any] | None) -> SamplingParams:
-    raw = dict(raw or {})
-    unsupported = [
-        k
-        for k, v in raw.items()
-        if k not in SAMPLING_FIELDS and (k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k])
-    ]
-    if unsupported:
-        raise ValueError(f"sampling parameter(s) {sorted(unsupported)} not supported by the embedded engine")
-    return SamplingParams(**{k: v for k, v in raw.items() if k in SAMPLING_FIELDS})
-
-
 class Server:
     """aiohttp application around one :class:`EmbeddedEngine`."""
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine = engine
-        self.app = web.Application(client_max_size=64 * 1024**2)
+        token_bytes = longest_token_bytes(engine.tokenizer)
+        self.text_byte_limit = engine.context * token_bytes  # more bytes than this is more tokens than the context
+        self.app = web.Application(client_max_size=body_limit(engine.context, token_bytes))
         self.app.add_routes(
             [
                 web.post("/generate", self.generate),
+                web.post("/abort_request", self.abort_request),
                 web.get("/health", self.health),
                 web.get("/health_generate", self.health),
                 web.get("/get_model_info", self.model_info),
@@ -97,22 +117,16 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if body.get("stream"):
-            return _error(400, "streaming is not supported by rollshard-generate serve")
-        input_ids = body.get("input_ids")
-        if input_ids is None and isinstance(body.get("text"), str):
-            input_ids = encode(self.engine.tokenizer, body["text"])
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
-            return _error(
-                400, "input_ids must be one list of token ids (or give text); batched requests are not supported"
-            )
         try:
-            sampling = sampling_from_json(body.get("sampling_params"))
-        except (TypeError, ValueError) as e:
-            return _error(400, f"bad sampling_params: {e}")
+            req = parse_generate(body, context=self.engine.context, text_byte_limit=self.text_byte_limit)
+        except RequestError as e:
+            return _error(400, str(e))
+        input_ids = req.input_ids
+        if input_ids is None:
+            input_ids = await asyncio.to_thread(encode, self.engine.tokenizer, req.text)
         start = time.perf_counter()
         try:
-            result = await self.engine.generate(input_ids, sampling, rid=body.get("rid"))
+            result = await self.engine.generate(input_ids, req.sampling, rid=req.rid)
         except EngineError as e:
             return _error(400, str(e))
         meta: dict[str, Any] = {
@@ -125,10 +139,21 @@ class Server:
             "weight_versions": [dataclasses.asdict(w) for w in result.weight_versions or []],
             "e2e_latency": time.perf_counter() - start,
         }
-        if body.get("return_logprob"):
+        if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
             meta["input_token_logprobs"] = []
         return web.json_response({"text": result.text, "output_ids": result.output_ids, "meta_info": meta})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            rid, abort_all = parse_abort(await _json_body(request))
+        except RequestError as e:
+            return _error(400, str(e))
+        if abort_all:
+            self.engine.abort_all()
+        else:
+            self.engine.abort(rid)
+        return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -138,14 +163,16 @@ class Server:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        path = body.get("model_path")
-        if not path:
-            return web.json_response(
-                {"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400
-            )
-        version = body.get("weight_version")
+        path, version = body.get("model_path"), body.get("weight_version")
+        problem = None
+        if not (isinstance(path, str) and path):
+            problem = "model_path (a string) is required"
+        elif version is not None and not isinstance(version, str):
+            problem = f"weight_version must be a string, got {version!r}"
+        if problem:
+            return web.json_response({"success": False, "message": problem, "num_paused_requests": 0}, status=400)
         try:
-            new = await self.engine.load_weights(path, None if version is None else str(version))
+            new = await self.engine.load_weights(path, version)
         except EngineError as e:
             return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
         return web.json_response(
@@ -158,9 +185,9 @@ class Server:
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if body.get("new_version") is None:
-            return web.json_response({"success": False, "message": "new_version is required"}, status=400)
-        await self.engine.update_weight_version(str(body["new_version"]))
+        if not isinstance(body.get("new_version"), str):
+            return web.json_response({"success": False, "message": "new_version (a string) is required"}, status=400)
+        await self.engine.update_weight_version(body["new_version"])
         return web.json_response(
             {"success": True, "message": "Weight version updated.", "new_version": self.engine.weight_version}
         )
@@ -213,6 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         asyncio.run(serve(args))
-    except EngineError as e:
+    except (EngineError, TokenizerError) as e:
         parser.exit(2, f"rollshard-generate serve: error: {e}\n")
     return 0

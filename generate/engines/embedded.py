@@ -16,16 +16,16 @@ Each request draws its random numbers from its own generator, seeded by
 order, and the sampler draws in vocabulary order, so a seeded request's tokens do not
 depend on what else is in the batch: a lost row is regenerated token for token. The
 exception is a draw that lands within float rounding (~1e-7) of a CDF interval or a
-top-k/top-p boundary, where the batched forward's rounding can decide; BATCH_INVARIANCE
-below gives the measured rate.
+top-k/top-p boundary, where the batched forward's rounding can decide: about 1e-7 per
+token measured on the tiny models (:mod:`.sampler` gives the figures).
 
 Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
 ``/update_weights_from_disk``: requests already running finish on the old weights,
 new ones wait, and the swap happens when the batch is empty.
 
 Aborts (:meth:`EmbeddedEngine.abort`, ``POST /abort_request`` on the server) behave
-like SGLang's: a queued request is answered at once with no tokens, a running one
-after its current decode step with the tokens and logprobs it has; the finish
+like SGLang's: once the worker ends its current step, a queued request is answered with
+no tokens and a running one with the tokens and logprobs it has; the finish
 reasons are SGLang's (``"Abort in waiting queue"``; ``"Aborted"`` with
 ``status_code``/``err_type`` null). Requests are matched by their exact rid.
 """
@@ -154,6 +154,10 @@ class EmbeddedEngine(Engine):
             raise EngineError(f"request {rid}: max_new_tokens must be >= 0")
         loop = asyncio.get_running_loop()
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._seeds.getrandbits(62)
+        try:  # here rather than in the worker, where a failure would fail the whole batch
+            generator = torch.Generator().manual_seed(seed)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            raise EngineError(f"request {rid}: sampling_seed {seed!r} is not a 64-bit integer seed: {e}") from e
         req = _Request(
             rid=rid,
             input_ids=list(input_ids),
@@ -164,6 +168,7 @@ class EmbeddedEngine(Engine):
             start=time.perf_counter(),
             stop_ids=frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
             max_new_tokens=sampling.max_new_tokens,
+            generator=generator,
         )
 
         def _mark(fut: asyncio.Future, req: _Request = req) -> None:
@@ -321,7 +326,6 @@ class EmbeddedEngine(Engine):
     def _admit(self, batch: Batch, new: list[_Request]) -> Batch:
         """Prefill ``new`` (in chunks of MAX_PREFILL_TOKENS), sample each first token, merge into ``batch``."""
         for req in new:
-            req.generator = torch.Generator().manual_seed(req.seed)
             req.weight_version = self.weight_version
             if req.max_new_tokens == 0:
                 req.finish = {"type": "length", "length": 0}
@@ -375,13 +379,14 @@ class EmbeddedEngine(Engine):
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row, append it and its logprob to the row, check the stop rules."""
-        dev = logits.device
+        dev, vocab = logits.device, logits.shape[-1]
         s = [r.sampling for r in rows]
         tokens, logprobs = sample_tokens(
             logits.float(),
             torch.tensor([p.temperature for p in s], dtype=torch.float32, device=dev),
             torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in s], dtype=torch.long, device=dev),
+            # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
+            torch.tensor([max(min(p.top_k, vocab), -1) for p in s], dtype=torch.long, device=dev),
             torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(dev),
         )
         for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):

@@ -14,8 +14,14 @@ probabilities and with them two whole CDF intervals, so the same uniform picks a
 token; random tiny models, whose distributions are nearly flat, hit this in a few rows
 out of a few hundred. In vocabulary order a rounding difference only moves interval
 boundaries by about that much, so the token changes only when the uniform lands within
-float rounding of a boundary (or a kept-set boundary of top-k/top-p itself moves).
-Distribution-wise both orders are the same sampler.
+float rounding of a boundary, or when rounding moves the top-k/top-p cut itself (a
+token within ~1e-7 of the cut). Distribution-wise both orders are the same sampler.
+
+Measured on the tiny test models (fp32, CPU), batch 1 against one padded batch of 256:
+logits differ by up to 3.6e-7, the float64 CDFs by 4e-8 per row on average (1.6e-7 at
+most), so a draw changes its token with probability about 1e-7; 0 of 51,200 draws did
+here, against 8 of 51,200 with the sorted-order draw (tests/generate/test_sampler.py
+runs 256 seeded requests x 32 tokens at batch 16, 1 and 8: identical tokens).
 """
 
 from __future__ import annotations

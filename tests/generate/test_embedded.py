@@ -237,6 +237,14 @@ def test_user_errors_name_the_request(tiny_gpt2):
     eng.eos_ids = []
     res = run(eng.generate([5] * 1020, SamplingParams(max_new_tokens=4)))
     assert res.finish_reason == "length" and len(res.output_ids) == 4
+    # Refused in generate(), not in the worker, where a failure would fail the whole batch.
+    with pytest.raises(EngineError, match=r"request r-seed: sampling_seed 18446744073709551616 is not a 64-bit"):
+        run(eng.generate([5, 6], SamplingParams(sampling_seed=2**64), rid="r-seed"))
+    # A top_k beyond the vocabulary keeps every token, like -1: same tokens for the same seed.
+    huge_k, no_k = (
+        run(eng.generate([5, 6], SamplingParams(max_new_tokens=4, top_k=k, sampling_seed=7))) for k in (10**30, -1)
+    )
+    assert huge_k.output_ids == no_k.output_ids and len(huge_k.output_ids) == 4
 
 
 def test_a_model_folder_without_its_tokenizer_fails_at_start(tiny_gpt2, tmp_path):
@@ -251,3 +259,28 @@ def test_a_model_folder_without_its_tokenizer_fails_at_start(tiny_gpt2, tmp_path
         load_tokenizer(folder)
     with pytest.raises(EngineError, match=want):
         EmbeddedEngine(folder)
+
+
+def test_abort_and_abort_all_answer_with_the_tokens_so_far(tiny_gpt2, teacher_forced):
+    reference = load_causal_lm(tiny_gpt2)
+
+    async def go():
+        async with GatedEngine(tiny_gpt2) as eng:
+            eng.eos_ids = []
+            eng.block_at_step(3)
+            sp = SamplingParams(max_new_tokens=40)
+            running = [asyncio.ensure_future(eng.generate(p, sp, rid=f"r{i}")) for i, p in enumerate(PROMPTS[:2])]
+            await eng.wait_blocked()  # both rows are mid-decode: 3 tokens each, the worker inside step 3
+            found = eng.abort_all(), eng.abort("nobody")
+            eng.release.set()
+            results = await asyncio.gather(*running)
+            return found, results, eng.abort("r0")  # answered: nothing left to abort
+
+    (all_found, nobody_found), results, after = run(go())
+    assert all_found is True and nobody_found is False and after is False
+    for prompt, res in zip(PROMPTS[:2], results):
+        assert res.finish_reason == "abort"
+        assert res.finish_detail == {"message": "Aborted", "status_code": None, "err_type": None}
+        assert len(res.output_ids) == len(res.logprobs) == 4  # the prefill's token and 3 decode steps
+        want = teacher_forced(reference, prompt, res.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
