@@ -1,8 +1,8 @@
 """SGLang native-API client: ``POST /generate`` with ``input_ids`` and ``return_logprob``, strictly parsed.
 
 One pooled aiohttp session per event loop, bounded concurrency, several server URLs
-(each request goes to the one with the fewest requests in flight) or one
-sglang-router URL.
+(each request goes to the one with the fewest requests in flight, a server's connection
+failures in a row each counting as a fair share of requests) or one sglang-router URL.
 
 Retries. Connection errors, timeouts, 5xx answers and aborts whose ``status_code`` is
 >= 500 (the server's own failure: out of memory, retraction, its timeouts; see
