@@ -2,7 +2,9 @@
 
 Truncation follows SGLang's torch sampler exactly: sort the tempered probabilities,
 keep the top-k, then keep a token while the probability mass sorted before it is
-<= top_p (top-p on the untruncated sorted cumulative probabilities). Logprobs follow
+<= top_p (top-p on the untruncated sorted cumulative probabilities). A row with top_p 1
+and no top-k keeps every token without the sort (the rule would only drop tail tokens
+whose preceding mass rounds above 1), the same in any batch. Logprobs follow
 SGLang's definition: log softmax(logits / T) of the sampled token, before truncation;
 greedy (T < GREEDY_TEMPERATURE_EPS) takes the argmax and reports log softmax(logits).
 
@@ -44,17 +46,23 @@ def sample_tokens(
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
     probs = logp.exp()  # [B, V]
 
-    # The kept set, decided in sorted order exactly as SGLang does; a stable sort breaks exact ties by
-    # vocabulary index, so the kept set does not depend on the sort kernel's choice among equal values.
-    probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
     vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))  # [B]
-    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
-    drop_sorted = (rank >= k[:, None]) | ((probs_sort.cumsum(dim=-1) - probs_sort) > top_p[:, None])  # [B, V]
-    drop = torch.empty_like(drop_sorted).scatter_(-1, probs_idx, drop_sorted)  # [B, V] in vocabulary order
+    use_k = (top_k > 0) & (top_k < vocab)  # [B]
+    use_p = top_p < 1.0  # [B]
+    kept = probs  # [B, V]; rows that truncate nothing keep every token, in whatever batch they are
+    if bool(((use_k | use_p) & ~greedy).any()):  # the sort is most of the sampler's cost: only when needed
+        # Decided in sorted order exactly as SGLang does; a stable sort breaks exact ties by vocabulary index,
+        # so the kept set does not depend on the sort kernel's choice among equal values.
+        probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        k = torch.where(use_k, top_k, torch.full_like(top_k, vocab))  # [B]
+        rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+        over_p = use_p[:, None] & ((probs_sort.cumsum(dim=-1) - probs_sort) > top_p[:, None])  # [B, V]
+        drop_sorted = (rank >= k[:, None]) | over_p  # [B, V]; SGLang's rule
+        drop = torch.empty_like(drop_sorted).scatter_(-1, probs_idx, drop_sorted)  # [B, V] in vocabulary order
+        kept = probs.masked_fill(drop, 0.0)
 
     # Inverse CDF in vocabulary order: the first token whose cumulative kept mass exceeds u * total.
-    kept_cum = probs.masked_fill(drop, 0.0).double().cumsum(dim=-1)  # [B, V]
+    kept_cum = kept.double().cumsum(dim=-1)  # [B, V]
     target = uniform.to(kept_cum.dtype) * kept_cum[:, -1]  # [B]
     pos = torch.searchsorted(kept_cum, target[:, None], right=True)  # [B, 1]
     # u * total can round up to total itself: stay on the last token with kept mass (the first index whose

@@ -29,6 +29,27 @@ def test_near_equal_probabilities_swapped_by_rounding_keep_the_token():
     assert tokens_a.tolist() == tokens_b.tolist() == [0, 1, 2, 2]
 
 
+def test_a_row_without_truncation_keeps_every_token_in_any_batch():
+    # SGLang's top-p rule drops a token whose preceding sorted mass exceeds top_p; at top_p 1 that is only
+    # float32 rounding (the sorted cumsum of 151,936 probabilities passes 1 before its tail). Such a row keeps
+    # every token, whether its batch skips the sort (alone) or sorts for another row's top-p.
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 151936, generator=g) * 2  # [1, V]
+    probs = torch.softmax(row, dim=-1)[0]  # [V]
+    sorted_p, order = probs.sort(descending=True)
+    rounded_away = order[(sorted_p.cumsum(0) - sorted_p) > 1.0]  # tokens the rule would drop at top_p 1
+    assert len(rounded_away) > 0
+    j = int(rounded_away.max())
+    cum = probs.double().cumsum(0)
+    uniform = ((cum[j] - probs[j].double() / 2) / cum[-1]).reshape(1)  # the middle of token j's interval
+    alone, _ = sample_tokens(row, torch.ones(1), torch.ones(1), torch.full((1,), -1), uniform)
+    other = torch.randn(1, 151936, generator=g)
+    batched, _ = sample_tokens(
+        torch.cat([row, other]), torch.ones(2), torch.tensor([1.0, 0.9]), torch.full((2,), -1), uniform.repeat(2)
+    )
+    assert alone.tolist() == [j] and batched[0].item() == j
+
+
 N_REQUESTS, NEW_TOKENS = 256, 32
 # (max_batch_size, submission order reversed). Batch 1 runs every row alone with no padding: the
 # composition a regenerated row meets on resume. The old sorted-order sampler changed 3 of the 256
