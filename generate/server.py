@@ -57,9 +57,9 @@ def longest_token_bytes(tokenizer) -> int:
     return max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
 
 
-def body_limit(context: int, token_bytes: int) -> int:
+def body_limit(context: int, token_bytes: int, vocab_size: int) -> int:
     """Largest request body accepted: a text of ``context`` tokens, JSON-escaped, or as many ids."""
-    ids = context * (len(str(context * 1000)) + 2)  # "12345, " per id, for any vocabulary up to 1000x the context
+    ids = context * (len(str(vocab_size)) + 2)  # "12345, " per id
     return max(context * token_bytes * JSON_ESCAPE_FACTOR, ids) + BODY_OVERHEAD_BYTES
 
 
@@ -100,7 +100,8 @@ class Server:
         self.engine = engine
         token_bytes = longest_token_bytes(engine.tokenizer)
         self.text_byte_limit = engine.context * token_bytes  # more bytes than this is more tokens than the context
-        self.app = web.Application(client_max_size=body_limit(engine.context, token_bytes))
+        limit = body_limit(engine.context, token_bytes, engine.model.config.vocab_size)
+        self.app = web.Application(client_max_size=limit)
         self.app.add_routes(
             [
                 web.post("/generate", self.generate),
