@@ -366,3 +366,33 @@ def test_abort_request_over_http_returns_the_tokens_so_far(tiny_gpt2, reference,
     assert queued["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
     assert a_status == 200 and len(after["output_ids"]) == max_new
     assert after["meta_info"]["finish_reason"] == {"type": "length", "length": max_new}
+
+
+def test_a_client_timeout_aborts_the_generation_on_the_server(tiny_gpt2):
+    # The SGLang client against `serve`: the request cannot finish (the worker is held mid-decode), the client's
+    # timeout fires, and its /abort_request frees the server's only slot instead of leaving it generating 900
+    # tokens for nobody.
+    from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine
+
+    async def go():
+        eng = GatedEngine(tiny_gpt2, max_batch_size=1)
+        eng.eos_ids = []
+        aborted = []
+        abort = eng.abort
+        eng.abort = lambda rid: aborted.append(rid) or abort(rid)
+        async with in_process_server(eng) as (_, url):
+            cfg = SGLangConfig(request_timeout_s=0.2, max_retries=0)  # the gate holds: the timeout is certain
+            client = SGLangEngine(url, config=cfg)
+            eng.block_at_step(3)
+            with pytest.raises(EngineError, match="request t-1: gave up after 1 attempts"):
+                await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=900), rid="t-1")
+            await client.close()  # waits for the background /abort_request
+            assert aborted == ["t-1"]
+            eng.release.set()
+            async with SGLangEngine(url) as again:  # the slot is free: the next request runs at once
+                after = await again.generate(PROMPTS[0], SamplingParams(max_new_tokens=8))
+            return after, len(eng.batch_sizes)
+
+    after, steps = run(go())
+    assert len(after.output_ids) == 8
+    assert steps <= 3 + 8  # the aborted request stopped at the gate; it did not decode its 900 tokens
