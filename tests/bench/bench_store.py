@@ -23,7 +23,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.schema import LIST_COLUMNS, ROW_SCHEMA
+from rollshard.store.schema import ROW_SCHEMA
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import DICTIONARY_COLUMNS, ShardWriter, WriterOptions
 
