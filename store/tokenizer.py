@@ -75,8 +75,11 @@ def apply_chat_template(
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Plain text -> ids, adding no BOS/EOS (templates and callers add what they need)."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Plain text -> ids, adding no BOS/EOS (templates and callers add what they need).
+
+    ``verbose=False``: transformers warns when a text is longer than the model's context; callers here check
+    the length themselves and say what to do about it (the warning would only add a confusing second line)."""
+    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
 
 def decode(tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
