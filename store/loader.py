@@ -66,6 +66,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from rollshard.store.groups import is_zero_variance
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.packing import PackedBatch, Sequences, pack
 from rollshard.store.schema import STATUS_VALUES, check_schema_version
@@ -415,8 +416,8 @@ class _Segment:
 
 
 def _zero_variance(rewards: np.ndarray) -> bool:
-    """All rewards equal (exactly): the group's GRPO advantages are all 0. A group of one row is one."""
-    return bool(rewards.max() == rewards.min())
+    """Two or more rows, all rewards equal (exactly): :func:`rollshard.store.groups.is_zero_variance`."""
+    return is_zero_variance(rewards)
 
 
 @dataclasses.dataclass(frozen=True)
