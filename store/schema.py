@@ -301,6 +301,19 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
             lambda i: f"is {table.column('reward')[i].as_py()!r}; only a failed row may lack a finite reward",
         )
 
+    # The trainer recomputes logprobs at each row's own temperature; a trainable row without one would be
+    # trained as if sampled at 1.0, against logprobs the engine took at another temperature.
+    temperature = table.column("temperature")
+    if temperature.null_count:
+        no_temp = temperature.is_null().to_numpy(zero_copy_only=False)
+        on = np.concatenate([[0], np.cumsum(mask == 1)])  # [flat + 1] trained tokens before each position
+        trainable = on[mask_off[1:]] > on[mask_off[:-1]]  # [rows] at least one loss_mask-1 token
+        add(
+            np.flatnonzero(no_temp & trainable),
+            "temperature",
+            lambda i: "is null on a row with trained tokens (loss_mask 1); store the sampling temperature",
+        )
+
     if table.num_rows > 1 and len(pc.unique(table.column("sample_id"))) != table.num_rows:
         seen: set[str] = set()
         all_ids = table.column("sample_id").to_pylist()

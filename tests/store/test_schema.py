@@ -103,6 +103,8 @@ def test_round_trip_every_column_type():
         (dict(reward=math.inf), "reward", "only a failed row"),
         (dict(group_id=""), "group_id", "is empty"),
         (dict(sample_id=""), "sample_id", "is empty"),
+        # Trained as if sampled at 1.0 otherwise: the trainer divides logits by each row's temperature.
+        (dict(temperature=None), "temperature", "is null on a row with trained tokens (loss_mask 1)"),
     ],
 )
 def test_each_invariant_break_is_reported_with_sample_and_field(over, field, fragment):
@@ -112,6 +114,13 @@ def test_each_invariant_break_is_reported_with_sample_and_field(over, field, fra
     assert p.field == field
     assert fragment in p.detail, p.detail
     assert p.message().startswith(f"sample {p.sample_id!r}: {field}: ")
+
+
+def test_a_null_temperature_is_allowed_without_trained_tokens():
+    # Environment-only (loss_mask all 0) and empty responses are never trained: no temperature is needed.
+    env_only = make_row(sample_id="env", temperature=None, loss_mask=[0, 0, 0, 0], rollout_logprobs=[0.0] * 4)
+    empty = make_row(sample_id="empty", temperature=None, response_tokens=[], loss_mask=[], rollout_logprobs=[])
+    assert check_table(rows_to_table([make_row(), env_only, empty])) == []
 
 
 def test_unknown_status_and_duplicate_ids():

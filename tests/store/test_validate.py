@@ -30,7 +30,7 @@ def validate(*args) -> subprocess.CompletedProcess:
 def row(sid: str, group: str, *, tokens: list[int], logprobs: list[float], mask: list[int]) -> Row:
     return Row(sample_id=sid, prompt_id=group.split("/")[0], group_id=group, agent="solver", round=0,
                prompt_tokens=[7, 8], response_tokens=tokens, rollout_logprobs=logprobs, loss_mask=mask,
-               reward=1.0, status=Status.COMPLETED, finish_reason="stop", weight_version="0")
+               reward=1.0, status=Status.COMPLETED, finish_reason="stop", weight_version="0", temperature=1.0)
 
 
 def register_raw_shard(root: Path, writer_id: str, rows: list[Row], schema_version: str = SCHEMA_VERSION) -> str:
