@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.groups import REWARD_STD_DDOF
 from rollshard.store.schema import SchemaVersionError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -208,7 +209,7 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
     out.print(_counts_table("rows by status", "status", st["status"], st["rows"]))
     out.print(_counts_table("rows by finish reason", "finish_reason", summary["finish_reason"], st["rows"]))
     out.print(_agents_table(st))
-    rounds = Table(title="reward by agent and round (finite rewards; std ddof=0)")
+    rounds = Table(title=f"reward by agent and round (finite rewards; std ddof={REWARD_STD_DDOF})")
     for c in ("agent", "round", "rows", "reward rows", "mean", "std"):
         rounds.add_column(c, justify="left" if c == "agent" else "right")
     for r in summary["reward_by_agent_round"]:
@@ -222,12 +223,14 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
         _row(lengths, r["agent"], _fmt(r["rows"]), f"{r['mean']:,.1f}", *spread, f"{r['truncated_frac']:.1%}")
     out.print(lengths)
     zv = summary["zero_variance_groups"]
-    zero = Table(title="groups with zero reward variance (no learning signal)")
-    for c in ("agent", "groups", "zero variance", "fraction"):
+    zero = Table(title="groups: zero reward variance (2+ rows, equal rewards: no learning signal); single-member "
+                 "(1 row: trained on its reward)")
+    for c in ("agent", "groups", "zero variance", "fraction", "single-member"):
         zero.add_column(c, justify="left" if c == "agent" else "right")
     for agent, z in zv["by_agent"].items():
-        _row(zero, agent, _fmt(z["groups"]), _fmt(z["zero_variance"]), f"{z['fraction']:.1%}")
-    _row(zero, "all", _fmt(zv["groups"]), _fmt(zv["zero_variance"]), f"{zv['fraction']:.1%}" if zv["groups"] else "-")
+        _row(zero, agent, _fmt(z["groups"]), _fmt(z["zero_variance"]), f"{z['fraction']:.1%}", _fmt(z["single_member"]))
+    _row(zero, "all", _fmt(zv["groups"]), _fmt(zv["zero_variance"]), f"{zv['fraction']:.1%}" if zv["groups"] else "-",
+         _fmt(zv["single_member"]))
     out.print(zero)
     versions = Table(title="rows by weight_version")
     for c in ("weight_version", "rows", "multi-version rows"):

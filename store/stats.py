@@ -7,10 +7,12 @@ response length of a row is the length of its ``loss_mask`` (1 byte per token in
 of 4 for the ids; equal lengths are a schema invariant), and the trainable tokens are
 the mask's sum.
 
-Definitions: reward statistics use the finite rewards only (a failed row may have
-none) and the population standard deviation (ddof=0), as GRPO normalizes a group.
-A zero-variance group is one whose finite rewards are all equal (a group of one
-included): every advantage in it is 0, so it carries no learning signal.
+Definitions (:mod:`rollshard.store.groups`, shared with the loader and the trainer):
+reward statistics use the finite rewards only (a failed row may have none) and the
+unbiased standard deviation (``REWARD_STD_DDOF``), as the trainer normalizes a group. A
+zero-variance group has two or more rows whose finite rewards are all equal: every
+advantage in it is 0, so it carries no learning signal. A single-member group (one
+row, e.g. the selector) is counted apart: the trainer trains it on its reward.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import polars as pl
 
 from rollshard.store.dataset import RolloutDataset
+from rollshard.store.groups import REWARD_STD_DDOF, group_flags
 from rollshard.store.schema import STATUS_VALUES, Status
 
 RESPONSE_LEN = pl.col("loss_mask").list.len().cast(pl.Int64)
@@ -37,7 +40,7 @@ def _reward_aggs() -> list[pl.Expr]:
         pl.len().alias("rows"),
         FINITE_REWARD.len().alias("reward_rows"),
         FINITE_REWARD.cast(pl.Float64).mean().alias("reward_mean"),
-        FINITE_REWARD.cast(pl.Float64).std(ddof=0).alias("reward_std"),
+        FINITE_REWARD.cast(pl.Float64).std(ddof=REWARD_STD_DDOF).alias("reward_std"),
     ]
 
 
@@ -83,10 +86,7 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
 def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
     """Everything ``rollshard-store inspect`` shows; ``["stats"]`` is :func:`dataset_stats`."""
     lf = ds.scan()
-    per_group = lf.group_by("group_id").agg(
-        pl.col("agent").first(),
-        (FINITE_REWARD.n_unique() <= 1).alias("zero_variance"),
-    )
+    per_group = lf.group_by("group_id").agg(pl.col("agent").first(), *group_flags())
     finish, by_round, lengths, zero_var, versions, times = pl.collect_all(
         [
             lf.group_by("finish_reason").agg(pl.len().alias("rows")).sort("rows", descending=True),
@@ -103,7 +103,11 @@ def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
             )
             .sort("agent"),
             per_group.group_by("agent")
-            .agg(pl.len().alias("groups"), pl.col("zero_variance").sum().cast(pl.Int64).alias("zero_variance"))
+            .agg(
+                pl.len().alias("groups"),
+                pl.col("zero_variance").sum().cast(pl.Int64).alias("zero_variance"),
+                pl.col("single_member").sum().cast(pl.Int64).alias("single_member"),
+            )
             .sort("agent"),
             lf.group_by("weight_version")
             .agg(pl.len().alias("rows"), (pl.col("weight_versions").list.len() > 1).sum().alias("multi_version_rows"))
@@ -118,6 +122,7 @@ def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
         v.pop("agent")
     n_groups = sum(v["groups"] for v in zv_by_agent.values())
     n_zero = sum(v["zero_variance"] for v in zv_by_agent.values())
+    n_single = sum(v["single_member"] for v in zv_by_agent.values())
     t = times.row(0, named=True) if times.height else {"first": None, "last": None}
     return {
         "stats": dataset_stats(ds),
@@ -139,6 +144,7 @@ def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
         "zero_variance_groups": {
             "groups": n_groups,
             "zero_variance": n_zero,
+            "single_member": n_single,
             "fraction": n_zero / n_groups if n_groups else None,
             "by_agent": zv_by_agent,
         },

@@ -116,10 +116,11 @@ def test_stats_json_worked_values(worked, stats_json):
     solver, rewriter, selector = (st["agents"][a] for a in ("solver", "rewriter", "selector"))
     # solver: 5 rows, 2 groups, response 3+5+2+2+0 = 12, trainable 3+3+2+2 = 10
     assert (solver["rows"], solver["groups"], solver["response_tokens"], solver["trainable_tokens"]) == (5, 2, 12, 10)
-    # finite rewards [1, 0, 0.5, 0]: mean 0.375; squared deviations .390625+.140625+.015625+.140625 = .6875 / 4
+    # finite rewards [1, 0, 0.5, 0]: mean 0.375; squared deviations .390625+.140625+.015625+.140625 = .6875,
+    # over n - 1 = 3 (unbiased, as the trainer's advantages: store.groups.REWARD_STD_DDOF)
     assert solver["reward_rows"] == 4
     assert solver["reward_mean"] == pytest.approx(0.375, abs=1e-12)
-    assert solver["reward_std"] == pytest.approx(math.sqrt(0.171875), abs=1e-12)
+    assert solver["reward_std"] == pytest.approx(math.sqrt(0.6875 / 3), abs=1e-12)
     assert (rewriter["rows"], rewriter["response_tokens"], rewriter["reward_mean"], rewriter["reward_std"]) == (
         2, 6, 1.0, 0.0)
     assert (selector["rows"], selector["groups"], selector["response_tokens"]) == (1, 1, 1)
@@ -148,10 +149,12 @@ def test_inspect_json_matches_stats_and_worked_values(worked, stats_json):
     assert lengths["rewriter"]["truncated_frac"] == 0.5 and lengths["solver"]["truncated_frac"] == 0.0
     for agent, r in lengths.items():  # the same tokens as stats, counted another way
         assert r["mean"] * r["rows"] == pytest.approx(stats["agents"][agent]["response_tokens"])
-    # zero variance: p0/rewriter [1, 1] and p0/selector [1]; not p0/solver [1, 0] nor p1/solver [0.5, 0]
+    # zero variance (2+ rows, equal rewards): p0/rewriter [1, 1]; not p0/solver [1, 0] nor p1/solver [0.5, 0];
+    # p0/selector [1] is single-member: the trainer trains it on its reward
     zv = ins["zero_variance_groups"]
-    assert (zv["groups"], zv["zero_variance"], zv["fraction"]) == (4, 2, 0.5)
-    assert {a: z["zero_variance"] for a, z in zv["by_agent"].items()} == {"rewriter": 1, "selector": 1, "solver": 0}
+    assert (zv["groups"], zv["zero_variance"], zv["single_member"], zv["fraction"]) == (4, 1, 1, 0.25)
+    assert {a: z["zero_variance"] for a, z in zv["by_agent"].items()} == {"rewriter": 1, "selector": 0, "solver": 0}
+    assert {a: z["single_member"] for a, z in zv["by_agent"].items()} == {"rewriter": 0, "selector": 1, "solver": 0}
     assert {r["weight_version"]: r["rows"] for r in ins["weight_version"]} == {"0": 5, "1": 3}
 
 
@@ -159,11 +162,11 @@ def test_inspect_and_stats_tables(worked, capsys):
     res = run("inspect", worked)
     assert res.returncode == 0, res.stderr
     for needle in ("schema_version", "1.0", "engine.model", "multi_agent", "w0", "w1", "0.3750", "truncated",
-                   "zero reward variance", "50.0%", "weight_version"):
+                   "zero reward variance", "single-member", "25.0%", "weight_version"):
         assert needle in res.stdout, needle
     assert main(["stats", str(worked)]) == 0
     out = capsys.readouterr().out
-    assert "0.3750" in out and "0.4146" in out  # sqrt(.171875)
+    assert "0.3750" in out and "0.4787" in out  # sqrt(.6875 / 3)
 
 
 def test_inspect_sample_decodes_with_run_config_tokenizer(worked, tokenizer_dir, capsys):
