@@ -165,7 +165,7 @@ def test_inspect_rollouts_notebook(dataset, python3_kernel, tmp_path, monkeypatc
     nb = execute("inspect_rollouts.ipynb", python3_kernel, figures)
     text = _text(nb)
     # 8 prompts x 3 groups; q0's three groups all reward 1.0 -> at least 3 zero-variance groups
-    assert "of 24" in text and "no local tokenizer" in text
+    assert "of 24" in text and "single-member groups: 8" in text and "no local tokenizer" in text
     assert "loss_mask 0: tool/environment token" in text  # the per-sample view picked a row with a tool span
     assert "prompt q" in text
     assert len(list(figures.glob("inspect_rollouts-*.png"))) == 7
