@@ -54,6 +54,7 @@ from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.schema import SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, apply_chat_template, load_tokenizer
+from rollshard.store.versions import resolve_model_path
 from rollshard.store.writer import ShardWriter
 
 PROG = "rollshard-generate"
@@ -118,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt + response token limit (default: the engine's)",
     )
     s.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the engine's model path)")
+    s.add_argument(
+        "--weight-version", metavar="V",
+        help="policy version stored in the rows (default: the checkpoint's own, from its trainer_state.json, else "
+        "0); with SGLang servers, checked against the version they serve",
+    )
 
     r = p.add_argument_group("running")
     r.add_argument(
@@ -236,7 +242,7 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
     _quiet_model_loading()
     engine = await _connect(args)
     try:
-        info = await _model_info(engine, args.engine, sampling)
+        info = await _model_info(engine, args.engine, sampling, args.weight_version)
         tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
         if not tokenizer_path:
             raise UsageError(f"engine {args.engine!r} reports no model path to load the tokenizer from; pass --tokenizer")
@@ -245,8 +251,10 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
         except TokenizerError as e:
             raise UsageError(f"{e} (or pass --tokenizer)") from e
         config.update(
-            model=info.get("model_path"),
-            tokenizer=str(tokenizer_path),
+            # Absolute, links resolved (checkpoints/latest -> step_N): the dataset names the exact policy, and
+            # inspect / the notebook find the tokenizer from anywhere.
+            model=resolve_model_path(info["model_path"]) if info.get("model_path") else None,
+            tokenizer=resolve_model_path(tokenizer_path),
             weight_version=info.get("weight_version"),
             max_context_len=_context_len(args, info, tokenizer),
         )
@@ -297,7 +305,9 @@ async def _connect(args: argparse.Namespace) -> Engine:
     from rollshard.generate.engines import make_engine
 
     options: dict[str, Any] = {}
-    if not args.engine.strip().startswith("embedded:"):
+    if args.engine.strip().startswith("embedded:"):
+        options["weight_version"] = args.weight_version  # None: the checkpoint folder's own, else "0"
+    else:
         from rollshard.generate.engines.sglang import SGLangConfig
 
         # The runner bounds requests in flight; the client must not bound them lower.
@@ -308,14 +318,24 @@ async def _connect(args: argparse.Namespace) -> Engine:
         raise UsageError(f"cannot start engine {args.engine!r}: {e}") from e
 
 
-async def _model_info(engine: Engine, spec: str, sampling: SamplingParams) -> dict[str, Any]:
-    """The engine's model info, after checking every server answers and samples as asked (one line if not)."""
+async def _model_info(engine: Engine, spec: str, sampling: SamplingParams, version: str | None) -> dict[str, Any]:
+    """The engine's model info, after checking every server answers, samples as asked and serves ``version``
+    when one is asked for (one line if not)."""
     try:
-        return (await engine.health_check(sampling))[0]
+        infos = await engine.health_check(sampling)
     except EngineSettingsError as e:
         raise UsageError(f"engine {spec!r} cannot be used as it is: {e}") from e
     except (EngineError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
         raise UsageError(f"cannot reach engine {spec!r}: {e}") from e
+    # A server stamps every response with the version it serves; rows must carry the version that generated
+    # them, so --weight-version cannot relabel a server's output: it checks it.
+    served = sorted({str(info.get("weight_version")) for info in infos})
+    if version is not None and served != [version]:
+        raise UsageError(
+            f"engine {spec!r} serves weight_version {', '.join(served)}, not --weight-version {version}; load that "
+            "checkpoint with /update_weights_from_disk (or /update_weight_version) first, or drop --weight-version"
+        )
+    return infos[0]
 
 
 def _context_len(args: argparse.Namespace, info: dict[str, Any], tokenizer) -> int | None:

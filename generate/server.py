@@ -237,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for requests without sampling_seed")
     parser.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together (default 32)")
-    parser.add_argument("--weight-version", default="0", help="initial weight_version reported (default 0)")
+    parser.add_argument(
+        "--weight-version", default=None,
+        help="weight_version reported (default: the checkpoint's own, from its trainer_state.json; else 0)",
+    )
     args = parser.parse_args(argv)
     try:
         asyncio.run(serve(args))

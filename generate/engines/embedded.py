@@ -21,7 +21,10 @@ token measured on the tiny models (:mod:`.sampler` gives the figures).
 
 Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
 ``/update_weights_from_disk``: requests already running finish on the old weights,
-new ones wait, and the swap happens when the batch is empty.
+new ones wait, and the swap happens when the batch is empty. Versions: a rollshard
+checkpoint folder is served as the ``weight_version`` its ``trainer_state.json``
+records (at start and on a weight update) unless one is given, so its rows carry the
+version the trainer gave it.
 
 Aborts (:meth:`EmbeddedEngine.abort`, ``POST /abort_request`` on the server) behave
 like SGLang's: once the worker ends its current step, a queued request is answered with
@@ -51,6 +54,7 @@ from rollshard.generate.engines.kv_cache import Batch
 from rollshard.generate.engines.sampler import sample_tokens
 from rollshard.store.schema import WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
+from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
 IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
@@ -102,12 +106,12 @@ class EmbeddedEngine(Engine):
         device: str = "cpu",
         seed: int = 0,
         max_batch_size: int = 32,
-        weight_version: str = "0",
+        weight_version: str | None = None,
     ) -> None:
-        self.model_path = str(model_path)
+        self.model_path = resolve_model_path(model_path)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self.weight_version = str(weight_version)
+        self.weight_version = _version_of(model_path, weight_version) or "0"
         try:
             self.tokenizer = load_tokenizer(model_path)
         except TokenizerError as e:
@@ -217,7 +221,11 @@ class EmbeddedEngine(Engine):
         }
 
     async def load_weights(self, path: str | Path, weight_version: str | None = None) -> str:
-        """Load a checkpoint from disk; running requests finish on the old weights. Returns the new version."""
+        """Load a checkpoint from disk; running requests finish on the old weights. Returns the new version:
+        ``weight_version``, else the checkpoint's own (a rollshard checkpoint records it), else the current
+        one plus 1 when it is a number."""
+        weight_version = _version_of(path, weight_version)
+        path = resolve_model_path(path)
         model = await asyncio.to_thread(load_causal_lm, path, str(self.device))
         old, new = self.model.config.vocab_size, model.config.vocab_size
         if old != new:
@@ -452,6 +460,16 @@ class EmbeddedEngine(Engine):
             completion_tokens=n,
             meta={"id": req.rid, "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.start},
         )
+
+
+def _version_of(path: str | Path, given: str | None) -> str | None:
+    """The version to serve ``path`` as: the one given, else the checkpoint folder's own, else None."""
+    if given is not None:
+        return str(given)
+    try:
+        return folder_weight_version(path)
+    except VersionError as e:
+        raise EngineError(str(e)) from e
 
 
 def _deliver(req: _Request, setter, value: Any) -> None:

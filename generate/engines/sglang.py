@@ -82,6 +82,7 @@ from rollshard.generate.engines.sglang_protocol import (
     parse_response,
     preferred_sampling_differences,
 )
+from rollshard.store.versions import VersionError, folder_weight_version
 
 __all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response"]
 
@@ -331,7 +332,15 @@ class SGLangEngine(Engine):
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None
     ) -> list[dict[str, Any]]:
-        """Load a checkpoint on every server; raises unless all report success."""
+        """Load a checkpoint on every server; raises unless all report success.
+
+        Without ``weight_version``, a rollshard checkpoint's own version (its ``trainer_state.json``, when the
+        folder is visible here) is sent, so rows generated from it carry the trainer's version of it."""
+        if weight_version is None:
+            try:
+                weight_version = folder_weight_version(model_path)
+            except VersionError as e:
+                raise EngineError(str(e)) from e
         payload: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
