@@ -21,8 +21,17 @@ block of fp32 logits exists at a time (:func:`chunk_rows` sizes chunks from a me
 budget: ~880 rows per 512 MiB at a 152k vocabulary). When there is more than one
 chunk, each is activation-checkpointed: backward recomputes its logits instead of
 keeping all ``[K, V]`` of them alive, at the price of one more output-head matmul.
-Models that transform logits after the head are supported for
-``final_logit_softcapping`` (Gemma 2); other post-head scalings are refused.
+
+Precision: with ``fp32_head`` (``ModelConfig.fp32_lm_head``, the default) the output head
+runs in fp32 with autocast off, on the fp32 master weights (under FSDP2 the backend keeps
+the head, embeddings and final norm out of the bf16 parameter policy), so a bf16 body
+changes the hidden states but the head and log softmax add no bf16 rounding (a bf16 head
+is ~0.025 mean / 0.08 max nats off, as large as the engine/trainer mismatch itself).
+
+The model is checked, not trusted: :func:`check_model` runs once at start-up and refuses
+a model whose packed logprobs differ from its own forward's (position ids not honoured,
+logits transformed after the head other than by ``final_logit_softcapping``, which this
+path applies as Gemma 2 does).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ class PackedPolicy(nn.Module):
     which is what FSDP2 needs to gather the root parameters (embeddings, output head).
     """
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int = 1024):
+    def __init__(self, model: nn.Module, *, chunk_tokens: int = 1024, fp32_head: bool = True):
         super().__init__()
         try:
             from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
@@ -65,14 +74,9 @@ class PackedPolicy(nn.Module):
             ) from e
         self.model = model
         self.chunk_tokens = int(chunk_tokens)
+        self.fp32_head = bool(fp32_head)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         logging.getLogger("transformers.modeling_utils").addFilter(_PADDING_HINT_FILTER)
-        for unsupported in ("logit_scale", "logits_scaling"):
-            if getattr(model.config, unsupported, None) not in (None, 1, 1.0):
-                raise ValueError(
-                    f"{type(model).__name__} scales its logits ({unsupported}); rollshard-train recomputes logprobs "
-                    "from the output head and does not apply that scaling, so ratios would be wrong"
-                )
 
     def forward(
         self,
@@ -90,17 +94,16 @@ class PackedPolicy(nn.Module):
         targets = input_ids.index_select(0, targets_at)  # [K]
         head = self.model.get_output_embeddings()
         K = targets.numel()
+        opts = (self.softcap, self.fp32_head, with_entropy)
         if K <= self.chunk_tokens:
-            return _chunk(head, h, targets, temperature, self.softcap, with_entropy)
+            return _chunk(head, h, targets, temperature, *opts)
         logps, ents = [], []
         for s in range(0, K, self.chunk_tokens):
             sl = slice(s, s + self.chunk_tokens)
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(
-                    _chunk, head, h[sl], targets[sl], temperature[sl], self.softcap, with_entropy, use_reentrant=False
-                )
+                lp, ent = checkpoint(_chunk, head, h[sl], targets[sl], temperature[sl], *opts, use_reentrant=False)
             else:
-                lp, ent = _chunk(head, h[sl], targets[sl], temperature[sl], self.softcap, with_entropy)
+                lp, ent = _chunk(head, h[sl], targets[sl], temperature[sl], *opts)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
@@ -112,10 +115,11 @@ def _chunk(
     targets: torch.Tensor,  # [C]
     temperature: torch.Tensor,  # [C]
     softcap: float | None,
+    fp32_head: bool,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [C], [C] or None
     """fp32 log softmax of head(h) / temperature at the targets (and the entropy of that distribution)."""
-    logits = head(h).float()  # [C, V] fp32 whatever the compute dtype
+    logits = head_logits(head, h, fp32=fp32_head)  # [C, V] fp32
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature.unsqueeze(-1)
@@ -125,6 +129,16 @@ def _chunk(
     if with_entropy:
         entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C] H = lse - E_p[logit]
     return logp, entropy
+
+
+def head_logits(head: nn.Module, h: torch.Tensor, *, fp32: bool) -> torch.Tensor:  # [C, V] fp32
+    """The output head at hidden states ``h [C, H]``: in fp32 with autocast off, or in the compute dtype, upcast."""
+    if not fp32:
+        return head(h).float()
+    # The weight is fp32 here (master weights; FSDP2 keeps the head out of the bf16 policy); a bf16 one would
+    # make this matmul fail loudly rather than round quietly.
+    with torch.autocast(h.device.type, enabled=False):
+        return head(h.float())
 
 
 def chunk_rows(vocab_size: int, budget_mib: float) -> int:
@@ -162,3 +176,105 @@ def packed_logprobs(
     logp = torch.zeros(T, dtype=lp.dtype, device=lp.device).index_copy(0, at, lp)  # [T]
     entropy = None if ent is None else torch.zeros(T, dtype=ent.dtype, device=ent.device).index_copy(0, at, ent)
     return logp, entropy
+
+
+# -- the start-up check of the model -------------------------------------------------------------
+
+# fp32 forwards of the same tokens, packed or not, differ only in summation order (~1e-6 nats on the
+# tiny test models); a model that ignores packed position ids or transforms logits after the head in a
+# way this path does not is off by far more (>= 1e-3 nats even on the near-uniform tiny models).
+MODEL_CHECK_TOL = 1e-4
+MODEL_CHECK_LENGTHS = (7, 5)  # two short sequences: enough for a leak across the boundary to show, and cheap
+MODEL_CHECK_SEED = 0
+# Attention kernels without fp32 (flash attention): the check runs on sdpa, which does.
+HALF_ONLY_ATTENTION_PREFIXES = ("flash_attention", "kernels-community/flash")
+
+
+class ModelCheckError(ValueError):
+    """The trainer's logprob path would not reproduce this model's own forward (the CLI exits 2)."""
+
+
+def check_attention(impl: str | None) -> str | None:
+    """The attention implementation the fp32 check runs on: ``impl`` itself unless it has no fp32 kernel."""
+    return "sdpa" if impl and impl.startswith(HALF_ONLY_ATTENTION_PREFIXES) else impl
+
+
+@torch.no_grad()
+def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, float]:
+    """Refuse a model whose logprobs this path would get wrong; the largest differences seen, in nats.
+
+    On two short random sequences (a fixed generator), in fp32 with autocast off:
+
+    * ``position_ids``: ``model(ids)`` against ``model(ids, position_ids=0..L-1)``: a model that drops
+      or alters the position ids it is given (the trainer always gives them);
+    * ``forward``: :class:`PackedPolicy` on one sequence against ``log_softmax(model(ids).logits)`` (and
+      the entropy): a forward that does more than ``lm_head(final hidden state)`` (a logit multiplier or
+      scaling such as Granite's ``logits_scaling``, Cohere's ``logit_scale``, FalconH1's
+      ``lm_head_multiplier``) or a softcap this path applies but the forward does not;
+    * ``packing``: both sequences packed (positions restarting at 0) against each alone through
+      :class:`PackedPolicy`: attention or rotary embeddings that do not follow the position restarts.
+    """
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    device = next(model.parameters()).device
+    impl = getattr(model.config, "_attn_implementation", None)
+    if check_attention(impl) != impl:
+        model.set_attn_implementation(check_attention(impl))
+    try:
+        with torch.autocast(device.type, enabled=False):
+            diffs = _check_diffs(model, device, chunk_tokens)
+    finally:
+        if check_attention(impl) != impl:
+            model.set_attn_implementation(impl)
+    fixes = {
+        "position_ids": (
+            "gives different logits when passed position_ids 0..L-1 than without them; rollshard-train packs "
+            "sequences by position ids, so use a model (or attn_implementation) that honours them"
+        ),
+        "forward": (
+            "its forward computes logits other than as lm_head(final hidden state) (a post-head multiplier or "
+            "scaling), which rollshard-train does not reproduce; use a model without logit scaling, or fold the "
+            "scale into the output head's weights"
+        ),
+        "packing": (
+            "sequences packed with restarting position_ids get other logprobs than alone, so packed training "
+            "would leak attention across sequences; use attn_implementation sdpa, eager or flash_attention_2 and a "
+            "transformers version whose masks follow packed position ids (4.54 or later)"
+        ),
+    }
+    for name, diff in diffs.items():
+        if not diff <= MODEL_CHECK_TOL:  # NaN fails too
+            raise ModelCheckError(
+                f"model check failed for model type {model_type!r} ({name}, {diff:.3g} nats > {MODEL_CHECK_TOL:g}): "
+                f"{fixes[name]}"
+            )
+    return diffs
+
+
+def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(MODEL_CHECK_SEED)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    seqs = [torch.randint(0, vocab, (n,), generator=g).to(device) for n in MODEL_CHECK_LENGTHS]
+    policy = PackedPolicy(model, chunk_tokens=chunk_tokens)
+
+    def alone(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [L-1], [L-1]
+        at = torch.arange(1, ids.numel(), device=device)  # [L-1] every token after the first
+        return policy(ids, torch.arange(ids.numel(), device=device), at, torch.ones(at.numel(), device=device), True)
+
+    first = seqs[0]
+    pos = torch.arange(first.numel(), device=device)
+    plain = torch.log_softmax(model(input_ids=first[None]).logits[0].float(), dim=-1)  # [L, V]
+    given = torch.log_softmax(model(input_ids=first[None], position_ids=pos[None]).logits[0].float(), dim=-1)
+    lp, ent = alone(first)  # [L-1]
+    expected_lp = plain[:-1].gather(-1, first[1:, None]).squeeze(-1)  # [L-1] logits at t-1 predict token t
+    expected_ent = -(plain[:-1].exp() * plain[:-1]).sum(-1)  # [L-1]
+
+    ids = torch.cat(seqs)  # [T]
+    positions = torch.cat([torch.arange(s.numel(), device=device) for s in seqs])  # [T] restarting at 0
+    at = torch.nonzero(positions > 0).flatten()  # [K] every token but each sequence's first
+    packed, _ = policy(ids, positions, at, torch.ones(at.numel(), device=device))  # [K]
+    separate = torch.cat([lp] + [alone(s)[0] for s in seqs[1:]])  # [K]
+    return {
+        "position_ids": float((plain - given).abs().max()),
+        "forward": float(torch.maximum((lp - expected_lp).abs().max(), (ent - expected_ent).abs().max())),
+        "packing": float((packed - separate).abs().max()),
+    }

@@ -69,3 +69,29 @@ def test_two_process_gradients_equal_one_process(tiny_dataset, tiny_gpt2, tmp_pa
     w2 = load_file(str(tmp_path / "two" / "checkpoints" / "latest" / "model.safetensors"))
     # After one AdamW step (lr 1e-6, ~lr per weight) both worlds hold the same weights.
     assert set(w1) == set(w2) and max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-7
+
+
+def test_bf16_policy_keeps_embedding_norm_and_head_fp32(tiny_gpt2, tiny_qwen3, tmp_path):
+    # FSDP2 mixed precision runs on CPU with gloo, so the dtypes are those of a real run (fsdp_dtype_worker.py).
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(HERE / "fsdp_dtype_worker.py"),
+         str(tmp_path), f"gpt2={tiny_gpt2}", f"qwen3={tiny_qwen3}"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "dtypes.json").read_text())
+    for model in ("gpt2", "qwen3"):
+        fp32, bf16 = report[f"{model}/fp32_lm_head=True"], report[f"{model}/fp32_lm_head=False"]
+        for r in (fp32, bf16):
+            assert r["master"] == ["float32"], model  # sharded master weights
+            assert r["layer"]["weight"] == r["layer"]["output"] == "bfloat16", model  # the blocks run bf16
+            assert r["temperature"] == "float32", model  # the root casts no inputs: a bf16 0.7 would be 0.6992
+        assert fp32["embedding"] == {"weight": "float32", "input": "int64", "output": "float32"}, model
+        assert fp32["norm"] == {"weight": "float32", "input": "float32", "output": "float32"}, model
+        assert fp32["head"] == {"weight": "float32", "input": "float32", "output": "float32"}, model
+        # Given the hidden states the head received, the logprobs are a pure fp32 head + log softmax ...
+        assert fp32["err_max"] <= 1e-5, model
+        # ... while the old bf16 root (fp32_lm_head off) rounds the head: measured 0.03-0.04 mean, 0.07 max nats.
+        assert bf16["head"] == {"weight": "bfloat16", "input": "bfloat16", "output": "bfloat16"}, model
+        assert bf16["err_mean"] > 1e-2 and bf16["err_max"] > 3e-2, model
