@@ -6,13 +6,17 @@ Liu et al., 2025). Groups are given by an index per sequence, never by the posit
 of a row in the batch, so groups of any (uneven) size are normalized correctly; this
 is where slime falls back to one batch-wide group (slime issues #1414, #2230).
 
-Decisions, documented here because peers differ:
+Decisions, documented here because peers differ; the group definitions are the store's
+(:mod:`rollshard.store.groups`), so the loader's counts, ``--drop-zero-variance`` and these
+advantages agree:
 
-* ``std`` is the unbiased sample standard deviation (``torch.std``), as verl and TRL.
-* A group of one has no baseline. ``single_member="reward"`` (default) follows verl:
+* ``std`` is the unbiased sample standard deviation (``ddof =``
+  :data:`~rollshard.store.groups.REWARD_STD_DDOF` = 1, ``torch.std``), as verl and TRL.
+* A group of one (single-member) has no baseline. ``single_member="reward"`` (default) follows verl:
   mean 0 and std 1, so the advantage is the reward itself; this keeps one-row groups
   such as a multi-agent selector trainable. ``"zero"`` gives them advantage 0.
-* A group whose rewards are all equal (zero variance) gets advantage exactly 0,
+* A group of two or more rows whose rewards are all equal (zero variance; a group of
+  one is not one) gets advantage exactly 0,
   not ``(r - mean) / eps``: float rounding in the mean would otherwise be amplified
   by ``1 / eps`` into a spurious signal. Such groups are reported
   (:attr:`GroupAdvantages.zero_variance`).
@@ -24,6 +28,8 @@ import dataclasses
 from typing import Literal
 
 import torch
+
+from rollshard.store.groups import REWARD_STD_DDOF
 
 # Added to the group std before dividing (REFERENCE.md "Loss formulas": 1e-6); keeps a
 # group with a tiny but nonzero spread from blowing its advantages up without bound.
@@ -80,12 +86,12 @@ def grpo_advantages(
     mean = torch.zeros(G, dtype=r.dtype).index_add_(0, idx, r) / size  # [G]
     dev = r - mean[idx]  # [N]
     sq = torch.zeros(G, dtype=r.dtype).index_add_(0, idx, dev * dev)  # [G]
-    std = (sq / (size - 1).clamp(min=1)).sqrt()  # [G] unbiased
+    std = (sq / (size - REWARD_STD_DDOF).clamp(min=1)).sqrt()  # [G] unbiased
     r_max = torch.full((G,), -torch.inf, dtype=r.dtype).scatter_reduce(0, idx, r, "amax")
     r_min = torch.full((G,), torch.inf, dtype=r.dtype).scatter_reduce(0, idx, r, "amin")
 
-    single = size == 1  # [G]
-    zero_var = (~single) & (r_max == r_min)  # [G]
+    single = size == 1  # [G] store.groups.is_single_member
+    zero_var = (~single) & (r_max == r_min)  # [G] store.groups.is_zero_variance: >= 2 rows, all equal
     if single_member == "reward":
         mean = torch.where(single, torch.zeros_like(mean), mean)
         std = torch.where(single, torch.ones_like(std), std)

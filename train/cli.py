@@ -3,12 +3,17 @@
     rollshard-train --data DATASET --model PATH --out DIR [--config run.yaml] [flags]
 
 Every config field is a flag (``--help`` lists them by section); a YAML file given
-with ``--config`` sets them first and the flags given override it. Defaults: bypass
-mode (ratio against the stored rollout logprobs), eps 0.2 / 0.28 (3e-4 / 4e-4 with
-``--ratio-level sequence``, GSPO), token-mean. For
-several processes (GPUs, or a CPU gloo world) launch it with torchrun:
+with ``--config`` sets them first and the flags given override it (``examples/train.yaml``
+lists every field; ``--print-config`` prints the resolved config, and needs no data or
+model). Defaults: bypass mode (ratio against the stored rollout logprobs), eps 0.2 / 0.28
+(3e-4 / 4e-4 with ``--ratio-level sequence``, GSPO, which needs ``--mode decoupled``),
+token-mean. For several processes (GPUs, or a CPU gloo world) launch it with torchrun:
 
     torchrun --nproc_per_node 8 -m rollshard.train --data ... --model ... --out ...
+
+Exit status: 0 done; 1 a non-finite loss or gradient (the step is not saved) or an I/O
+failure; 2 a usage or data error (one line: what is wrong, how to fix it); 130 stopped
+by SIGINT/SIGTERM (the last finished step is saved; a second signal stops at once).
 """
 
 from __future__ import annotations
@@ -18,52 +23,101 @@ import sys
 
 from rollshard.train.config import add_config_flags, resolve
 
+PROG = "rollshard-train"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rollshard-train",
+        prog=PROG,
         description="Train a policy with GRPO from rollout shards (importance ratios against the stored logprobs).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="YAML", help="config file (sections data, model, optim, advantage, loss, trainer)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument(
+        "--print-config", action="store_true",
+        help="print the resolved config as YAML and exit (without --data/--model/--out: a template)",
+    )
     add_config_flags(parser)
     return parser
+
+
+def one_line(e: BaseException | str) -> str:
+    """A message on one line (library errors, pyarrow's among them, may span several)."""
+    return "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
+
+
+def _error(e: BaseException | str) -> None:
+    print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = resolve(args)
+        config = resolve(args, require_paths=not args.print_config)
     except ValueError as e:
-        print(f"rollshard-train: error: {e}", file=sys.stderr)
-        return 2
+        _error(e)
+        return EXIT_USAGE
     if args.print_config:
         print(config.to_yaml(), end="")
-        return 0
+        return EXIT_OK
 
     from rollshard.store.dataset import DatasetNotFoundError
-    from rollshard.store.loader import LoaderStateError
     from rollshard.train.backends.distributed import close_distributed, init_distributed
-    from rollshard.train.trainer import Trainer
+    from rollshard.train.trainer import NonFiniteError, Trainer
 
     env = init_distributed()
     trainer = None
     try:
         trainer = Trainer(config, env=env)
-        history = trainer.run()
-    except (ValueError, DatasetNotFoundError, LoaderStateError) as e:
-        print(f"rollshard-train: error: {e}", file=sys.stderr)
-        return 2
+        trainer.run()
+    except NonFiniteError as e:
+        _error(e)
+        return EXIT_FAILED
+    except (ValueError, DatasetNotFoundError) as e:  # usage, data and loader-state errors (LoaderStateError too)
+        _error(e)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        print(f"{PROG}: interrupted; stopped without saving ({_latest(config.trainer.out)})", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as e:  # the output folder failed under us (disk full, permissions)
+        _error(f"{e}; finished steps up to the latest checkpoint are intact, rerun with --resume")
+        return EXIT_FAILED
     finally:
         if trainer is not None:
             trainer.close()
         close_distributed(env)
+    if trainer.stopped_by is not None:
+        if env.is_main:
+            where = (
+                f"saved step {trainer.step} to {trainer.checkpoint_path()}; rerun with --resume to continue"
+                if trainer.last_saved is not None else "no step had finished, nothing to save"
+            )
+            print(f"{PROG}: interrupted ({trainer.stopped_by}); {where}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if env.is_main:
-        last = history[-1] if history else {}
-        print(
-            f"rollshard-train: {trainer.step} steps, checkpoint {trainer.out}/checkpoints/latest "
-            f"(weight version {trainer.version}); last loss {last.get('loss/total', float('nan')):.5f}, "
-            f"reward {last.get('reward/mean', float('nan')):.4f}"
-        )
-    return 0
+        print(_summary(trainer))
+    return EXIT_OK
+
+
+def _latest(out: str) -> str:
+    from rollshard.train.checkpoint import latest_checkpoint
+
+    try:
+        ckpt = latest_checkpoint(out)
+    except ValueError:
+        ckpt = None
+    return f"the latest checkpoint is {ckpt.path} (step {ckpt.step})" if ckpt else f"no checkpoint in {out}"
+
+
+def _summary(trainer) -> str:
+    """One line: steps, wall time, throughput, where everything is, last loss and reward."""
+    last = trainer.history[-1] if trainer.history else {}
+    ran, wall = len(trainer.history), trainer.run_seconds
+    tb = f", TensorBoard {trainer.out / 'tb'}" if trainer.cfg.trainer.tensorboard else ""
+    return (
+        f"{PROG}: {trainer.step} steps ({ran} in this run, {wall:.1f} s, {trainer.run_tokens / max(wall, 1e-9):,.0f} "
+        f"tokens/s); checkpoint {trainer.checkpoint_path()} (weight version {trainer.version}, linked as "
+        f"{trainer.out / 'checkpoints' / 'latest'}); metrics {trainer.out / 'metrics.jsonl'}{tb}; "
+        f"last loss {last.get('loss/total', float('nan')):.5f}, reward {last.get('reward/mean', float('nan')):.4f}"
+    )

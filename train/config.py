@@ -59,7 +59,11 @@ class DataConfig:
     max_staleness: int | None = _f(
         None, "skip rows whose weight_version is more than this many versions behind the policy"
     )
-    drop_zero_variance: bool = _f(False, "skip groups whose rewards are all equal (they have zero advantage)")
+    drop_zero_variance: bool = _f(
+        False,
+        "skip groups of two or more rows whose rewards are all equal (zero advantage); one-row groups are kept "
+        "and trained as --single-member says",
+    )
     num_epochs: int | None = _f(1, "passes over the dataset; 'none' repeats forever (bound it with --max-steps)")
     prefetch: int = _f(4, "steps the loader prepares ahead on its background thread")
     tail: Literal["drop", "partial"] = _f("drop", "last incomplete step of an epoch: drop it or train on it")
@@ -104,7 +108,9 @@ class AdvantageConfig:
     normalize_std: bool = _f(True, "divide by the group reward std (GRPO); --no-normalize-std is Dr. GRPO")
     adv_eps: float = _f(1e-6, "added to the group std before dividing")
     single_member: Literal["reward", "zero"] = _f(
-        "reward", "advantage of a one-row group: its reward (verl: mean 0, std 1) or zero"
+        "reward",
+        "advantage of a one-row group (e.g. a multi-agent selector; not a zero-variance group): its reward "
+        "(verl: mean 0, std 1) or zero",
     )
 
 
@@ -127,14 +133,14 @@ class LossConfig:
     )
     dual_clip_c: float | None = _f(3.0, "dual clip for negative advantages: loss <= c * |A| ('none': off)")
     ratio_level: RatioLevel = _f(
-        "token", "token ratio (PPO/GRPO) or sequence ratio (GSPO; its default clip range is 3e-4 / 4e-4)"
+        "token",
+        "token ratio (PPO/GRPO) or sequence ratio (GSPO; its default clip range is 3e-4 / 4e-4; needs --mode decoupled)",
     )
     agg: Aggregation = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
     norm_len: int | None = _f(
         None,
-        "length constant of seq-mean-token-sum-norm (Dr. GRPO); default: the most loss tokens (loss_mask 1, so "
-        "not counting masked tool/environment tokens) of any one sequence in the whole step, over all "
-        "micro-batches, mini-batches and ranks",
+        "length constant of seq-mean-token-sum-norm (Dr. GRPO), one for the whole run; default: the most loss "
+        "tokens a row can hold by the dataset's generation config (sampling.max_new_tokens x model turns per row)",
     )
     is_correction: ISCorrection = _f(
         "tis", "decoupled mode: truncated (tis) or masked (mis) weight pi_prox/pi_rollout, or none"
@@ -167,7 +173,11 @@ class TrainerConfig:
     keep_last: int = _f(2, "checkpoints kept on disk (the newest)")
     resume: bool = _f(False, "continue from the newest checkpoint in --out")
     seed: int = _f(0, "torch seed")
-    initial_version: int = _f(0, "weight version of --model; the policy after step k has version initial + k")
+    initial_version: int | None = _f(
+        None,
+        "weight version of --model; default: the weight_version of a rollshard checkpoint folder, else 0. "
+        "The policy after step k has version initial + k",
+    )
     tensorboard: bool = _f(True, "write TensorBoard events under --out/tb")
     progress: bool = _f(True, "progress bar on the terminal")
 
@@ -237,17 +247,26 @@ class TrainConfig:
             raise ValueError(f"{path}: a config file is a mapping of sections (data:, model:, loss:, ...)")
         return cls.from_dict(d, where=str(path))
 
-    def validate(self) -> "TrainConfig":
+    def validate(self, *, require_paths: bool = True) -> "TrainConfig":
         """Fill in the settings whose default depends on others (the clip range of the ratio level), so the
         config written next to a checkpoint shows the values used; raise ValueError with the fix for any
-        setting a run cannot use."""
+        setting a run cannot use. ``require_paths=False`` accepts a config without dataset, model or output
+        (a template, ``--print-config``). Defaults that depend on files (the model's weight version, the
+        dataset's length constant) are the trainer's to resolve (``rollshard.train.trainer.prepare_config``)."""
         low, high = self.loss.clip_range()
         self.loss = dataclasses.replace(self.loss, eps_low=low, eps_high=high)
         loss, opt, data, tr = self.loss, self.optim, self.data, self.trainer
         checks = [
-            (bool(data.path), "no dataset: pass --data DATASET"),
-            (bool(self.model.path), "no model: pass --model PATH (the policy that generated the data)"),
-            (bool(tr.out), "no output directory: pass --out DIR"),
+            (bool(data.path) or not require_paths, "no dataset: pass --data DATASET"),
+            (bool(self.model.path) or not require_paths, "no model: pass --model PATH (the policy that generated the data)"),
+            (bool(tr.out) or not require_paths, "no output directory: pass --out DIR"),
+            # Against the stored rollout logprobs the sequence ratio carries the engine's numerical noise: with
+            # a per-token mismatch of 0.01 nats, 11% of sequences fall outside GSPO's 3e-4 clip (zero gradient).
+            (
+                not (loss.ratio_level == "sequence" and loss.mode == "bypass"),
+                "--ratio-level sequence (GSPO, clip 3e-4 / 4e-4) with --mode bypass clips on the inference "
+                "noise of the stored rollout logprobs; use --mode decoupled",
+            ),
             (0 <= loss.eps_low < 1, f"--eps-low {loss.eps_low} must be in [0, 1)"),
             (loss.eps_high >= 0, f"--eps-high {loss.eps_high} must be >= 0"),
             (loss.dual_clip_c is None or loss.dual_clip_c > 1, f"--dual-clip-c {loss.dual_clip_c} must be > 1"),
@@ -259,6 +278,7 @@ class TrainConfig:
             (len(opt.betas) == 2, f"--betas takes two numbers, got {opt.betas}"),
             (data.groups_per_step > 0 and data.micro_batch_tokens > 0, "--groups-per-step, --micro-batch-tokens: > 0"),
             (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
+            (tr.max_steps is None or tr.max_steps >= 1, "--max-steps must be >= 1 (or 'none': until the data ends)"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
             (self.model.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
         ]
@@ -327,7 +347,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_of(field), **kw)
 
 
-def resolve(args: argparse.Namespace) -> TrainConfig:
+def resolve(args: argparse.Namespace, *, require_paths: bool = True) -> TrainConfig:
     """Defaults < YAML file (``args.config``) < the flags that were given."""
     config_path = getattr(args, "config", None)
     base = TrainConfig.from_yaml(config_path).to_dict() if config_path else TrainConfig().to_dict()
@@ -335,4 +355,4 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         if "." in dest:
             section, key = dest.split(".", 1)
             base[section][key] = value
-    return TrainConfig.from_dict(base, where="command line").validate()
+    return TrainConfig.from_dict(base, where="command line").validate(require_paths=require_paths)

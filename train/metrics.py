@@ -1,7 +1,9 @@
 """Per-step metrics: combine micro-batches and ranks, write JSONL and TensorBoard.
 
 :class:`MetricAccumulator` holds four kinds of entries, each combined the way its
-meaning needs: sums (loss terms, already normalized by the global batch; counts),
+meaning needs: sums (loss terms, already normalized by the global batch of their
+mini-batch and weighted by that mini-batch's share of the step, so a step's ``loss/*``
+is its loss as one batch whatever ``--mini-batches`` says; counts),
 weighted means (per-token statistics, weighted by valid tokens), minima and maxima.
 Its state is plain JSON, so data-parallel ranks exchange it without pickle and rank 0
 merges them. :func:`loss_metric_kind` maps the names returned by
@@ -10,7 +12,9 @@ merges them. :func:`loss_metric_kind` maps the names returned by
 :class:`MetricsLogger` appends one JSON object per step to ``OUT/metrics.jsonl`` and
 writes the same scalars as TensorBoard events under ``OUT/tb`` (with the staleness
 histogram). On resume, lines and events after the checkpoint's step are dropped, so
-the files read as one uninterrupted run.
+the files read as one uninterrupted run. A torn last line (the process killed while
+writing it) is dropped there and skipped by :func:`read_metrics`; a bad line before the
+last is an error naming it.
 """
 
 from __future__ import annotations
@@ -58,13 +62,14 @@ class MetricAccumulator:
     def add_max(self, name: str, value: float) -> None:
         self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
 
-    def add_loss_metrics(self, metrics: dict[str, Any], weight: float) -> None:
-        """Metrics of one micro-batch from ``policy_loss``, means weighted by ``weight`` (its valid tokens)."""
+    def add_loss_metrics(self, metrics: dict[str, Any], weight: float, *, loss_share: float = 1.0) -> None:
+        """Metrics of one micro-batch from ``policy_loss``, means weighted by ``weight`` (its valid tokens),
+        ``loss/*`` terms by ``loss_share`` (its mini-batch's share of the step, ``trainer.loss_shares``)."""
         for name, value in metrics.items():
             v = float(value)
             kind = loss_metric_kind(name)
             if kind == "sum":
-                self.add_sum(name, v)
+                self.add_sum(name, v * loss_share if name.startswith("loss/") else v)
             elif kind == "min":
                 self.add_min(name, v)
             elif kind == "max":
@@ -118,7 +123,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept = [ln for ln, rec in _records(self.path) if rec["step"] <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
@@ -159,7 +164,20 @@ def _finite(v: float) -> float | str:
     return v if math.isfinite(v) else str(v)
 
 
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` of every complete line; a torn last line (killed mid-write) is left out."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for i, ln in enumerate(lines):
+        try:
+            out.append((ln, json.loads(ln)))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # only the last line can be cut by a kill; the lines before it were flushed whole
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); repair or delete that line") from e
+    return out
+
+
 def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """The ``metrics.jsonl`` records of a run, in step order."""
-    path = Path(out) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+    """The ``metrics.jsonl`` records of a run, in step order (a torn last line left out)."""
+    return [rec for _, rec in _records(Path(out) / "metrics.jsonl")]

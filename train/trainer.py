@@ -1,17 +1,32 @@
 """The GRPO loop: loader steps in, one (or ``mini_batches``) optimizer update per step.
 
+Before anything is loaded, :func:`prepare_config` resolves the settings that depend on
+files: ``--model`` must be a local folder (made absolute, ``checkpoints/latest``
+resolved), the initial weight version is that of a rollshard checkpoint folder (else
+0; ``--initial-version`` wins), and ``--out`` may not be the dataset, inside it, or a
+model folder. Dr. GRPO's ``--norm-len`` defaults to a constant of the run, the most
+loss tokens a row can hold by the dataset's generation config (:func:`run_norm_len`).
+
 One step, on every data-parallel rank:
 
 1. advantages over the step's whole groups (the loader never splits a group across
    ranks or micro-batches), broadcast to the response tokens;
-2. in decoupled mode the proximal logprobs, and with a KL term the reference
-   logprobs, for every micro-batch, once, before any update;
-3. the length constant of seq-mean-token-sum-norm (``--norm-len``, else the most
-   loss tokens of any sequence of the step, max over ranks), once for the whole step;
-   per mini-batch: the global normalizers (valid tokens and sequences, summed over
-   its micro-batches and the ranks), then forward + loss + backward per micro-batch
-   (gradients accumulate), then one optimizer update;
+2. in decoupled mode with more than one mini-batch the proximal logprobs, and with a
+   KL term the reference logprobs, for every micro-batch, once, before any update
+   (with one mini-batch the proximal policy is the policy of the gradient pass itself,
+   so its detached logprobs serve and no extra forward runs);
+3. per mini-batch: the global normalizers (valid tokens and sequences, summed over its
+   micro-batches and the ranks), then forward + loss + backward per micro-batch
+   (gradients accumulate), a check that every loss was finite, then one optimizer
+   update (the backend skips an update whose gradient norm is not finite, and the step
+   stops);
 4. metrics of all micro-batches and ranks merged, logged, and a checkpoint when due.
+
+A non-finite loss or gradient stops the run (:class:`NonFiniteError`) before that
+update; the failed step is neither logged nor saved, so the latest checkpoint and
+``metrics.jsonl`` end at the last finished step. SIGINT/SIGTERM stop the run at the
+next step boundary with a checkpoint of the last finished step (:attr:`Trainer.stopped_by`);
+a second one stops at once without saving.
 
 Every rank runs the same number of forward/backward passes (FSDP's collectives need
 it): a rank with fewer micro-batches runs zero-weight passes on a two-token dummy
@@ -22,9 +37,13 @@ staleness filter follows it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +51,109 @@ import numpy as np
 import torch
 
 from rollshard.store.packing import PackedBatch
+from rollshard.store.versions import folder_weight_version, resolve_model_path
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
-from rollshard.train.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
+from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, save_checkpoint
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
+
+# Step.metrics of the loader that are this rank's (packing figures: summed over ranks); its filter counts are of
+# the global stream, the same on every rank (averaged).
+LOADER_PER_RANK = frozenset({"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups"})
+# rollshard-generate agent systems whose rows hold one model turn (tool_loop records its "turns").
+SINGLE_TURN_AGENTS = frozenset({"single", "multi_agent"})
+# The loader's warning for an epoch without a step; the trainer says it in flags instead (NoStepError).
+LOADER_NO_STEP = r"epoch \d+ yields no step"
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient of a step is not finite; the run stops before that update is saved."""
+
+
+class NoStepError(ValueError):
+    """The data holds no whole step under the settings."""
+
+
+# -- before anything is loaded -----------------------------------------------------------------
+
+
+def prepare_config(config: TrainConfig) -> TrainConfig:
+    """A copy of ``config`` with the file-dependent settings resolved: the model folder (absolute, links
+    resolved) and the initial weight version; ``--out`` checked against the dataset and model folders."""
+    model = check_model_path(config.model.path)
+    version = config.trainer.initial_version
+    if version is None:
+        version = initial_version_of(model)
+    check_out_dir(config.trainer.out, data=config.data.path)
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=model),
+        trainer=dataclasses.replace(config.trainer, initial_version=version),
+    )
+
+
+def check_model_path(path: str) -> str:
+    """``--model`` as an absolute local folder. Anything else fails here, at once: transformers would try a
+    path-shaped name on the Hub (with retries) before failing, and the checkpoints copy the tokenizer files
+    from the folder."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return resolve_model_path(p)
+    if p.exists():
+        raise ValueError(f"--model {path} is a file; pass the model's folder (config.json and weights)")
+    if "/" in path or path.startswith((".", "~")):
+        raise ValueError(f"--model {path}: no such folder; check the path (a Hugging Face model folder)")
+    raise ValueError(
+        f"--model {path}: no such local folder; rollshard-train needs one, download it first "
+        f"(huggingface-cli download {path} --local-dir DIR) and pass --model DIR"
+    )
+
+
+def initial_version_of(model: str) -> int:
+    """The weight version of a rollshard checkpoint folder (its trainer_state.json), else 0."""
+    version = folder_weight_version(model)
+    if version is None:
+        return 0
+    try:
+        return int(version)
+    except ValueError:
+        raise ValueError(
+            f"--model {model} has weight_version {version!r}, not an integer; pass --initial-version N"
+        ) from None
+
+
+def check_out_dir(out: str, *, data: str) -> None:
+    """Refuse an output folder that would write into the dataset or over a model folder."""
+    o = Path(out).expanduser().resolve()
+    if "://" not in data:
+        d = Path(data).expanduser().resolve()
+        if o == d or d in o.parents:
+            raise ValueError(f"--out {out} is the dataset or inside it ({data}); choose a directory outside the dataset")
+    if o.exists() and not o.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a directory")
+    if (o / "config.json").is_file():
+        raise ValueError(f"--out {out} is a model folder (it has config.json); choose a new directory for the run")
+
+
+def run_norm_len(configs: list[dict[str, Any]]) -> int | None:
+    """Dr. GRPO's length constant from the generation configs of a dataset's writers: the most loss tokens a
+    row can hold, ``sampling.max_new_tokens`` per model turn times the model turns of a row (environment
+    tokens carry no loss). None when a config does not tell."""
+    lengths = []
+    for c in configs:
+        sampling = c.get("sampling") if isinstance(c, dict) else None
+        agents = c.get("agents") if isinstance(c, dict) else None
+        max_new = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+        turns = None
+        if isinstance(agents, dict):
+            turns = agents.get("turns", 1 if agents.get("name") in SINGLE_TURN_AGENTS else None)
+        if not (isinstance(max_new, int) and max_new > 0 and isinstance(turns, int) and turns > 0):
+            return None
+        lengths.append(max_new * turns)
+    return max(lengths, default=None)
 
 
 def build_loader(config: TrainConfig, env: DistEnv):
@@ -55,7 +170,7 @@ def build_loader(config: TrainConfig, env: DistEnv):
         statuses=tuple(d.statuses),
         agents=tuple(d.agents) if d.agents else None,
         max_staleness=d.max_staleness,
-        current_version=str(config.trainer.initial_version),
+        current_version=str(config.trainer.initial_version or 0),
         drop_zero_variance=d.drop_zero_variance,
         num_epochs=d.num_epochs,
         prefetch=d.prefetch,
@@ -85,44 +200,73 @@ def dummy_batch() -> PackedBatch:
     )
 
 
-def step_norm_len(mbs: list[PackedBatch], env: DistEnv, *, norm_len: int | None = None) -> float:
-    """The length constant of seq-mean-token-sum-norm for a whole step: ``norm_len`` when set, else the
-    most loss tokens (``loss_mask > 0``) of any one sequence over every micro-batch of the step and every
-    rank. One value per step, so each mini-batch of it divides by the same constant (Dr. GRPO)."""
-    local = max((LossNorm.of(mb.loss_mask, mb.cu_seqlens).norm_len for mb in mbs), default=0.0)
-    (longest,) = env.all_reduce([local], "max")  # every rank calls it, whatever --norm-len says
-    return float(norm_len if norm_len is not None else longest)
-
-
-def mini_batch_norms(
-    mbs: list[PackedBatch], parts: list[np.ndarray], env: DistEnv, *, norm_len: int | None = None
-) -> list[LossNorm]:
+def mini_batch_norms(mbs: list[PackedBatch], parts: list[np.ndarray], env: DistEnv, *, norm_len: float) -> list[LossNorm]:
     """Normalizers of each mini-batch (``parts``: micro-batch indices) over every rank, so accumulating its
-    micro-batches equals one batch: its own token and sequence counts, and the step's :func:`step_norm_len`."""
-    length = step_norm_len(mbs, env, norm_len=norm_len)
+    micro-batches equals one batch: its own token and sequence counts, and the run's ``norm_len``."""
     out = []
     for part in parts:
         local = LossNorm.combine([LossNorm.of(mbs[i].loss_mask, mbs[i].cu_seqlens) for i in part])
         tokens, seqs = env.all_reduce([local.tokens, local.sequences], "sum")
-        out.append(LossNorm(tokens=tokens, sequences=seqs, norm_len=length))
+        out.append(LossNorm(tokens=tokens, sequences=seqs, norm_len=float(norm_len)))
     return out
+
+
+def loss_shares(norms: list[LossNorm], agg: str) -> list[float]:
+    """Each mini-batch's weight in the step's ``loss/*`` metrics: its share of the step's normalizer (valid
+    tokens for token-mean, sequences for the sequence means), so the logged loss is that of the step as one
+    batch (each mini-batch's loss is already normalized by its own counts)."""
+    sizes = [n.tokens if agg == "token-mean" else n.sequences for n in norms]
+    total = sum(sizes)
+    return [size / total if total > 0 else 0.0 for size in sizes]
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM while training: the first sets :attr:`name`, read by the loop at the next step
+    boundary (the step in progress finishes; its weights are saved); a second raises KeyboardInterrupt at
+    once. Installed only on the main thread (the only one Python delivers signals to)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class Trainer:
     """Builds the loader, backend and logger from a config (resuming when asked) and runs the loop."""
 
     def __init__(self, config: TrainConfig, *, env: DistEnv | None = None, loader: Any = None):
-        self.cfg = config
+        self.cfg = config = prepare_config(config)
         self.env = env or DistEnv()
-        self.out = Path(config.trainer.out)
-        torch.manual_seed(config.trainer.seed)
+        tr = config.trainer
+        self.out = Path(tr.out)
+        torch.manual_seed(tr.seed)
         ckpt = self._resume_point()
         self.step = ckpt.step if ckpt else 0
         self.loader = loader if loader is not None else build_loader(config, self.env)
         if ckpt:
             self.loader.load_state_dict(ckpt.loader_states[self.env.rank])
         self.loader.set_current_version(self.version)
-        tr = config.trainer
+        self.norm_len = self._norm_len()
+        if not (tr.progress and self.env.is_main):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # its loading/writing bars would break --no-progress output
         total = tr.max_steps * tr.mini_batches if tr.max_steps is not None else None
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.path if ckpt else None)
         if ckpt:
@@ -133,16 +277,23 @@ class Trainer:
         )
         self.last_saved = self.step if ckpt else None
         self.history: list[dict[str, float]] = []
+        self.stopped_by: str | None = None  # the signal that stopped run() at a step boundary
+        self.run_seconds = 0.0  # wall time of run(), and the tokens it trained on
+        self.run_tokens = 0.0
 
     @property
     def version(self) -> int:
         return self.cfg.trainer.initial_version + self.step
 
+    def checkpoint_path(self, step: int | None = None) -> Path:
+        return self.out / CKPT_DIR / checkpoint_name(self.last_saved if step is None else step)
+
     def _resume_point(self) -> Checkpoint | None:
         ckpt = latest_checkpoint(self.out)
+        say = print if self.env.is_main else (lambda *a, **k: None)
         if ckpt is None:
-            if self.cfg.trainer.resume and self.env.is_main:
-                print(f"rollshard-train: no checkpoint in {self.out}; starting from --model", file=sys.stderr)
+            if self.cfg.trainer.resume:
+                say(f"rollshard-train: --resume: no checkpoint in {self.out}; starting fresh from --model", file=sys.stderr)
             return None
         if not self.cfg.trainer.resume:
             raise ValueError(f"{self.out} already holds checkpoints; pass --resume to continue, or choose a new --out")
@@ -151,38 +302,117 @@ class Trainer:
                 f"checkpoint {ckpt.path} was written by {ckpt.world_size} processes, this run has "
                 f"{self.env.world_size}; resume with the same number of processes"
             )
+        initial = self.cfg.trainer.initial_version
+        if ckpt.weight_version != str(initial + ckpt.step):
+            raise ValueError(
+                f"checkpoint {ckpt.path} has weight version {ckpt.weight_version}, but initial version {initial} + "
+                f"step {ckpt.step} is {initial + ckpt.step}; resume with the run's --model and --initial-version"
+            )
+        say(f"rollshard-train: resuming at step {ckpt.step} from {ckpt.path} (weight version {ckpt.weight_version})",
+            file=sys.stderr)
         return ckpt
+
+    def _norm_len(self) -> float:
+        """The length constant of seq-mean-token-sum-norm: ``--norm-len``, else the dataset's (:func:`run_norm_len`)."""
+        loss = self.cfg.loss
+        if loss.norm_len is not None or loss.agg != "seq-mean-token-sum-norm":
+            return float(loss.norm_len or 0)
+        dataset = getattr(self.loader, "dataset", None)
+        if dataset is None:
+            from rollshard.store.dataset import RolloutDataset
+
+            dataset = RolloutDataset.open(self.cfg.data.path)
+        configs = [m.config for m in dataset.manifests if m.config] or [dataset.config]
+        length = run_norm_len(configs)
+        if length is None:
+            raise ValueError(
+                f"--agg seq-mean-token-sum-norm needs a length constant and {self.cfg.data.path} does not record the "
+                "longest response (sampling.max_new_tokens and the model turns per row); pass --norm-len N"
+            )
+        self.cfg = dataclasses.replace(self.cfg, loss=dataclasses.replace(loss, norm_len=length))  # in the saved config
+        return float(length)
+
+    def planned_steps(self) -> int | None:
+        """Steps of the whole run, for the progress bar: ``--max-steps``, capped by the steps the data holds when
+        the epochs are bounded (from its group count before filtering: an upper bound when filters drop groups)."""
+        tr, d = self.cfg.trainer, self.cfg.data
+        groups = getattr(self.loader, "num_groups", None)
+        if groups is None or d.num_epochs is None:
+            return tr.max_steps
+        full = d.groups_per_step * self.env.world_size
+        per_epoch = groups // full if d.tail == "drop" else -(-groups // full)
+        in_data = per_epoch * d.num_epochs
+        return in_data if tr.max_steps is None else min(tr.max_steps, in_data)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
-        """Train until ``max_steps`` or the end of the data; return the metrics of every step run."""
+        """Train until ``max_steps``, the end of the data or a stop signal; return the metrics of every step run.
+
+        Raises :class:`NoStepError` when no step was ever trained (no checkpoint exists), and
+        :class:`NonFiniteError` at a non-finite loss or gradient."""
         from tqdm import tqdm
 
         tr = self.cfg.trainer
         bar = tqdm(
-            total=tr.max_steps, initial=self.step, unit="step", file=sys.stderr,
+            total=self.planned_steps(), initial=self.step, unit="step", file=sys.stderr,
             disable=not (self.env.is_main and tr.progress), dynamic_ncols=True,
         )
-        it = iter(self.loader)
+        started = time.perf_counter()
         try:
-            while tr.max_steps is None or self.step < tr.max_steps:
-                t0 = time.perf_counter()
-                step = next(it, None)
-                waited = time.perf_counter() - t0
-                if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
-                    break  # the data ended (on some rank: all stop together)
-                metrics = self.train_step(step)
-                self.step += 1
-                self.loader.set_current_version(self.version)
-                self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
-                if tr.save_every and self.step % tr.save_every == 0:
+            with _StopSignals() as stop, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=LOADER_NO_STEP)
+                it = iter(self.loader)
+                while tr.max_steps is None or self.step < tr.max_steps:
+                    # The boundary: every rank agrees (FSDP's collectives), and the loader cursor is that of
+                    # the last finished step (taking the next step would move it).
+                    if self.env.all_reduce([1.0 if stop.name else 0.0], "max")[0]:
+                        self.stopped_by = stop.name or "a signal to another rank"
+                        break
+                    t0 = time.perf_counter()
+                    step = self._next_step(it)
+                    waited = time.perf_counter() - t0
+                    if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
+                        break  # the data ended (on some rank: all stop together)
+                    metrics = self.train_step(step)
+                    self.step += 1
+                    self.loader.set_current_version(self.version)
+                    self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
+                    if tr.save_every and self.step % tr.save_every == 0:
+                        self.save()
+                if self.step > 0 and self.last_saved != self.step:
                     self.save()
-            if self.step > 0 and self.last_saved != self.step:
-                self.save()
         finally:
             bar.close()
+            self.run_seconds = time.perf_counter() - started
+        if self.step == 0 and self.stopped_by is None:
+            raise NoStepError(self._no_step_message())
         return self.history
+
+    def _next_step(self, it):
+        try:
+            return next(it, None)
+        except ValueError as e:
+            # With --num-epochs none the loader raises for an epoch without a step; say it in flags.
+            if "yields no step" in str(e):
+                raise NoStepError(self._no_step_message()) from e
+            raise
+
+    def _no_step_message(self) -> str:
+        d, w = self.cfg.data, self.env.world_size
+        stats = getattr(self.loader, "epoch_stats", None) or {}
+        if "groups_examined" in stats:
+            kept = stats["groups_examined"] - stats.get("filtered_groups/empty", 0) - stats.get(
+                "filtered_groups/zero_variance", 0
+            )
+            have = f"{kept:.0f} of {stats['groups_examined']:.0f} groups pass the filters"
+        else:
+            have = f"the dataset holds {getattr(self.loader, 'num_groups', '?')} groups"
+        takes = f"--groups-per-step {d.groups_per_step}" + (f" x {w} processes" if w > 1 else "")
+        return (
+            f"no step to train: {have} and a step takes {d.groups_per_step * w} ({takes}); lower --groups-per-step, "
+            "pass --tail partial, or loosen the filters (--statuses, --agents, --max-staleness, --drop-zero-variance)"
+        )
 
     def _log_step(self, metrics: dict[str, float], *, waited: float, elapsed: float, bar) -> None:
         """Timing figures, then JSONL/TensorBoard and the progress bar."""
@@ -194,6 +424,7 @@ class Trainer:
                 "train/weight_version": float(self.version),
             }
         )
+        self.run_tokens += metrics["data/tokens"]
         self.history.append(metrics)
         self.logger.log(self.step, metrics, histograms={"staleness": self._staleness_values(metrics)})
         bar.update(1)
@@ -227,6 +458,11 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _proximal_forward(self) -> bool:
+        """Decoupled mode needs a forward of its own for pi_prox only when a later mini-batch trains on updated
+        weights; with one mini-batch pi_prox is the policy of the gradient pass (its logprobs detached)."""
+        return self.cfg.loss.mode == "decoupled" and self.cfg.trainer.mini_batches > 1
+
     def train_step(self, step: Any) -> dict[str, float]:
         """One loader step: advantages, (proximal/reference logprobs), updates; merged metrics."""
         cfg, dev = self.cfg, self.backend.device
@@ -234,14 +470,15 @@ class Trainer:
         acc = MetricAccumulator()
         adv_tok = self._advantages(step, mbs, acc)
         n_passes = int(self.env.all_reduce([float(len(mbs))], "max")[0])
-        prox = self._frozen_logprobs(mbs, n_passes, reference=False) if cfg.loss.mode == "decoupled" else None
+        prox = self._frozen_logprobs(mbs, n_passes, reference=False) if self._proximal_forward() else None
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
-        norms = mini_batch_norms(mbs, parts, self.env, norm_len=cfg.loss.norm_len)
+        norms = mini_batch_norms(mbs, parts, self.env, norm_len=self.norm_len)
         optim_metrics = []
-        for part, norm in zip(parts, norms):
+        for k, (part, norm, share) in enumerate(zip(parts, norms, loss_shares(norms, cfg.loss.agg))):
             n_part = int(self.env.all_reduce([float(len(part))], "max")[0])
+            bad: dict[str, float] = {}
             for j in range(n_part):
                 self.backend.set_gradient_sync(j == n_part - 1)
                 if j >= len(part):
@@ -251,6 +488,10 @@ class Trainer:
                 i = int(part[j])
                 mb = mbs[i]
                 logp, ent = self.backend.logprobs(mb, grad=True, entropy=cfg.loss.entropy_coef > 0)
+                if prox is not None:
+                    prox_i = prox[i]
+                else:
+                    prox_i = logp.detach() if cfg.loss.mode == "decoupled" else None
                 loss, m = policy_loss(
                     logp,
                     rollout_logp=mb.rollout_logprobs,
@@ -259,17 +500,36 @@ class Trainer:
                     cu_seqlens=mb.cu_seqlens,
                     config=cfg.loss,
                     norm=norm,
-                    prox_logp=prox[i] if prox else None,
-                    ref_logp=ref[i] if ref else None,
+                    prox_logp=prox_i,
+                    ref_logp=ref[i] if ref is not None else None,
                     entropy=ent,
                 )
                 self.backend.backward(loss)
-                acc.add_loss_metrics(m, weight=float(m["tokens"]))
-            optim_metrics.append(self.backend.optimizer_step())
+                acc.add_loss_metrics(m, weight=float(m["tokens"]), loss_share=share)
+                bad.update({n: float(v) for n, v in m.items() if n.startswith("loss/") and not math.isfinite(float(v))})
+            where = f"mini-batch {k + 1}/{len(parts)}" if len(parts) > 1 else "its loss"
+            # Every rank stops together (one rank alone raising would leave the others in a collective).
+            if self.env.all_reduce([1.0 if bad else 0.0], "max")[0]:
+                terms = ", ".join(f"{n} = {v}" for n, v in bad.items()) or "on another rank"
+                raise NonFiniteError(f"step {self.step + 1}: non-finite loss ({terms}, {where}); {self._stop_note()}")
+            result = self.backend.optimizer_step()  # skips the update itself when the gradient norm is not finite
+            if not math.isfinite(result["optim/grad_norm"]):
+                raise NonFiniteError(
+                    f"step {self.step + 1}: non-finite gradient (norm {result['optim/grad_norm']}, {where}); "
+                    f"the update was skipped; {self._stop_note()}"
+                )
+            optim_metrics.append(result)
 
         self._data_metrics(step, mbs, acc)
         merged = MetricAccumulator.merged(self.env.all_gather_json(acc.state())).result()
         return self._finish_metrics(merged, optim_metrics)
+
+    def _stop_note(self) -> str:
+        saved = (
+            f"the latest checkpoint is {self.checkpoint_path()} (step {self.last_saved})"
+            if self.last_saved is not None else "no checkpoint was written (--save-every N keeps finished steps)"
+        )
+        return f"stopped without saving this step; {saved}; lower --lr or check the data, then --resume"
 
     def _advantages(self, step: Any, mbs: list[PackedBatch], acc: MetricAccumulator) -> list[torch.Tensor]:
         """Per-token advantages of every micro-batch, from the whole groups of the step."""
@@ -288,7 +548,7 @@ class Trainer:
         acc.add_sum("adv/_n", float(adv.numel()))
         acc.add_min("adv/min", float(adv.min()))
         acc.add_max("adv/max", float(adv.max()))
-        acc.add_sum("groups/zero_variance", float(out.zero_variance.sum()))
+        acc.add_sum("groups/zero_variance", float(out.zero_variance.sum()))  # >= 2 rows, equal: the loader's count
         acc.add_sum("groups/single", float((out.size == 1).sum()))
         acc.add_sum("data/groups", float(len(step.group_ids)))
         per_mb = adv.to(mbs[0].loss_mask.device).split([mb.num_sequences for mb in mbs])
@@ -321,7 +581,10 @@ class Trainer:
         acc.add_sum("data/sequences", float(sum(mb.num_sequences for mb in mbs)))
         acc.add_sum("data/micro_batches", float(len(mbs)))
         for k, v in (getattr(step, "metrics", None) or {}).items():
-            acc.add_mean(f"loader/{k}", float(v))
+            if k in LOADER_PER_RANK:
+                acc.add_sum(f"loader/{k}", float(v))
+            else:
+                acc.add_mean(f"loader/{k}", float(v))
 
     def _staleness(self, version: str | None) -> int | None:
         try:
@@ -338,7 +601,7 @@ class Trainer:
         ]
 
     def _finish_metrics(self, m: dict[str, float], optim: list[dict[str, float]]) -> dict[str, float]:
-        """Derived figures (means/stds from sums, ESS, fractions) and the optimizer's."""
+        """Derived figures (means/stds from sums, ESS, group counts and fractions) and the optimizer's."""
         out = {k: v for k, v in m.items() if "/_" not in k}
         sums = collections.defaultdict(dict)
         for k, v in m.items():
@@ -352,15 +615,14 @@ class Trainer:
                 out[f"{base}/std"] = std
         out["data/loss_tokens"] = out.pop("tokens", 0.0)
         groups = max(out.get("data/groups", 0.0), 1.0)
-        out["groups/frac_zero_variance"] = out.pop("groups/zero_variance", 0.0) / groups
-        out["groups/frac_single"] = out.pop("groups/single", 0.0) / groups
+        out.setdefault("groups/zero_variance", 0.0)
+        out.setdefault("groups/single", 0.0)
+        out["groups/frac_zero_variance"] = out["groups/zero_variance"] / groups
+        out["groups/frac_single"] = out["groups/single"] / groups
         if "is/mean" in out:
             out["is/ess"] = effective_sample_size(out["is/mean"], out.pop("is/sq_mean"))
         out["optim/grad_norm"] = optim[-1]["optim/grad_norm"]
         out["optim/grad_norm_max"] = max(o["optim/grad_norm"] for o in optim)
         out["optim/lr"] = optim[-1]["optim/lr"]
         out["optim/skipped"] = sum(o["optim/skipped"] for o in optim)
-        for k, v in out.items():
-            if not math.isfinite(v) and k.startswith("loss/"):
-                print(f"rollshard-train: step {self.step + 1}: {k} is {v}", file=sys.stderr)
         return out

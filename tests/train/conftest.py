@@ -5,7 +5,11 @@ and their logprobs are ``log_softmax(raw logits / T)`` of the sampled token, SGL
 definition, so the trainer's recomputation with unchanged weights must agree with them
 to fp32 rounding. The dataset mixes what the trainer must handle: two temperatures,
 groups of uneven size, a zero-variance group, and tool/environment tokens (mask 0,
-logprob 0) inside a response.
+logprob 0) inside a response. Its writer config records what rollshard-generate records
+for the trainer's defaults (``agents``, ``sampling.max_new_tokens``).
+
+:func:`write_rows` writes groups of given rewards with fixed tokens, for tests that need
+exact group shapes (one-row groups, zero variance) rather than a model's samples.
 """
 
 from __future__ import annotations
@@ -85,17 +89,26 @@ def sample_group(model, tokenizer, prompt: str, n: int, *, temperature: float, m
     return ids, rows
 
 
+MAX_NEW_TOKENS = 10
+
+
+def generation_config(model_path: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
+    """The parts of rollshard-generate's run config the trainer reads."""
+    return {"model": str(model_path), "agents": {"name": "single", "n_samples": 4},
+            "sampling": {"max_new_tokens": max_new_tokens}}
+
+
 def write_dataset(model_path: Path, out: Path, *, groups: int = 8, group_size: int = 4, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_path)
-    with ShardWriter(out, writer_id="test", config={"model": str(model_path)}) as w:
+    with ShardWriter(out, writer_id="test", config=generation_config(model_path)) as w:
         for g in range(groups):
             temperature = 0.7 if g % 2 else 1.0
             size = group_size + (1 if g % 3 == 0 else 0)  # uneven groups
             prompt_ids, samples = sample_group(
-                model, tok, PROMPTS[g % len(PROMPTS)], size, temperature=temperature, max_new_tokens=10, seed=seed + g
+                model, tok, PROMPTS[g % len(PROMPTS)], size, temperature=temperature, max_new_tokens=MAX_NEW_TOKENS, seed=seed + g
             )
             rows = []
             for i, (resp, lps) in enumerate(samples):
@@ -113,6 +126,27 @@ def write_dataset(model_path: Path, out: Path, *, groups: int = 8, group_size: i
                     )
                 )
             w.write_group(rows)
+    return out
+
+
+def write_rows(
+    out: Path, group_rewards: list[list[float]], *, config: dict | None = None, response_len: int | list[int] = 4
+) -> Path:
+    """One group per entry of ``group_rewards`` (its rows' rewards), in that order, with ``response_len`` tokens per
+    row (one length, or one per group); tokens and logprobs fixed."""
+    lengths = response_len if isinstance(response_len, list) else [response_len] * len(group_rewards)
+    with ShardWriter(out, writer_id="test", config=config if config is not None else {}) as w:
+        for g, (rewards, n) in enumerate(zip(group_rewards, lengths)):
+            w.write_group([
+                Row(
+                    sample_id=f"p{g}-{i}", prompt_id=f"p{g}", group_id=f"p{g}/policy/0", agent="policy", round=0,
+                    prompt_tokens=[5 + g, 6, 7], response_tokens=[(11 * i + k + g) % 1000 + 3 for k in range(n)],
+                    rollout_logprobs=[-1.0] * n, loss_mask=[1] * n, reward=r,
+                    status=Status.COMPLETED, finish_reason="stop", weight_version="0", temperature=1.0, top_p=1.0,
+                    top_k=-1,
+                )
+                for i, r in enumerate(rewards)
+            ])
     return out
 
 

@@ -2,9 +2,10 @@
 
 One offline round: the tiny model samples 16 prompts x 16 responses (256 rows), the
 trainer runs 3 epochs over them (12 steps), and the checkpoint generates again. The
-round uses decoupled mode: PPO's clip then bounds each step's move from the policy
-of that step, and the truncated importance weight pi_prox / pi_rollout corrects for
-the data having been sampled before the first update. (Bypass mode clips every epoch
+round uses decoupled mode with one mini-batch per step: the proximal policy is the
+policy of that very update, so pi / pi_prox is exactly 1 and PPO's clip never binds;
+the truncated importance weight pi_prox / pi_rollout (TIS) is what corrects for the
+data having been sampled before the first update. (Bypass mode clips every epoch
 against the sampling policy itself, a trust region around the data: measured here it
 gains ~+0.02 in one round against ~+0.1 to +0.19 for decoupled.)
 """

@@ -1,9 +1,11 @@
-"""Config: defaults of the issue, YAML round trip, strict keys, flag parsing, the lr schedule."""
+"""Config: defaults of the issue, YAML round trip, strict keys, flag parsing, the lr schedule, refused
+combinations, the template and the shipped example."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -27,7 +29,7 @@ def test_defaults_are_bypass_dapo_eps_token_mean():
 
 def test_flags_parse_to_field_types():
     c = parse("--agents", "solver,selector", "--max-staleness", "2", "--no-normalize-std", "--betas", "0.9,0.95",
-              "--dual-clip-c", "none", "--ratio-level", "sequence", "--max-grad-norm", "0.5")
+              "--dual-clip-c", "none", "--ratio-level", "sequence", "--mode", "decoupled", "--max-grad-norm", "0.5")
     assert c.data.agents == ("solver", "selector") and c.data.max_staleness == 2
     assert c.advantage.normalize_std is False and c.optim.betas == (0.9, 0.95)
     assert c.loss.dual_clip_c is None and c.loss.ratio_level == "sequence" and c.optim.max_grad_norm == 0.5
@@ -76,22 +78,69 @@ def test_clip_eps_resolve_by_ratio_level(tmp_path, capsys):
     from rollshard.train.cli import build_parser, main
 
     assert LossConfig().eps_low is None and LossConfig().eps_high is None  # unset until resolved
-    gspo = parse("--ratio-level", "sequence")
+    gspo = parse("--ratio-level", "sequence", "--mode", "decoupled")
     assert (gspo.loss.eps_low, gspo.loss.eps_high) == (3e-4, 4e-4)
     assert (parse().loss.eps_low, parse().loss.eps_high) == (0.2, 0.28)
-    mixed = parse("--ratio-level", "sequence", "--eps-high", "0.001").loss
+    mixed = parse("--ratio-level", "sequence", "--mode", "decoupled", "--eps-high", "0.001").loss
     assert (mixed.eps_low, mixed.eps_high) == (3e-4, 0.001)
     # A YAML file that sets the level (and no eps) resolves the same way; flags still override.
     f = tmp_path / "c.yaml"
-    f.write_text("loss:\n  ratio_level: sequence\n")
+    f.write_text("loss:\n  ratio_level: sequence\n  mode: decoupled\n")
     from_file = parse("--config", str(f)).loss
     assert (from_file.eps_low, from_file.eps_high) == (3e-4, 4e-4)
     assert parse("--config", str(f), "--ratio-level", "token").loss.eps_high == 0.28
     # The resolved config (written next to every checkpoint, --print-config) shows the values.
-    assert main(["--data", "d", "--model", "m", "--out", "o", "--ratio-level", "sequence", "--print-config"]) == 0
+    argv = ["--data", "d", "--model", "m", "--out", "o", "--ratio-level", "sequence", "--mode", "decoupled"]
+    assert main([*argv, "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)["loss"]
     assert (printed["eps_low"], printed["eps_high"]) == (3e-4, 4e-4)
     help_text = " ".join(build_parser().format_help().split())
     assert "default 0.2 with --ratio-level token, 3e-4 with sequence (GSPO)" in help_text
     eps_low_help = help_text.split("PPO clip: ratio lower bound", 1)[1].split("--eps-high", 1)[0]
     assert "(default: None)" not in eps_low_help
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.yaml"
+
+
+def test_gspo_in_bypass_mode_is_refused_in_one_line(capsys):
+    from rollshard.train.cli import main
+
+    with pytest.raises(ValueError, match="use --mode decoupled"):
+        parse("--ratio-level", "sequence")
+    assert main(["--data", "d", "--model", "m", "--out", "o", "--ratio-level", "sequence"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rollshard-train: error: --ratio-level sequence") and "\n" not in err
+
+
+def test_help_says_what_zero_variance_and_versions_mean():
+    from rollshard.train.cli import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "skip groups of two or more rows whose rewards are all equal" in help_text
+    assert "one-row groups are kept" in help_text
+    assert "default: the weight_version of a rollshard checkpoint folder, else 0" in help_text
+    assert "sampling.max_new_tokens x model turns per row" in help_text
+    assert parse().trainer.initial_version is None  # resolved by the trainer, from the model folder
+
+
+def test_print_config_needs_no_data_or_model(capsys):
+    from rollshard.train.cli import main
+
+    assert main(["--print-config", "--lr", "0.5"]) == 0
+    printed = TrainConfig.from_dict(yaml.safe_load(capsys.readouterr().out))
+    assert printed.optim.lr == 0.5 and printed.data.path == "" and printed.loss.eps_high == 0.28
+    assert main(["--lr", "0.5"]) == 2  # a run still needs them
+    assert "--data" in capsys.readouterr().err
+
+
+def test_example_config_lists_every_field_and_loads(capsys):
+    from rollshard.train.cli import main
+
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    defaults = TrainConfig().to_dict()
+    assert {k: set(v) for k, v in raw.items()} == {k: set(v) for k, v in defaults.items()}
+    example = TrainConfig.from_yaml(EXAMPLE)
+    assert example.data.path and example.model.path and example.trainer.out  # a runnable starting point
+    assert main(["--config", str(EXAMPLE), "--print-config"]) == 0
+    assert TrainConfig.from_dict(yaml.safe_load(capsys.readouterr().out)) == example.validate()

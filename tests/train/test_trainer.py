@@ -1,4 +1,5 @@
-"""The trainer end to end on the tiny model's own samples: step-0 ratios, accumulation, modes, checkpoints."""
+"""The trainer end to end on the tiny model's own samples: step-0 ratios, accumulation, modes, checkpoints,
+versions, the step's metrics and the run's constants."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from rollshard.train.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoin
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm
 from rollshard.train.metrics import read_metrics
-from rollshard.train.trainer import Trainer
+from rollshard.train.trainer import Trainer, prepare_config
+from tests.train.conftest import MAX_NEW_TOKENS, generation_config, write_rows
 
 # Trainer logprobs (packed, no cache) vs the sampler's (KV cache): fp32 rounding only.
 FP32_LOGPROB_TOL = 1e-5
@@ -70,7 +72,8 @@ def test_step0_ratio_one_and_checkpoint_is_a_model_folder(tiny_dataset, tiny_gpt
     assert json.loads((ckpt.path / "config.json").read_text())["torch_dtype"] == "float32"
     assert torch.equal(model.state_dict()["transformer.h.0.attn.c_attn.weight"], after["transformer.h.0.attn.c_attn.weight"])
     saved = TrainConfig.from_dict(yaml.safe_load((ckpt.path / CONFIG_FILE).read_text()))
-    assert saved == config
+    assert saved == prepare_config(config)
+    assert saved.model.path == str(tiny_gpt2.resolve()) and saved.trainer.initial_version == 0  # resolved defaults
     assert json.loads((ckpt.path / STATE_FILE).read_text())["loader_states"][0]["cursor"]["step"] == 2
 
     records = read_metrics(tmp_path / "run")
@@ -157,61 +160,204 @@ class _TwoRanks:
         return [v + o for v, o in zip(values, self.other)]
 
 
-def test_norm_len_is_one_constant_per_step():
+def test_mini_batch_norms_sum_over_micro_batches_and_ranks():
     import numpy as np
 
     from rollshard.train.backends.distributed import DistEnv
-    from rollshard.train.trainer import mini_batch_norms, step_norm_len
+    from rollshard.train.trainer import mini_batch_norms
 
     # Loss tokens per sequence: mb0 [3, 5], mb1 [2, 9], mb2 [4]; masked tool tokens (3 each) are not counted.
     mbs = [_micro_batch([3, 5]), _micro_batch([2, 9]), _micro_batch([4])]
-    one = mini_batch_norms(mbs, np.array_split(np.arange(3), 1), DistEnv())
-    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), DistEnv())  # parts [0, 1] and [2]
-    assert [(n.tokens, n.sequences, n.norm_len) for n in one] == [(23.0, 5.0, 9.0)]
-    # The second mini-batch alone has a longest sequence of 4: it still divides by the step's 9.
-    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(19.0, 4.0, 9.0), (4.0, 1.0, 9.0)]
-    # Dr. GRPO: each token's loss weight 1 / (n_seqs * norm_len) uses the same norm_len in every mini-batch.
-    assert {n.norm_len for n in two} == {one[0].norm_len}
-    # --norm-len wins; the max over ranks is still taken (every rank must call the same collectives).
-    assert step_norm_len(mbs, DistEnv(), norm_len=16) == 16.0
+    one = mini_batch_norms(mbs, np.array_split(np.arange(3), 1), DistEnv(), norm_len=16)
+    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), DistEnv(), norm_len=16)  # parts [0, 1] and [2]
+    assert [(n.tokens, n.sequences, n.norm_len) for n in one] == [(23.0, 5.0, 16.0)]
+    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(19.0, 4.0, 16.0), (4.0, 1.0, 16.0)]
     env = _TwoRanks(longest=12.0, other=(10.0, 2.0))
-    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), env)
-    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(29.0, 6.0, 12.0), (14.0, 3.0, 12.0)]
-    assert env.calls == ["max", "sum", "sum"]  # the length once per step, before the mini-batches
-    assert step_norm_len([], DistEnv()) == 0.0
+    two = mini_batch_norms(mbs, np.array_split(np.arange(3), 2), env, norm_len=16)
+    assert [(n.tokens, n.sequences, n.norm_len) for n in two] == [(29.0, 6.0, 16.0), (14.0, 3.0, 16.0)]
+    assert env.calls == ["sum", "sum"]  # no per-step length collective: the length is the run's
 
 
-def test_sum_norm_mini_batches_share_the_step_norm_len(tiny_dataset, tiny_gpt2, tmp_path, monkeypatch):
+def test_run_norm_len_from_the_generation_config():
+    from rollshard.train.trainer import run_norm_len
+
+    single = {"agents": {"name": "single", "n_samples": 4}, "sampling": {"max_new_tokens": 512}}
+    tools = {"agents": {"name": "tool_loop", "n_samples": 4, "turns": 3}, "sampling": {"max_new_tokens": 100}}
+    assert run_norm_len([single]) == 512
+    assert run_norm_len([tools]) == 300  # three model turns of up to 100 tokens each (tool text carries no loss)
+    assert run_norm_len([single, tools]) == 512  # two writers: the longest row either allows
+    assert run_norm_len([{"model": "m"}]) is None  # nothing recorded
+    assert run_norm_len([{"agents": {"name": "custom"}, "sampling": {"max_new_tokens": 64}}]) is None  # turns unknown
+
+
+def test_sum_norm_uses_one_constant_for_the_run(tiny_gpt2, tmp_path, monkeypatch):
     import rollshard.train.trainer as trainer_mod
 
-    seen = []
+    seen, longest = [], []
     real = trainer_mod.policy_loss
 
-    def spy(*args, norm, **kw):
+    def spy(*args, norm, loss_mask, cu_seqlens, **kw):
         seen.append(norm.norm_len)
-        return real(*args, norm=norm, **kw)
+        longest.append(LossNorm.of(loss_mask, cu_seqlens).norm_len)
+        return real(*args, norm=norm, loss_mask=loss_mask, cu_seqlens=cu_seqlens, **kw)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", spy)
-    config = make_config(
-        tiny_dataset, tiny_gpt2, tmp_path / "run", data={"micro_batch_tokens": 48},
-        loss={"agg": "seq-mean-token-sum-norm"}, trainer={"max_steps": 1, "mini_batches": 2},
-    )
-    trainer = Trainer(config)
+    # Two steps of one group each (in order): responses of 3 tokens, then of 6; the generator allowed 8.
+    data = write_rows(tmp_path / "data", [[0.0, 1.0], [1.0, 0.0]], response_len=[3, 6],
+                      config=generation_config(tiny_gpt2, max_new_tokens=8))
+    config = make_config(data, tiny_gpt2, tmp_path / "run", data={"groups_per_step": 1, "shuffle": False},
+                         loss={"agg": "seq-mean-token-sum-norm"}, trainer={"max_steps": None})
+    assert len(train(config)) == 2
+    # The steps' longest sequences differ (the old default followed them: 3, then 6); the constant does not:
+    # the dataset's max_new_tokens x 1 model turn, recorded in the saved config.
+    assert longest == [3.0, 6.0]
+    assert seen == [8.0, 8.0]
+    assert TrainConfig.from_yaml(latest_checkpoint(tmp_path / "run").path / CONFIG_FILE).loss.norm_len == 8
+
+
+def test_sum_norm_without_a_recorded_length_asks_for_norm_len(tiny_gpt2, tmp_path):
+    data = write_rows(tmp_path / "data", [[0.0, 1.0], [1.0, 0.0]], config={"model": "m"})
+    config = make_config(data, tiny_gpt2, tmp_path / "run", loss={"agg": "seq-mean-token-sum-norm"})
+    with pytest.raises(ValueError, match="pass --norm-len N"):
+        Trainer(config)
+    config = make_config(data, tiny_gpt2, tmp_path / "run2", loss={"agg": "seq-mean-token-sum-norm", "norm_len": 7})
+    trainer = Trainer(config)  # an explicit length needs nothing from the dataset
+    trainer.close()
+    assert trainer.norm_len == 7.0
+
+
+def test_initial_version_comes_from_a_checkpoint_folder(tiny_dataset, tiny_gpt2, tmp_path):
+    first = make_config(tiny_dataset, tiny_gpt2, tmp_path / "first", trainer={"max_steps": 1, "initial_version": 2})
+    train(first)
+    latest = tmp_path / "first" / "checkpoints" / "latest"
+    assert latest_checkpoint(tmp_path / "first").weight_version == "3"
+
+    m = train(make_config(tiny_dataset, latest, tmp_path / "next", trainer={"max_steps": 1}))[0]
+    assert m["train/weight_version"] == 4.0
+    assert m["staleness/hist/3"] == m["data/sequences"]  # rows of version 0 against the policy of version 3
+    ckpt = latest_checkpoint(tmp_path / "next")
+    assert ckpt.weight_version == "4"
+    saved = TrainConfig.from_yaml(ckpt.path / CONFIG_FILE)
+    assert saved.trainer.initial_version == 3
+    assert saved.model.path == str((tmp_path / "first" / "checkpoints" / "step_00000001").resolve())  # not "latest"
+    # An explicit value wins.
+    m = train(make_config(tiny_dataset, latest, tmp_path / "explicit", trainer={"max_steps": 1, "initial_version": 10}))[0]
+    assert m["train/weight_version"] == 11.0
+
+
+def test_loss_metrics_are_the_step_loss_whatever_the_mini_batches(tiny_dataset, tiny_gpt2, tmp_path):
+    # lr 0: both runs see the same weights, so the step's loss is the same number; each mini-batch's loss
+    # is normalized by its own tokens, and the logged loss weights them by their share of the step's tokens.
+    def run(out, m, agg="token-mean"):
+        return train(make_config(
+            tiny_dataset, tiny_gpt2, tmp_path / out, data={"micro_batch_tokens": 48}, optim={"lr": 0.0},
+            loss={"entropy_coef": 0.01, "agg": agg}, trainer={"max_steps": 1, "mini_batches": m},
+        ))[0]
+
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        one, two = run(f"one-{agg}", 1, agg), run(f"two-{agg}", 2, agg)
+        assert two["data/micro_batches"] >= 3
+        assert 5.0 < one["loss/entropy"] < 6.94  # near log(1024), not twice it
+        for key in ("loss/entropy", "loss/policy", "loss/total"):
+            assert two[key] == pytest.approx(one[key], abs=1e-6), (agg, key)
+
+
+def test_one_row_group_is_not_a_zero_variance_group(tiny_gpt2, tmp_path):
+    # One step of three groups: a one-row group (the selector), a zero-variance group, a group with signal.
+    data = write_rows(tmp_path / "data", [[1.0], [0.5, 0.5], [0.0, 1.0]], config=generation_config(tiny_gpt2))
+    config = make_config(data, tiny_gpt2, tmp_path / "run", data={"groups_per_step": 3, "shuffle": False},
+                         trainer={"max_steps": 1})
+    m = train(config)[0]
+    assert m["data/groups"] == 3
+    assert m["groups/zero_variance"] == 1 and m["loader/zero_variance_groups"] == 1  # the same count
+    assert m["groups/single"] == 1 and m["groups/frac_zero_variance"] == pytest.approx(1 / 3)
+    assert m["adv/max"] > 0  # the one-row group is trained (--single-member reward)
+
+
+def test_loader_figures_of_each_rank_add_up():
+    from rollshard.train.metrics import MetricAccumulator
+    from rollshard.train.trainer import Trainer as T
+
+    class Step:
+        def __init__(self, zero_var):
+            self.metrics = {"zero_variance_groups": zero_var, "groups": 2.0, "groups_examined": 4.0}
+
+    ranks = []
+    for zero_var in (1.0, 0.0):  # two ranks: one zero-variance group on the first
+        acc = MetricAccumulator()
+        T._data_metrics(object.__new__(T), Step(zero_var), [], acc)
+        ranks.append(acc.state())
+    merged = MetricAccumulator.merged(ranks).result()
+    assert merged["loader/zero_variance_groups"] == 1.0 and merged["loader/groups"] == 4.0  # this rank's: summed
+    assert merged["loader/groups_examined"] == 4.0  # the global stream's, the same on each rank: not summed
+
+
+def test_advantages_use_the_store_definition_of_reward_spread():
+    import rollshard.store.groups as groups
+    import rollshard.train.advantages as advantages
+
+    assert advantages.REWARD_STD_DDOF is groups.REWARD_STD_DDOF
+
+
+def test_decoupled_one_mini_batch_skips_the_proximal_forward(tiny_dataset, tiny_gpt2, tmp_path, monkeypatch):
+    from rollshard.train.backends.hf import HFBackend
+
+    calls = []
+    real = HFBackend.logprobs
+
+    def spy(self, batch, *, grad, **kw):
+        calls.append(grad)
+        return real(self, batch, grad=grad, **kw)
+
+    monkeypatch.setattr(HFBackend, "logprobs", spy)
+    force = {"path": False}  # True: the forward of pi_prox that one mini-batch used to run
+    needs_forward = Trainer._proximal_forward
+    monkeypatch.setattr(Trainer, "_proximal_forward", lambda self: force["path"] or needs_forward(self))
+
+    def run(out, mini_batches, *, old_path=False):
+        calls.clear()
+        force["path"] = old_path
+        config = make_config(tiny_dataset, tiny_gpt2, tmp_path / out, data={"micro_batch_tokens": 48},
+                             loss={"mode": "decoupled"}, trainer={"max_steps": 2, "mini_batches": mini_batches})
+        return train(config), list(calls)
+
+    new, new_calls = run("new", 1)
+    old, old_calls = run("old", 1, old_path=True)
+    two, two_calls = run("two", 2)
+    micro = sum(m["data/micro_batches"] for m in new)
+    assert new_calls == [True] * int(micro)  # gradient passes only
+    assert old_calls.count(False) == micro and two_calls.count(False) == micro  # one pi_prox forward per micro-batch
+    for a, b in zip(new, old):
+        for key in ("loss/total", "ratio/mean", "is/mean", "is/max", "optim/grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+
+
+def test_progress_bar_knows_the_steps_and_no_progress_silences_transformers(tiny_dataset, tiny_gpt2, tmp_path, capsys):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
     try:
-        step = next(iter(trainer.loader))
-        mbs = step.micro_batches
-        half = (len(mbs) + 1) // 2  # np.array_split: the first mini-batch takes the extra micro-batch
-        for mb in mbs[half:]:  # the second mini-batch keeps at most 4 loss tokens per sequence
-            for a, b in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
-                on = torch.nonzero(mb.loss_mask[a:b]).flatten() + a
-                mb.loss_mask[on[4:]] = 0.0
-            mb.num_loss_tokens = int(mb.loss_mask.sum())
-        per_mb = [LossNorm.of(mb.loss_mask, mb.cu_seqlens).norm_len for mb in mbs]
-        trainer.train_step(step)
-    finally:
+        # 8 groups of 2 per step, one epoch: 4 steps, though --max-steps is not given.
+        train(make_config(tiny_dataset, tiny_gpt2, tmp_path / "bar", trainer={"max_steps": None, "progress": True}))
+        assert "4/4" in capsys.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()  # left alone when our own bar is on
+        trainer = Trainer(make_config(tiny_dataset, tiny_gpt2, tmp_path / "quiet", trainer={"max_steps": 5}))
         trainer.close()
-    # Loss tokens of the longest sequence: 10 (max_new_tokens) in the first mini-batch, 4 in the second;
-    # both mini-batches divide by the step's 10.
-    assert max(per_mb[:half]) == 10.0 and max(per_mb[half:]) == 4.0
-    assert len(seen) == len(mbs) >= 3
-    assert set(seen) == {max(per_mb)}
+        assert not hf_logging.is_progress_bar_enabled()
+        assert trainer.planned_steps() == 4  # --max-steps 5, but the data holds 4
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_torn_metrics_line_is_dropped_on_resume(tiny_dataset, tiny_gpt2, tmp_path):
+    from rollshard.train.metrics import MetricsLogger
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    MetricsLogger(out, tensorboard=False, resume_step=2).close()
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not a torn tail: an error naming it
+    with pytest.raises(ValueError, match="line 2"):
+        MetricsLogger(out, tensorboard=False, resume_step=3)
