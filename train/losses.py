@@ -30,7 +30,8 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   counted) of any sequence of the step, on any rank (the trainer computes it once per
   step, before splitting the step into mini-batches).
 * Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
-  k2 ``lr^2 / 2``, k3 ``exp(-lr) - 1 + lr``; and an entropy bonus.
+  k2 ``lr^2 / 2``, k3 ``min(exp(-lr) - 1 + lr, KL_K3_CLAMP)`` (verl's clamp at 10); and an
+  entropy bonus.
 
 Metrics are local to the micro-batch; means are over its valid tokens (combine them
 weighted by ``tokens``), ``*_min`` / ``*_max`` by min / max, ``loss/*`` by sum.
@@ -51,6 +52,12 @@ from rollshard.train.config import LossConfig
 # PPO anyway. Without it one bad token (a dropped logprob, a wrong temperature) makes
 # the loss inf/NaN for the whole step.
 LOG_RATIO_CLAMP = 20.0
+# The k3 KL value is clamped at 10, as verl does (core_algos.kl_penalty "low_var_kl": the log-ratio at +-20,
+# then the k3 value at [-10, 10]; k3 >= 0, so only the top binds). k3 grows like exp(logp_ref - logp): a token
+# 5 nats less likely than under the reference would add 142 to the KL term with a gradient of -147 and
+# outweigh the whole policy loss; clamped, it adds 10 and no gradient. Below the clamp (logp_ref - logp up to
+# ~2.6 nats, logp - logp_ref up to ~11) the estimator is unchanged.
+KL_K3_CLAMP = 10.0
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -129,7 +136,7 @@ def kl_penalty(
     if kind == "k2":
         return 0.5 * lr * lr
     if kind == "k3":
-        return torch.exp(-lr) - 1.0 + lr
+        return (torch.exp(-lr) - 1.0 + lr).clamp(max=KL_K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
 
 

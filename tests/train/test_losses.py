@@ -10,6 +10,7 @@ import torch
 
 from rollshard.train.config import LossConfig
 from rollshard.train.losses import (
+    KL_K3_CLAMP,
     LOG_RATIO_CLAMP,
     LossNorm,
     effective_sample_size,
@@ -251,6 +252,44 @@ def test_decoupled_clips_on_current_over_proximal():
 def test_kl_estimators_worked_values(kind, expected):
     # logp - ref = log 2: k1 = 0.693147, k2 = 0.240227, k3 = exp(-log 2) - 1 + log 2 = 0.193147
     assert kl_penalty(torch.tensor([L(2.0)]), torch.tensor([0.0]), kind).item() == pytest.approx(expected, abs=1e-6)
+
+
+def _k3_and_grad(log_ratio):
+    logp = torch.tensor(log_ratio).requires_grad_(True)
+    kl = kl_penalty(logp, torch.zeros(len(log_ratio)), "k3")
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    return kl.detach(), grad
+
+
+def test_k3_is_clamped_at_verls_10():
+    assert KL_K3_CLAMP == 10.0
+    # logp - ref = -5: unclamped k3 = e^5 - 1 - 5 = 142.413159 with d/dlogp = 1 - e^5 = -147.413159;
+    # clamped: the token adds 10 and no gradient. logp - ref = +5: e^-5 - 1 + 5 = 4.006738, gradient
+    # 1 - e^-5 = 0.993262, under the clamp. -2.6: e^2.6 - 3.6 = 9.863738, gradient 1 - e^2.6 = -12.463738, still
+    # under it (the clamp starts near -2.61 nats).
+    kl, grad = _k3_and_grad([-5.0, 5.0, -2.6])
+    torch.testing.assert_close(kl, torch.tensor([10.0, 4.006738, 9.863738]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.993262, -12.463738]), atol=1e-5, rtol=0)
+
+
+def test_k3_small_differences_are_unchanged():
+    lr = [-1.0, -0.3, -1e-3, 0.0, 1e-3, 0.5, 2.0]
+    kl, grad = _k3_and_grad(lr)
+    x = torch.tensor(lr)
+    torch.testing.assert_close(kl, torch.exp(-x) - 1 + x, atol=1e-7, rtol=0)  # the unclamped estimator, in fp32
+    torch.testing.assert_close(grad, 1 - torch.exp(-x), atol=1e-7, rtol=0)
+    # and against exact values: k3(-1) = e - 2 = 0.7182818, k3(2) = e^-2 + 1 = 1.1353353
+    assert kl[0].item() == pytest.approx(math.e - 2, abs=1e-6) and kl[-1].item() == pytest.approx(math.exp(-2) + 1, abs=1e-6)
+
+
+def test_clamped_k3_in_the_loss():
+    # One token, A = 1, at ratio 1 (logp = rollout = -1) and 5 nats below the reference (ref = 4), kl_coef 0.1:
+    # loss = -1 + 0.1 * 10 = 0 and d loss / d logp = -1 (the policy term alone); unclamped it would be
+    # -1 + 14.2413 = 13.2413 with gradient -1 - 14.7413 = -15.7413.
+    loss, grad, m = run([0.0], [1.0], [1.0], [0, 1], cfg(kl_coef=0.1), ref_logp=torch.tensor([4.0]))
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert m["loss/kl"].item() == pytest.approx(10.0, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([-1.0]), atol=1e-6, rtol=0)
 
 
 def test_kl_and_entropy_terms_enter_the_loss():
