@@ -1,8 +1,10 @@
 """``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset.
 
 Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
-the data could not be read; 2 a usage error (bad arguments, no dataset at the path, a
-schema newer than this rollshard reads, an unknown ``--sample``). ``--json`` prints one
+the data could not be read (``stats`` and ``inspect`` refuse a damaged shard,
+:class:`~rollshard.store.errors.DataError`, with one line naming it); 2 a usage error
+(bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
+any shard, an unknown ``--sample``). ``--json`` prints one
 JSON document on stdout and nothing else there; progress goes to stderr when it is a
 terminal.
 """
@@ -24,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.errors import DataError
 from rollshard.store.groups import REWARD_STD_DDOF
 from rollshard.store.schema import SchemaVersionError
 
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetNotFoundError, SchemaVersionError, _UsageError) as e:
         _error(f"{e}")
         return EXIT_USAGE
+    except DataError as e:  # a damaged shard or manifest: the message names it and points at validate
+        _error(f"{args.path}: {e}")
+        return EXIT_PROBLEMS
     except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
         _error(f"cannot read {args.path}: {_one_line(e)}; run `{PROG} validate {args.path}`")
         return EXIT_PROBLEMS

@@ -4,21 +4,31 @@ Counts come from the manifests without touching the data. Reading goes through t
 standard tools: a ``pyarrow.dataset``, a polars ``LazyFrame`` or a HF ``datasets``
 ``IterableDataset`` over exactly the committed shard files, so a shard that is being
 written (or was left behind by a crash) is never read.
+
+Opening reads every shard's footer (on a few threads): a shard that is missing, whose
+footer does not read, whose size is not the manifest's, or that was written with a
+newer schema major is refused then (:class:`rollshard.store.errors.DataError`,
+:class:`rollshard.store.schema.SchemaVersionError`), naming the shard, so no count or
+scan mixes it in silently. Checksums and row invariants are ``rollshard-store
+validate``'s and the loader's (store/integrity.py).
 """
 
 from __future__ import annotations
 
 import os
-from functools import cached_property
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from rollshard.store.integrity import open_shard
 from rollshard.store.manifest import Manifest, ShardInfo, fingerprint, load_manifests
 from rollshard.store.schema import ROW_SCHEMA, check_schema_version, config_of
 from rollshard.store.storage import Storage
+
+OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, small reads)
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -32,6 +42,7 @@ class RolloutDataset:
         self.storage = storage
         self.manifests = manifests
         self.shards: list[ShardInfo] = sorted((s for m in manifests for s in m.shards), key=lambda s: s.path)
+        self._metadata: list[dict[bytes, bytes]] | None = None  # each shard's footer key/value metadata
 
     @classmethod
     def open(cls, path: str | os.PathLike | Storage) -> "RolloutDataset":
@@ -43,9 +54,21 @@ class RolloutDataset:
                 "check the path, or write one with rollshard-generate"
             )
         ds = cls(storage, manifests)
-        if ds.shards:
-            ds.schema_version  # noqa: B018  refuse a newer major schema up front
+        ds._open_shards()
         return ds
+
+    def _open_shards(self) -> list[dict[bytes, bytes]]:
+        """Every shard's footer metadata, after :func:`rollshard.store.integrity.open_shard`'s checks."""
+        if self._metadata is None:
+
+            def footer(shard: ShardInfo) -> dict[bytes, bytes]:
+                f, pf = open_shard(self.storage, shard)
+                with f:
+                    return pf.schema_arrow.metadata or {}
+
+            with ThreadPoolExecutor(max_workers=min(OPEN_THREADS, max(1, len(self.shards)))) as pool:
+                self._metadata = list(pool.map(footer, self.shards))  # raises the first bad shard's error, by path
+        return self._metadata
 
     # -- counts (manifest only) -------------------------------------------------------------
 
@@ -83,18 +106,16 @@ class RolloutDataset:
         """Filesystem paths of the committed shards."""
         return [self.storage.path(s.path) for s in self.shards]
 
-    @cached_property
+    @property
     def _first_metadata(self) -> dict[bytes, bytes]:
-        if not self.shards:
-            return {}
-        with self.storage.fs.open_input_file(self.files[0]) as f:
-            return pq.read_schema(f).metadata or {}
+        return self._open_shards()[0] if self.shards else {}
 
     @property
     def schema_version(self) -> str | None:
+        """The first shard's schema version (every shard's major was checked when the dataset was opened)."""
         if not self.shards:
             return None
-        return check_schema_version(self._first_metadata, self.files[0])
+        return check_schema_version(self._first_metadata, self.shards[0].path)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -107,10 +128,8 @@ class RolloutDataset:
     # -- reading ----------------------------------------------------------------------------
 
     def parquet_file(self, shard: ShardInfo) -> pq.ParquetFile:
-        f = self.storage.fs.open_input_file(self.storage.path(shard.path))
-        pf = pq.ParquetFile(f)
-        check_schema_version(pf.schema_arrow.metadata, self.storage.path(shard.path))
-        return pf
+        """One shard, after :func:`rollshard.store.integrity.open_shard`'s checks."""
+        return open_shard(self.storage, shard)[1]
 
     def to_arrow(self) -> pads.Dataset:
         """A ``pyarrow.dataset`` over the committed shards."""

@@ -41,6 +41,22 @@ version in effect when the trainer asks for it. Prefetched steps record the rang
 versions their staleness decisions hold for, and are re-planned when a version change
 falls outside it.
 
+**Damaged data never reaches a step.** A shard is checked against its manifest entry
+and the schema before its rows are used, and a break raises
+:class:`~rollshard.store.errors.DataError` (re-exported here) out of iteration, one line
+naming the shard, the row (sample id) and the problem: when the loader opens the
+dataset, every shard's footer, schema version, size, and the exact types of the columns
+read (no cast: int64 ids or float64 logprobs are refused); at every open of a file, its
+size; for every block read, the row invariants of schema.py on the columns read
+(:func:`~rollshard.store.schema.check_projection`: logprobs finite and <= 0 under the
+mask, lengths aligned, token ids non-negative, a known status, ...); and the file's
+sha256, hashed on a third thread (store/integrity.py :class:`Checksums`), queued a few
+blocks before the reader reaches the shard. A step is planned from blocks as they
+arrive but handed on only once every shard it draws from is verified, so a shard whose
+bytes changed can cost a planned step, never a delivered one. Each shard is hashed once
+per loader (a later epoch does not hash again). ``LoaderConfig.verify_data=False`` turns
+the checks off, for measuring what they cost only (tests/bench/bench_loader.py).
+
 **Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps,
 independent of the dataset's size (plus one 8-byte hash per group while the dataset
 is opened, to check that no group spans two shards).
@@ -68,10 +84,14 @@ import torch
 
 from rollshard.store.groups import is_zero_variance
 from rollshard.store.dataset import RolloutDataset
+from rollshard.store.errors import DataError
+from rollshard.store.integrity import Checksums, check_column_types, check_rows, open_shard, verify_sha256
+from rollshard.store.manifest import ShardInfo
 from rollshard.store.packing import PackedBatch, Sequences, pack
-from rollshard.store.schema import STATUS_VALUES, check_schema_version
+from rollshard.store.schema import STATUS_VALUES
+from rollshard.store.storage import Storage
 
-__all__ = ["LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
+__all__ = ["DataError", "LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
 
 STATE_FORMAT = "rollshard-loader"
 STATE_VERSION = 1
@@ -82,6 +102,7 @@ POLL_S = 0.1  # how often a blocked background thread checks whether it was told
 JOIN_S = 10.0  # how long close() waits for a thread to finish the read it is in
 OPEN_FILES = 16  # Parquet files a reader keeps open (shards are read block by block, in shuffled order)
 SCAN_THREADS = 8  # shards scanned at once when the loader opens a dataset (I/O bound)
+HASH_AHEAD_BLOCKS = 8  # shards of the next blocks queued for their checksum before the reader gets there
 _TAG_BLOCKS, _TAG_WINDOW = 1, 2  # random streams: block order, window permutation
 
 FILTER_KEYS = (
@@ -120,6 +141,9 @@ class LoaderConfig:
     prefetch: int = 4  # blocks read ahead, and packed steps ready ahead
     tail: Literal["drop", "partial"] = "drop"  # the last incomplete global step of an epoch
     pin_memory: bool = False  # page-lock the packed tensors (when CUDA is available)
+    # Checksums, exact column types and row invariants (module docstring). Off only to measure what they
+    # cost: a damaged shard then reaches the trainer.
+    verify_data: bool = True
 
     def check(self) -> None:
         for name in ("groups_per_step", "micro_batch_tokens", "shuffle_window", "prefetch"):
@@ -174,9 +198,7 @@ class _Block:
 
 
 def _open(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
-    path = dataset.storage.path(dataset.shards[shard].path)
-    f = dataset.storage.fs.open_input_file(path)
-    return f, pq.ParquetFile(f)
+    return open_shard(dataset.storage, dataset.shards[shard])  # size and schema version at every open
 
 
 def _shard_blocks(pf: pq.ParquetFile) -> tuple[list[tuple[tuple[int, ...], int]], list[str]]:
@@ -199,14 +221,19 @@ def _shard_blocks(pf: pq.ParquetFile) -> tuple[list[tuple[tuple[int, ...], int]]
     return blocks, list(first)
 
 
-def _scan_blocks(dataset: RolloutDataset) -> list[_Block]:
+def _scan_blocks(dataset: RolloutDataset, check_types: bool = True) -> list[_Block]:
     """Every block of the dataset; raises when a group has rows in two shards."""
 
     def scan(i: int):
+        where = dataset.shards[i].path
         f, pf = _open(dataset, i)
         with f:
-            check_schema_version(pf.schema_arrow.metadata, dataset.files[i])
-            blocks, ids = _shard_blocks(pf)
+            if check_types:
+                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS, where)
+            try:
+                blocks, ids = _shard_blocks(pf)
+            except (OSError, pa.ArrowException) as e:
+                raise DataError(f"{where}: cannot read its group ids: {_one_line(e)}") from e
         return blocks, np.fromiter((hash(g) for g in ids), np.int64, len(ids))
 
     with ThreadPoolExecutor(max_workers=min(SCAN_THREADS, max(1, len(dataset.shards)))) as pool:
@@ -263,6 +290,8 @@ def _bool(arr: pa.Array) -> np.ndarray:
 class _BlockData:
     """One block in memory: the filter columns as numpy, token columns as flat values + offsets."""
 
+    shard: int = -1  # index in dataset.shards (-1: read outside a loader)
+
     def __init__(self, small: pa.Table, filters: _Filters):
         enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance
         codes = enc.indices.to_numpy()
@@ -312,12 +341,48 @@ def _parse_version(version: Any, what: str) -> int:
         ) from e
 
 
-def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters) -> _BlockData:
-    """Column projection: the filter columns first, the token columns only when some row passes."""
-    data = _BlockData(pf.read_row_groups(block.row_groups, columns=SMALL_COLUMNS), filters)
-    if data.needs_tokens:
-        data.set_tokens(pf.read_row_groups(block.row_groups, columns=TOKEN_COLUMNS))
+def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str, check: bool = True) -> _BlockData:
+    """Column projection: the filter columns first, the token columns only when some row passes.
+
+    With ``check``, the rows read are checked (:func:`rollshard.store.integrity.check_rows`) before
+    anything is built from them; ``shard`` (dataset-relative path) names the block in errors.
+    """
+    rgs = list(block.row_groups)
+    where = f"{shard} (row group{'s' * (len(rgs) > 1)} {', '.join(map(str, rgs))})"
+    try:
+        small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS))
+        tokens = None
+        if _passes(small, filters).any():
+            tokens = _one_chunk(pf.read_row_groups(rgs, columns=TOKEN_COLUMNS))
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{where}: not readable: {_one_line(e)}") from e
+    if check:  # one check of the columns read (a block none of whose rows passes reaches no step)
+        columns = {**{n: small.column(n) for n in SMALL_COLUMNS}, **({} if tokens is None else
+                   {n: tokens.column(n) for n in TOKEN_COLUMNS})}
+        check_rows(pa.table(columns), where)
+    data = _BlockData(small, filters)
+    assert data.needs_tokens == (tokens is not None)
+    if tokens is not None:
+        data.set_tokens(tokens)
     return data
+
+
+def _one_chunk(table: pa.Table) -> pa.Table:
+    """Each column in one chunk (a block of several row groups reads as several), so that the checks and
+    the token arrays below see flat buffers without copying twice."""
+    return pa.table({n: _single(table.column(n)) for n in table.column_names})
+
+
+def _passes(small: pa.Table, filters: _Filters) -> np.ndarray:
+    """[rows] whether a row passes the status and agent filters (those that decide whether tokens are read)."""
+    ok = _bool(pc.is_in(_single(small.column("status")), value_set=filters.statuses))
+    if filters.agents is not None:
+        ok &= _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
+    return ok
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 # -- order ---------------------------------------------------------------------------------
@@ -534,6 +599,7 @@ class _Stream:
         self.rank, self.world_size = rank, world_size
         self.filters = _Filters.of(cfg)
         self._plans: dict[int, _EpochPlan] = {}
+        self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}")
 
     def plan(self, epoch: int) -> _EpochPlan:
         plan = self._plans.get(epoch)
@@ -555,21 +621,47 @@ class _Stream:
                 for i in range(pos, len(order)):
                     if stop.is_set():
                         return
+                    if self.cfg.verify_data:  # hashing runs ahead of the reading, so that a step rarely waits
+                        for b in order[i : i + HASH_AHEAD_BLOCKS]:
+                            self.checksums.touch(self.blocks[b].shard)
                     data = preloaded.pop((epoch, i), None)
                     if data is None:
-                        block = self.blocks[order[i]]
-                        data = _read_block(self._file(files, block.shard), block, self.filters)
-                        if len(data.group_ids) != block.num_groups:
-                            raise RuntimeError(
-                                f"{self.dataset.files[block.shard]}: row groups {list(block.row_groups)} hold "
-                                f"{len(data.group_ids)} groups, {block.num_groups} when the loader opened the dataset; "
-                                "a committed shard must not change (open a new loader)"
-                            )
+                        data = self._read(files, self.blocks[order[i]], stop)
+                        if data is None:
+                            return
                     yield (epoch, i), data
                 epoch, pos = epoch + 1, 0
         finally:
             for f, _ in files.values():
                 f.close()
+
+    def _read(self, files: collections.OrderedDict, block: _Block, stop: threading.Event) -> _BlockData | None:
+        """One block, checked; None when told to stop while waiting for a checksum."""
+        shard = self.dataset.shards[block.shard].path
+        verify = self.cfg.verify_data  # read_blocks queued this shard's checksum already
+        try:
+            data = _read_block(self._file(files, block.shard), block, self.filters, shard, check=verify)
+            if len(data.group_ids) != block.num_groups:
+                raise DataError(
+                    f"{shard}: row groups {list(block.row_groups)} hold {len(data.group_ids)} groups, "
+                    f"{block.num_groups} when the loader opened the dataset; a committed shard must not change "
+                    "(open a new loader)"
+                )
+        except DataError:
+            # Damaged bytes show up as unreadable pages or absurd values; the checksum names the cause.
+            if verify and not self.checksums.wait(block.shard, stop):
+                return None
+            raise
+        data.shard = block.shard
+        return data
+
+    def _verified(self, pending: list[tuple[_BlockData, int, np.ndarray]], stop: threading.Event) -> None:
+        """Wait until every shard ``pending`` draws from is verified (raises the DataError of one that is not)."""
+        if not self.cfg.verify_data:
+            return
+        for shard in sorted({bd.shard for bd, _, _ in pending}):
+            if not self.checksums.wait(shard, stop):
+                raise _Stopped
 
     def _file(self, files: collections.OrderedDict, shard: int) -> pq.ParquetFile:
         if shard in files:
@@ -618,6 +710,7 @@ class _Stream:
                         if kept is not None:
                             pending.append((bd, lo + int(perm[p]) - int(plan.cum[i]), kept))
                         if len(pending) == full:
+                            self._verified(pending, stop)
                             epoch_counts.update(seg.counts)
                             epoch_counts["steps"] += 1
                             after = _Cursor(epoch, lo + p + 1, step + 1)
@@ -625,6 +718,7 @@ class _Stream:
                             step += 1
                             pending, seg = [], _Segment(version.current.threshold, self.filters)
                 if pending and cfg.tail == "partial":
+                    self._verified(pending, stop)
                     epoch_counts.update(seg.counts)
                     epoch_counts["steps"] += 1
                     yield self._item(pending, seg, _Cursor(epoch, plan.num_groups, step + 1), epoch, step, epoch_counts)
@@ -748,7 +842,8 @@ class RolloutLoader:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
         self.rank, self.world_size = rank, world_size
-        self._stream = _Stream(self.dataset, _scan_blocks(self.dataset), config, rank, world_size)
+        blocks = _scan_blocks(self.dataset, check_types=config.verify_data)
+        self._stream = _Stream(self.dataset, blocks, config, rank, world_size)
         self.num_groups = sum(b.num_groups for b in self._stream.blocks)
         self._version = _VersionBox()
         if config.current_version is not None:
@@ -829,6 +924,7 @@ class RolloutLoader:
         """Stop the background threads (iteration can start again later from the cursor)."""
         self._stop_producer()
         self._held = {}
+        self._stream.checksums.close()
 
     def __enter__(self) -> "RolloutLoader":
         return self
@@ -839,6 +935,8 @@ class RolloutLoader:
     def __del__(self) -> None:
         if getattr(self, "_producer", None) is not None:
             self._producer.close()
+        if getattr(self, "_stream", None) is not None:
+            self._stream.checksums.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -918,7 +1016,8 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
     ``datasets.distributed.split_dataset_by_node`` keeps groups whole: it hands out whole
     shards when their number divides by the world size, and every world_size-th group
     otherwise. Shuffling (``.shuffle(seed, buffer_size)``), batching and packing are then
-    HF's and the user's; HF's resume of a shuffled stream is not exact.
+    HF's and the user's; HF's resume of a shuffled stream is not exact. Each shard is checked
+    as the loader checks it (with ``verify_data``), its sha256 before its first group is yielded.
     """
     import datasets
 
@@ -931,33 +1030,46 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
     return datasets.IterableDataset.from_generator(
         _hf_generate,
         features=datasets.Features.from_arrow_schema(HF_GROUP_SCHEMA),
-        gen_kwargs={"files": ds.files, "config": cfg},
+        # one list entry per shard: HF splits gen_kwargs lists into its shards
+        gen_kwargs={"shards": [dataclasses.asdict(s) for s in ds.shards], "root": ds.storage.root, "config": cfg},
     )
 
 
-def _hf_generate(files: list[str], config: dict) -> Iterator[dict]:
+def _hf_generate(shards: list[dict], root: str, config: dict) -> Iterator[dict]:
     cfg = LoaderConfig(**config)
     filters = _Filters.of(cfg)
     threshold = None
     if cfg.max_staleness is not None:
         threshold = _parse_version(cfg.current_version, "current_version") - cfg.max_staleness
-    for path in files:
-        pf = pq.ParquetFile(path)
-        check_schema_version(pf.schema_arrow.metadata, path)
-        for rgs, n in _shard_blocks(pf)[0]:
-            bd = _read_block(pf, _Block(shard=-1, row_groups=rgs, num_groups=n), filters)
-            seg = _Segment(threshold, filters)
-            for j in range(len(bd.group_ids)):
-                rows = seg.examine(bd, j)
-                if rows is None:
-                    continue
-                rows = rows.tolist()
-                yield {
-                    "group_id": bd.group_ids[j],
-                    "sample_id": [bd.sample_id[r] for r in rows],
-                    "agent": [bd.agent[r] for r in rows],
-                    "weight_version": [bd.weight_version[r] for r in rows],
-                    "reward": bd.reward[rows].tolist(),
-                    "temperature": bd.temperature[rows].tolist(),
-                    **{name: [bd.row_tokens(name, r).tolist() for r in rows] for name in TOKEN_COLUMNS},
-                }
+    storage = Storage(root)
+    for info in map(lambda d: ShardInfo(**d), shards):
+        f, pf = open_shard(storage, info)
+        with f:
+            if cfg.verify_data:
+                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS, info.path)
+                verify_sha256(storage, info)  # whole before its first group: HF has no step to hold back
+            yield from _hf_shard_groups(pf, info.path, filters, threshold, cfg.verify_data)
+
+
+def _hf_shard_groups(pf: pq.ParquetFile, shard: str, filters: _Filters, threshold, check: bool) -> Iterator[dict]:
+    try:
+        blocks = _shard_blocks(pf)[0]
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{shard}: cannot read its group ids: {_one_line(e)}") from e
+    for rgs, n in blocks:
+        bd = _read_block(pf, _Block(shard=-1, row_groups=rgs, num_groups=n), filters, shard, check)
+        seg = _Segment(threshold, filters)
+        for j in range(len(bd.group_ids)):
+            rows = seg.examine(bd, j)
+            if rows is None:
+                continue
+            rows = rows.tolist()
+            yield {
+                "group_id": bd.group_ids[j],
+                "sample_id": [bd.sample_id[r] for r in rows],
+                "agent": [bd.agent[r] for r in rows],
+                "weight_version": [bd.weight_version[r] for r in rows],
+                "reward": bd.reward[rows].tolist(),
+                "temperature": bd.temperature[rows].tolist(),
+                **{name: [bd.row_tokens(name, r).tolist() for r in rows] for name in TOKEN_COLUMNS},
+            }

@@ -30,6 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rollshard.store.errors import DataError
+
 SCHEMA_VERSION = "1.0"
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS): the logprob is then
 # log softmax(logits), not of logits / temperature. Engines and trainer share it.
@@ -150,7 +152,7 @@ class Row:
         return cls(**kw)
 
 
-class SchemaVersionError(ValueError):
+class SchemaVersionError(DataError):
     """A file was written with a schema this rollshard cannot read."""
 
 
@@ -216,6 +218,24 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
     Written for the common case of a clean table: a handful of whole-column numpy checks,
     and per-row detail only for the rows that fail.
     """
+    return _check(table, limit, set(ROW_SCHEMA.names))
+
+
+def check_projection(table: pa.Table, *, limit: int = 20) -> list[Problem]:
+    """:func:`check_table` on a projection of :data:`ROW_SCHEMA` columns (``sample_id`` among them).
+
+    Each invariant is checked when the table has every column it involves; the loader,
+    which reads only the columns a step needs, checks each block it reads with this.
+    """
+    if "sample_id" not in table.column_names:
+        raise ValueError("check_projection needs the sample_id column to name the rows it reports")
+    return _check(table, limit, set(table.column_names) & set(ROW_SCHEMA.names))
+
+
+TOKEN_LISTS = ("response_tokens", "rollout_logprobs", "loss_mask")  # the columns of the length invariant
+
+
+def _check(table: pa.Table, limit: int, has: set[str]) -> list[Problem]:
     problems: list[Problem] = []
     ids: list[str] | None = None
 
@@ -226,24 +246,29 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
             problems.append(Problem(ids[i], field, detail_of(int(i))))
 
     for field in ROW_SCHEMA:
-        if not field.nullable and table.column(field.name).null_count:
+        if field.name in has and not field.nullable and table.column(field.name).null_count:
             add(np.flatnonzero(table.column(field.name).is_null().to_numpy(zero_copy_only=False)), field.name, lambda i: "is null")
     if problems:  # the checks below assume the required columns are present
         return problems
 
-    resp, resp_off = _flat(table.column("response_tokens"))
-    lp, lp_off = _flat(table.column("rollout_logprobs"))
-    mask, mask_off = _flat(table.column("loss_mask"))
-    n_resp, n_lp, n_mask = np.diff(resp_off), np.diff(lp_off), np.diff(mask_off)
-    bad_len = np.flatnonzero((n_resp != n_lp) | (n_resp != n_mask))
-    add(
-        bad_len,
-        "rollout_logprobs",
-        lambda i: f"length {n_lp[i]} and loss_mask length {n_mask[i]} must both equal response_tokens length "
-        f"{n_resp[i]}; keep the engine's logprob of every response token",
-    )
+    tokens = has.issuperset(TOKEN_LISTS)
+    bad_len = np.zeros(0, np.int64)
+    if tokens:
+        resp, resp_off = _flat(table.column("response_tokens"))
+        lp, lp_off = _flat(table.column("rollout_logprobs"))
+        mask, mask_off = _flat(table.column("loss_mask"))
+        n_resp, n_lp, n_mask = np.diff(resp_off), np.diff(lp_off), np.diff(mask_off)
+        bad_len = np.flatnonzero((n_resp != n_lp) | (n_resp != n_mask))
+        add(
+            bad_len,
+            "rollout_logprobs",
+            lambda i: f"length {n_lp[i]} and loss_mask length {n_mask[i]} must both equal response_tokens length "
+            f"{n_resp[i]}; keep the engine's logprob of every response token",
+        )
 
     for col in ("sample_id", "group_id", "prompt_id", "agent"):
+        if col not in has:
+            continue
         vals = table.column(col)
         lengths = pc.utf8_length(vals).to_numpy(zero_copy_only=False)  # null -> NaN
         if vals.null_count or not (lengths > 0).all():
@@ -252,7 +277,7 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
     def row_of(flat_idx: int) -> int:
         return int(np.searchsorted(mask_off, flat_idx, side="right") - 1)
 
-    if not bad_len.size and mask.size:
+    if tokens and not bad_len.size and mask.size:
         if mask.max() > 1:
             add(sorted({row_of(j) for j in np.flatnonzero(mask > 1)[:limit]}), "loss_mask", lambda i: "values must be 0 or 1")
         # Fast path: reductions only (NaN propagates through max/min and fails both tests).
@@ -280,31 +305,36 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
                         ),
                     )
 
-    for col, (flat, offsets) in (("prompt_tokens", _flat(table.column("prompt_tokens"))), ("response_tokens", (resp, resp_off))):
+    for col in ("prompt_tokens", "response_tokens"):
+        if col not in has:
+            continue
+        flat, offsets = (resp, resp_off) if col == "response_tokens" and tokens else _flat(table.column(col))
         if flat.size and flat.min() < 0:
             rows = sorted({int(np.searchsorted(offsets, j, side="right") - 1) for j in np.flatnonzero(flat < 0)[:limit]})
-            add(rows, col, lambda i: "token ids must be non-negative")
+            add(rows, col, lambda i, col=col: "token ids must be non-negative")
 
-    status = table.column("status")
-    known = pc.is_in(status, value_set=_STATUS_SET).to_numpy(zero_copy_only=False)
-    if not known.all():
-        statuses = status.to_pylist()
-        add(np.flatnonzero(~known), "status", lambda i: f"{statuses[i]!r} is not one of {', '.join(STATUS_VALUES)}")
+    if "status" in has:
+        status = table.column("status")
+        known = pc.is_in(status, value_set=_STATUS_SET).to_numpy(zero_copy_only=False)
+        if not known.all():
+            statuses = status.to_pylist()
+            add(np.flatnonzero(~known), "status", lambda i: f"{statuses[i]!r} is not one of {', '.join(STATUS_VALUES)}")
 
-    reward = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
-    no_reward = ~np.isfinite(reward)
-    if no_reward.any():
-        failed = pc.equal(status, Status.FAILED.value).to_numpy(zero_copy_only=False)
-        add(
-            np.flatnonzero(no_reward & ~(failed == True)),  # noqa: E712  (null status counts as not failed)
-            "reward",
-            lambda i: f"is {table.column('reward')[i].as_py()!r}; only a failed row may lack a finite reward",
-        )
+    if has.issuperset(("reward", "status")):
+        reward = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+        no_reward = ~np.isfinite(reward)
+        if no_reward.any():
+            failed = pc.equal(status, Status.FAILED.value).to_numpy(zero_copy_only=False)
+            add(
+                np.flatnonzero(no_reward & ~(failed == True)),  # noqa: E712  (null status counts as not failed)
+                "reward",
+                lambda i: f"is {table.column('reward')[i].as_py()!r}; only a failed row may lack a finite reward",
+            )
 
     # The trainer recomputes logprobs at each row's own temperature; a trainable row without one would be
     # trained as if sampled at 1.0, against logprobs the engine took at another temperature.
-    temperature = table.column("temperature")
-    if temperature.null_count:
+    temperature = table.column("temperature") if "temperature" in has and tokens else None
+    if temperature is not None and temperature.null_count:
         no_temp = temperature.is_null().to_numpy(zero_copy_only=False)
         on = np.concatenate([[0], np.cumsum(mask == 1)])  # [flat + 1] trained tokens before each position
         trainable = on[mask_off[1:]] > on[mask_off[:-1]]  # [rows] at least one loss_mask-1 token
@@ -314,7 +344,7 @@ def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
             lambda i: "is null on a row with trained tokens (loss_mask 1); store the sampling temperature",
         )
 
-    if table.num_rows > 1 and len(pc.unique(table.column("sample_id"))) != table.num_rows:
+    if "sample_id" in has and table.num_rows > 1 and len(pc.unique(table.column("sample_id"))) != table.num_rows:
         seen: set[str] = set()
         all_ids = table.column("sample_id").to_pylist()
         dup = [i for i, s in enumerate(all_ids) if s in seen or seen.add(s)]  # type: ignore[func-returns-value]

@@ -4,6 +4,7 @@ import pyarrow.compute as pc
 import pytest
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.errors import DataError
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import ShardWriter, WriterOptions
 
@@ -73,3 +74,14 @@ def test_standard_readers_need_no_rollshard_code(dataset):
 def test_missing_dataset_is_one_clear_error(tmp_path):
     with pytest.raises(DatasetNotFoundError, match="no rollshard dataset here .* check the path"):
         RolloutDataset.open(tmp_path / "nope")
+
+
+def test_open_checks_every_shard_not_only_the_first(dataset):
+    path, _ = dataset
+    shards = RolloutDataset.open(path).shards
+    assert len(shards) > 1
+    (path / shards[-1].path).unlink()
+    with pytest.raises(DataError) as info:
+        RolloutDataset.open(path)
+    assert str(info.value) == (f"{shards[-1].path}: the manifest lists this shard but the file is not there; "
+                               "run `rollshard-store validate` on the dataset for every problem")

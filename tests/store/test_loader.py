@@ -15,6 +15,7 @@ import torch
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, hf_groups
 from rollshard.store.packing import unpack
+from rollshard.store.storage import Storage
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import ShardWriter, WriterOptions
 
@@ -428,12 +429,24 @@ def test_a_group_spanning_two_shards_raises(tmp_path):
         RolloutLoader(tmp_path, cfg())
 
 
+def recommit(root, rel: str) -> None:
+    """Record a rewritten shard's new size and checksum in its manifest entry (the loader checks both)."""
+    storage = Storage(root)
+    for path in (root / "_manifests").glob("*.json"):
+        doc = json.loads(path.read_text())
+        for entry in doc["shards"]:
+            if entry["path"] == rel:
+                entry.update(bytes=storage.size(rel), sha256=storage.sha256(rel))
+        path.write_text(json.dumps(doc))
+
+
 def test_a_group_spanning_row_groups_is_read_whole(tmp_path):
     t = synthetic_table(12, 4, seed=3, uneven_groups=True, **SMALL)
     ds = write(tmp_path, t, options=WriterOptions())
     path = ds.files[0]
     meta = pq.read_schema(path).metadata
     pq.write_table(pq.read_table(path).replace_schema_metadata(meta), path, row_group_size=3)  # splits groups
+    recommit(tmp_path, ds.shards[0].path)
     assert pq.ParquetFile(path).metadata.num_row_groups > 10
     steps = run(RolloutDataset.open(tmp_path), cfg(tail="partial", shuffle_window=3))
     assert delivered(steps) == rows_of_groups(ds)
@@ -450,9 +463,10 @@ def test_close_and_abandoned_iterators_stop_the_threads(dataset):
     loader = RolloutLoader(dataset, cfg(num_epochs=None))
     it = iter(loader)
     next(it)
-    assert len(loader_threads()) == 2  # reader and packer
+    assert len(loader_threads()) == 2  # reader and packer (and, while shards are being hashed, a checksum thread)
     loader.close()
     assert loader_threads() == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("rollshard-checksum")]
     it = iter(loader)
     next(it)
     del it  # an abandoned iterator stops its threads
