@@ -5,6 +5,12 @@ A shard is part of a dataset exactly when an entry for it is in some manifest un
 ``_manifests/<writer_id>.json`` and rewrites it whole (write-new-then-rename) after
 each shard it commits, so several writers never contend for one file and the dataset
 is the union of their manifests.
+
+A shard path in a manifest is relative to the dataset root and lies under ``shards/``
+(the writer's ``shards/<writer_id>-<n>.parquet``; subfolders of ``shards/`` are allowed):
+forward slashes, no empty, ``.`` or ``..`` component, no backslash, not absolute, no
+URI scheme. A manifest that lists anything else is refused when it is loaded, so no
+reader (validate included) opens a file outside the dataset because a manifest says so.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import re
 from typing import Any
 
+from rollshard.store.errors import DataError
 from rollshard.store.schema import SCHEMA_VERSION
 from rollshard.store.storage import Storage
 
@@ -78,13 +85,16 @@ class Manifest:
                     f"manifest version {doc['manifest_version']} is newer than this rollshard's {MANIFEST_VERSION}; "
                     "upgrade rollshard"
                 )
-            return cls(
+            manifest = cls(
                 writer_id=doc["writer_id"],
                 shards=[ShardInfo(**s) for s in doc["shards"]],
                 config=doc.get("config") or {},
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: unreadable manifest: {e}") from e
+        for shard in manifest.shards:
+            check_shard_path(shard.path, where)
+        return manifest
 
     @classmethod
     def load(cls, storage: Storage, writer_id: str) -> "Manifest | None":
@@ -96,6 +106,24 @@ class Manifest:
     def save(self, storage: Storage) -> None:
         storage.makedirs(MANIFEST_DIR)
         storage.write_atomic(self.rel_path(self.writer_id), self.to_json())
+
+
+def check_shard_path(path: Any, where: str) -> None:
+    """Raise :class:`DataError` unless ``path`` is a relative path under ``shards/`` (module docstring)."""
+    parts = path.split("/") if isinstance(path, str) else []
+    inside = (
+        len(parts) >= 2
+        and parts[0] == SHARD_DIR
+        and all(p not in ("", ".", "..") for p in parts)
+        and "\\" not in path
+        and ":" not in path
+        and "\0" not in path
+    )
+    if not inside:
+        raise DataError(
+            f"{where}: shard path {path!r} is not inside the dataset: a manifest may list only relative paths under "
+            f"{SHARD_DIR}/ (no '..', not absolute); fix or remove this manifest entry"
+        )
 
 
 def load_manifests(storage: Storage) -> list[Manifest]:

@@ -1,0 +1,82 @@
+"""Manifests may list only files under the dataset's shards/ folder: no reader follows one outside."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rollshard.store.cli import main
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.errors import DataError
+from rollshard.store.loader import LoaderConfig, RolloutLoader
+from rollshard.store.manifest import check_shard_path
+from rollshard.store.storage import Storage
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.validate import validate_dataset
+from rollshard.store.writer import ShardWriter
+
+
+@pytest.mark.parametrize("path", [
+    "../outside/x.parquet",
+    "shards/../../outside/x.parquet",
+    "../../../../../../../../etc/passwd",
+    "/etc/passwd",
+    "x.parquet",  # in the root, not under shards/
+    "_manifests/a.json",
+    "shards/./x.parquet",
+    "shards//x.parquet",
+    "shards/",
+    "shards\\..\\..\\x.parquet",
+    "s3://bucket/shards/x.parquet",
+    "C:/shards/x.parquet",
+])
+def test_paths_outside_shards_are_refused(path):
+    with pytest.raises(DataError) as info:
+        check_shard_path(path, "_manifests/w.json")
+    assert str(info.value) == (
+        f"_manifests/w.json: shard path {path!r} is not inside the dataset: a manifest may list only relative paths "
+        "under shards/ (no '..', not absolute); fix or remove this manifest entry"
+    )
+
+
+@pytest.mark.parametrize("path", ["shards/w0-00000.parquet", "shards/host-1/w0-00000.parquet", "shards/a..b.parquet"])
+def test_paths_under_shards_are_accepted(path):
+    check_shard_path(path, "_manifests/w.json")
+
+
+@pytest.fixture
+def escaping(tmp_path) -> Path:
+    """A dataset whose manifest points at a real, valid shard outside it (``../outside/x.parquet``)."""
+    root = tmp_path / "ds"
+    with ShardWriter(root, writer_id="w0") as w:
+        w.write_groups(synthetic_table(8, 2, seed=1, prompt_len=(2, 4), response_len=(2, 6)))
+    (tmp_path / "outside").mkdir()
+    shutil.move(root / "shards/w0-00000.parquet", tmp_path / "outside/x.parquet")
+    doc = json.loads((root / "_manifests/w0.json").read_text())
+    doc["shards"][0]["path"] = "../outside/x.parquet"  # size and checksum still those of the file it names
+    (root / "_manifests/w0.json").write_text(json.dumps(doc))
+    assert Storage(root).sha256("../outside/x.parquet") == doc["shards"][0]["sha256"]
+    return root
+
+
+def test_readers_refuse_a_manifest_that_points_outside(escaping, capsys):
+    manifest = Storage(escaping).path("_manifests/w0.json")
+    message = (f"{manifest}: shard path '../outside/x.parquet' is not inside the dataset: a manifest may list only "
+               "relative paths under shards/ (no '..', not absolute); fix or remove this manifest entry")
+    with pytest.raises(DataError) as info:
+        RolloutDataset.open(escaping)
+    assert str(info.value) == message
+    with pytest.raises(DataError) as info:
+        RolloutLoader(escaping, LoaderConfig(groups_per_step=1))
+    assert str(info.value) == message
+    assert main(["stats", str(escaping)]) == 1
+    assert capsys.readouterr().err == f"rollshard-store: error: {escaping}: {message}\n"
+
+    # validate reports the manifest and reads nothing it lists
+    report = validate_dataset(escaping)
+    assert not report.ok and report.shards == []
+    (problem,) = report.dataset_problems
+    assert problem.check == "manifest" and "'../outside/x.parquet' is not inside the dataset" in problem.detail
