@@ -25,10 +25,11 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   micro-batch gradients equals the gradient of one large batch:
   token-mean ``sum(m L) / n_tokens``; seq-mean-token-mean
   ``sum_i (sum_t m L / sum_t m) / n_seqs``; seq-mean-token-sum-norm (Dr. GRPO)
-  ``sum(m L) / (n_seqs * norm_len)``, ``norm_len`` a constant of the whole optimizer
-  step: ``--norm-len`` or the most loss tokens (``sum_t m``, masked tool tokens not
-  counted) of any sequence of the step, on any rank (the trainer computes it once per
-  step, before splitting the step into mini-batches).
+  ``sum(m L) / (n_seqs * norm_len)``, ``norm_len`` a constant: the trainer passes one
+  for the whole run (``--norm-len``, else the dataset's ``max_new_tokens`` times the
+  model turns per row), so the loss scale does not move from step to step, as in
+  Dr. GRPO and verl. Called without one, :class:`LossNorm` falls back to the most loss
+  tokens (``sum_t m``) of any sequence of the batch it is given.
 * Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
   k2 ``lr^2 / 2``, k3 ``min(exp(-lr) - 1 + lr, KL_K3_CLAMP)`` (verl's clamp at 10); and an
   entropy bonus.
