@@ -252,7 +252,7 @@ class TrainConfig:
         config written next to a checkpoint shows the values used; raise ValueError with the fix for any
         setting a run cannot use. ``require_paths=False`` accepts a config without dataset, model or output
         (a template, ``--print-config``). Defaults that depend on files (the model's weight version, the
-        dataset's length constant) are the trainer's to resolve (``rollshard.train.trainer.prepare_config``)."""
+        dataset's length constant) are the trainer's to resolve (``rollshard.train.setup.prepare_config``)."""
         low, high = self.loss.clip_range()
         self.loss = dataclasses.replace(self.loss, eps_low=low, eps_high=high)
         loss, opt, data, tr = self.loss, self.optim, self.data, self.trainer

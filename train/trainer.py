@@ -1,11 +1,7 @@
 """The GRPO loop: loader steps in, one (or ``mini_batches``) optimizer update per step.
 
-Before anything is loaded, :func:`prepare_config` resolves the settings that depend on
-files: ``--model`` must be a local folder (made absolute, ``checkpoints/latest``
-resolved), the initial weight version is that of a rollshard checkpoint folder (else
-0; ``--initial-version`` wins), and ``--out`` may not be the dataset, inside it, or a
-model folder. Dr. GRPO's ``--norm-len`` defaults to a constant of the run, the most
-loss tokens a row can hold by the dataset's generation config (:func:`run_norm_len`).
+Before anything is loaded, :func:`rollshard.train.setup.prepare_config` resolves the
+settings that depend on files (the model folder, the initial weight version, ``--out``).
 
 One step, on every data-parallel rank:
 
@@ -51,7 +47,6 @@ import numpy as np
 import torch
 
 from rollshard.store.packing import PackedBatch
-from rollshard.store.versions import folder_weight_version, resolve_model_path
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
@@ -59,12 +54,11 @@ from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, la
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
+from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
 # Step.metrics of the loader that are this rank's (packing figures: summed over ranks); its filter counts are of
 # the global stream, the same on every rank (averaged).
 LOADER_PER_RANK = frozenset({"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups"})
-# rollshard-generate agent systems whose rows hold one model turn (tool_loop records its "turns").
-SINGLE_TURN_AGENTS = frozenset({"single", "multi_agent"})
 # The loader's warning for an epoch without a step; the trainer says it in flags instead (NoStepError).
 LOADER_NO_STEP = r"epoch \d+ yields no step"
 
@@ -75,85 +69,6 @@ class NonFiniteError(RuntimeError):
 
 class NoStepError(ValueError):
     """The data holds no whole step under the settings."""
-
-
-# -- before anything is loaded -----------------------------------------------------------------
-
-
-def prepare_config(config: TrainConfig) -> TrainConfig:
-    """A copy of ``config`` with the file-dependent settings resolved: the model folder (absolute, links
-    resolved) and the initial weight version; ``--out`` checked against the dataset and model folders."""
-    model = check_model_path(config.model.path)
-    version = config.trainer.initial_version
-    if version is None:
-        version = initial_version_of(model)
-    check_out_dir(config.trainer.out, data=config.data.path)
-    return dataclasses.replace(
-        config,
-        model=dataclasses.replace(config.model, path=model),
-        trainer=dataclasses.replace(config.trainer, initial_version=version),
-    )
-
-
-def check_model_path(path: str) -> str:
-    """``--model`` as an absolute local folder. Anything else fails here, at once: transformers would try a
-    path-shaped name on the Hub (with retries) before failing, and the checkpoints copy the tokenizer files
-    from the folder."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return resolve_model_path(p)
-    if p.exists():
-        raise ValueError(f"--model {path} is a file; pass the model's folder (config.json and weights)")
-    if "/" in path or path.startswith((".", "~")):
-        raise ValueError(f"--model {path}: no such folder; check the path (a Hugging Face model folder)")
-    raise ValueError(
-        f"--model {path}: no such local folder; rollshard-train needs one, download it first "
-        f"(huggingface-cli download {path} --local-dir DIR) and pass --model DIR"
-    )
-
-
-def initial_version_of(model: str) -> int:
-    """The weight version of a rollshard checkpoint folder (its trainer_state.json), else 0."""
-    version = folder_weight_version(model)
-    if version is None:
-        return 0
-    try:
-        return int(version)
-    except ValueError:
-        raise ValueError(
-            f"--model {model} has weight_version {version!r}, not an integer; pass --initial-version N"
-        ) from None
-
-
-def check_out_dir(out: str, *, data: str) -> None:
-    """Refuse an output folder that would write into the dataset or over a model folder."""
-    o = Path(out).expanduser().resolve()
-    if "://" not in data:
-        d = Path(data).expanduser().resolve()
-        if o == d or d in o.parents:
-            raise ValueError(f"--out {out} is the dataset or inside it ({data}); choose a directory outside the dataset")
-    if o.exists() and not o.is_dir():
-        raise ValueError(f"--out {out} is a file; choose a directory")
-    if (o / "config.json").is_file():
-        raise ValueError(f"--out {out} is a model folder (it has config.json); choose a new directory for the run")
-
-
-def run_norm_len(configs: list[dict[str, Any]]) -> int | None:
-    """Dr. GRPO's length constant from the generation configs of a dataset's writers: the most loss tokens a
-    row can hold, ``sampling.max_new_tokens`` per model turn times the model turns of a row (environment
-    tokens carry no loss). None when a config does not tell."""
-    lengths = []
-    for c in configs:
-        sampling = c.get("sampling") if isinstance(c, dict) else None
-        agents = c.get("agents") if isinstance(c, dict) else None
-        max_new = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
-        turns = None
-        if isinstance(agents, dict):
-            turns = agents.get("turns", 1 if agents.get("name") in SINGLE_TURN_AGENTS else None)
-        if not (isinstance(max_new, int) and max_new > 0 and isinstance(turns, int) and turns > 0):
-            return None
-        lengths.append(max_new * turns)
-    return max(lengths, default=None)
 
 
 def build_loader(config: TrainConfig, env: DistEnv):
