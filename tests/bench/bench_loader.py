@@ -8,8 +8,9 @@
    with its data checks off (``verify_data=False``: no sha256, no exact-type and row
    invariant checks), to show what the checks cost (one epoch is their worst case: each
    shard is hashed once per loader); and rank 0 of 2 (which reads every block and packs
-   half). The dataset spans many shuffle windows (``--window``) and row groups, as a real one does: reading the first window before the
-   first step is a fixed cost, after which reading and packing overlap on two threads.
+   half). The dataset spans many shuffle windows (``--window``) and row groups, as a real
+   one does: reading the first window before the first step is a fixed cost, after which
+   reading and packing overlap on two threads.
 2. Peak RSS of a child process streaming datasets 10x and 40x larger than the loader's
    window (``--rss-window`` groups plus the prefetched blocks): it should not grow.
 3. Packing efficiency on the realistic length mix, for three micro-batch budgets.
