@@ -258,14 +258,17 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
             weight_version=info.get("weight_version"),
             max_context_len=_context_len(args, info, tokenizer),
         )
-        _check_existing_prompts(args.out, prompts, task, tokenizer)
-        warning = prompts and system.context_warning(
-            sampling=sampling,
-            context=config["max_context_len"],
-            task=task,
-            prompt=prompts[0],
-            count_tokens=lambda messages: len(apply_chat_template(tokenizer, messages)),
-        )
+        try:  # both render prompts with the tokenizer's chat template
+            _check_existing_prompts(args.out, prompts, task, tokenizer)
+            warning = prompts and system.context_warning(
+                sampling=sampling,
+                context=config["max_context_len"],
+                task=task,
+                prompt=prompts[0],
+                count_tokens=lambda messages: len(apply_chat_template(tokenizer, messages)),
+            )
+        except TokenizerError as e:
+            raise UsageError(f"{e} (or pass --tokenizer)") from e
         if warning and not args.allow_skipped_calls:
             print(f"{PROG}: warning: {warning}", file=sys.stderr)
         writer_id = writer_id_for(args.shard_index, args.num_shards)

@@ -71,7 +71,9 @@ EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
 # Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs.
-GENERATION_KEYS = ("agents", "task", "sampling", "seed", "input_key", "label_key", "id_key")
+GENERATION_KEYS = ("agents", "task", "sampling", "seed", "input_key", "label_key", "id_key", "allow_skipped_calls")
+# The value of a key in a config written before the key existed.
+GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False}
 
 
 class ConfigMismatchError(ValueError):
@@ -222,6 +224,7 @@ class Runner:
         self.options = options
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._finishing = False  # the final commit has started
         self._signals = 0  # interrupts received
         self._previous_handlers: dict[int, Any] = {}
 
@@ -238,6 +241,7 @@ class Runner:
 
     async def run(self, prompts: list[Prompt]) -> RunResult:
         start = time.monotonic()
+        self._stopping, self._signals, self._finishing = False, 0, False
         self._done = self.done_prompt_ids()
         todo = [p for p in prompts if p.prompt_id not in self._done]
         self._result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
@@ -280,12 +284,14 @@ class Runner:
                 if self._tasks:
                     await asyncio.gather(*self._tasks, return_exceptions=True)
                 self._bar.close()
+            self._finishing = True
             self._maybe_write_and_commit(final=True)  # interrupts are still caught here: nothing tears it
         finally:
             self._remove_signal_handlers()
         result = self._result
         result.ledger = self._ledger.finish(self._done)
-        result.interrupted = self._stopping and result.engine_down is None
+        # An interrupt during the final commit is handled after it: the run was still interrupted.
+        result.interrupted = (self._stopping or self._signals > 0) and result.engine_down is None
         result.seconds = time.monotonic() - start
         if result.interrupted:
             result.exit_code = EXIT_INTERRUPTED
@@ -398,7 +404,7 @@ class Runner:
             task.cancel()
 
     def _interrupt(self) -> None:
-        if not self._stopping:
+        if not self._stopping and not self._finishing:
             n = sum(1 for t in self._tasks if not t.done())
             _say(f"stopping: committing the complete prompts; the {n} in flight are left for a rerun")
         self._stop()
@@ -431,10 +437,13 @@ class Runner:
 def _say(message: str, *, raw: bool = False) -> None:
     """One line on stderr; ``raw`` from a signal handler, where print() may re-enter a half-written buffer."""
     line = f"rollshard-generate: {message}\n"
-    if raw:
-        os.write(sys.stderr.fileno(), line.encode())
-    else:
+    if not raw:
         print(line, end="", file=sys.stderr, flush=True)
+        return
+    try:  # never raise out of a signal handler: it would land in whatever the main thread is doing
+        os.write((sys.__stderr__ or sys.stderr).fileno(), line.encode())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class Ledger:
@@ -491,7 +500,8 @@ def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None
         if not manifest.shards or "agents" not in old:
             continue
         for key in GENERATION_KEYS:
-            diff = _first_difference(old.get(key), config.get(key), key)
+            default = GENERATION_KEY_DEFAULTS.get(key)
+            diff = _first_difference(old.get(key, default), config.get(key, default), key)
             if diff is not None:
                 name, there, now = diff
                 raise ConfigMismatchError(

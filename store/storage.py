@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import queue
+import re
 import threading
 import time
 import uuid
@@ -66,11 +67,13 @@ class HashingFile(io.RawIOBase):
                 if self._closing:
                     return
                 continue
+            if data is None:  # put only by close(), after everything else: nothing is left to write
+                return
             try:
                 if self._error is None and data is self._SYNC:
                     self._sink.flush()
                     os.fsync(self._sink.fileno())
-                elif self._error is None and data is not None:
+                elif self._error is None:
                     self.sha256.update(data)
                     self._sink.write(data)
             except BaseException as e:  # re-raised on the writer's thread at the next call
@@ -190,10 +193,14 @@ class Storage:
         if not self.local:
             return []
         final = Path(self.path(rel))
+        # Exactly write_atomic's names (".NAME.<32 hex>.tmp"): a looser glob would also match the live temp
+        # file of another writer whose id extends this one's (".gen.json.x.json.<hex>.tmp" for "gen.json.x").
+        mine = re.compile(rf"\.{re.escape(final.name)}\.[0-9a-f]{{32}}\.tmp")
         removed = []
         for tmp in final.parent.glob(f".{final.name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
-            removed.append(str(tmp))
+            if mine.fullmatch(tmp.name):
+                tmp.unlink(missing_ok=True)
+                removed.append(str(tmp))
         return removed
 
     def write_atomic(self, rel: str, data: bytes) -> None:

@@ -547,7 +547,7 @@ def test_resume_refuses_prompts_changed_under_their_id(tiny_gpt2, tmp_path, caps
 def test_failure_ledger_temp_file_of_a_crash_is_cleaned(tiny_gpt2, tmp_path):
     tok = load_tokenizer(tiny_gpt2)
     (tmp_path / "ds" / "_failures").mkdir(parents=True)
-    leftover = tmp_path / "ds" / "_failures" / ".gen-0-of-1.jsonl.0badc0de.tmp"
+    leftover = tmp_path / "ds" / "_failures" / f".gen-0-of-1.jsonl.{'0badc0de' * 4}.tmp"
     leftover.write_text('{"prompt_id": ')
     result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"))
     assert result.exit_code == 0 and not leftover.exists()
@@ -585,3 +585,39 @@ def test_server_with_preferred_sampling_params_is_refused(tiny_gpt2, tmp_path, c
         assert not (tmp_path / "ds").exists()
         # A run that asks for exactly what the server prefers loses nothing: accepted.
         assert main(["--engine", server.url, "--temperature", "0.7", *args]) == 0
+
+
+def test_an_interrupt_during_the_final_commit_still_counts(tiny_gpt2, tmp_path, monkeypatch):
+    tok = load_tokenizer(tiny_gpt2)
+    commit = ShardWriter.commit
+    calls = {"n": 0}
+
+    def commit_with_ctrl_c(self):
+        calls["n"] += 1
+        if calls["n"] == 1:  # Ctrl-C lands inside the final commit: handled after it, and still an interrupt
+            os.kill(os.getpid(), signal.SIGINT)
+        return commit(self)
+
+    monkeypatch.setattr(ShardWriter, "commit", commit_with_ctrl_c)
+    result = _run(tmp_path, tok, ScriptedEngine(tok, lambda *a: "\\boxed{1}"))
+    assert result.exit_code == 130 and result.interrupted and len(rows_of(tmp_path / "ds")) == 8
+
+
+def test_resume_with_another_allow_skipped_calls_is_refused(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert main(base_args(tiny_gpt2, out, "--limit", "1")) == 0
+    capsys.readouterr()
+    assert main(base_args(tiny_gpt2, out, "--allow-skipped-calls")) == 2
+    assert "another allow_skipped_calls (false there, true now" in capsys.readouterr().err
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tiny_gpt2, tmp_path, capsys):
+    bare = tmp_path / "no-template"
+    shutil.copytree(tiny_gpt2, bare)
+    (bare / "chat_template.jinja").unlink()
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(base_args(bare, tmp_path / "ds")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no chat template" in err

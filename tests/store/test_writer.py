@@ -294,10 +294,13 @@ def test_manifest_temp_file_of_a_crash_is_cleaned_on_reopen(tmp_path, monkeypatc
     with ShardWriter(tmp_path, writer_id="w") as w:
         w.write_group(groups_of(synthetic_table(1, 2, seed=3, **SMALL))[0])
     # A crash between the manifest's write and its rename leaves its temp file behind.
-    crashed = tmp_path / "_manifests" / ".w.json.0123abcd.tmp"
+    crashed = tmp_path / "_manifests" / f".w.json.{'0123abcd' * 4}.tmp"
     crashed.write_bytes(b'{"half": ')
-    other = tmp_path / "_manifests" / ".v.json.0123abcd.tmp"  # another writer's: not ours to delete
-    other.write_bytes(b"{}")
+    # Other writers' temp files are not ours to delete, also when their id extends ours ("w.json.x").
+    others = [tmp_path / "_manifests" / f".v.json.{'0123abcd' * 4}.tmp",
+              tmp_path / "_manifests" / f".w.json.x.json.{'0123abcd' * 4}.tmp"]
+    for other in others:
+        other.write_bytes(b"{}")
     with ShardWriter(tmp_path, writer_id="w") as w:
         assert len(w.committed_shards) == 1
-    assert not crashed.exists() and other.exists()
+    assert not crashed.exists() and all(other.exists() for other in others)
