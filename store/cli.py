@@ -1,8 +1,9 @@
 """``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset.
 
 Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
-the data could not be read (``stats`` and ``inspect`` refuse a damaged shard,
-:class:`~rollshard.store.errors.DataError`, with one line naming it); 2 a usage error
+the data could not be read (``stats`` and ``inspect`` refuse a shard that is missing,
+cut short or not the manifest's size, :class:`~rollshard.store.errors.DataError`, with one
+line naming it; they do not hash shards: ``validate`` checks the checksums); 2 a usage error
 (bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
 any shard, an unknown ``--sample``). ``--json`` prints one
 JSON document on stdout and nothing else there; progress goes to stderr when it is a

@@ -331,18 +331,23 @@ def _check(table: pa.Table, limit: int, has: set[str]) -> list[Problem]:
                 lambda i: f"is {table.column('reward')[i].as_py()!r}; only a failed row may lack a finite reward",
             )
 
-    # The trainer recomputes logprobs at each row's own temperature; a trainable row without one would be
-    # trained as if sampled at 1.0, against logprobs the engine took at another temperature.
+    # The trainer recomputes logprobs at each row's own temperature: a trainable row without a usable one would
+    # be trained against other logprobs than the engine's (a null or NaN as if sampled at 1.0, an infinite one
+    # as uniform, a negative one as greedy).
     temperature = table.column("temperature") if "temperature" in has and tokens else None
-    if temperature is not None and temperature.null_count:
-        no_temp = temperature.is_null().to_numpy(zero_copy_only=False)
-        on = np.concatenate([[0], np.cumsum(mask == 1)])  # [flat + 1] trained tokens before each position
-        trainable = on[mask_off[1:]] > on[mask_off[:-1]]  # [rows] at least one loss_mask-1 token
-        add(
-            np.flatnonzero(no_temp & trainable),
-            "temperature",
-            lambda i: "is null on a row with trained tokens (loss_mask 1); store the sampling temperature",
-        )
+    if temperature is not None:
+        temp = temperature.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+        with np.errstate(invalid="ignore"):
+            unusable = ~(np.isfinite(temp) & (temp >= 0.0))
+        if unusable.any():
+            on = np.concatenate([[0], np.cumsum(mask == 1)])  # [flat + 1] trained tokens before each position
+            trainable = on[mask_off[1:]] > on[mask_off[:-1]]  # [rows] at least one loss_mask-1 token
+            add(
+                np.flatnonzero(unusable & trainable),
+                "temperature",
+                lambda i: f"is {temperature[i].as_py()!r} on a row with trained tokens (loss_mask 1); store the "
+                "sampling temperature, a finite number >= 0 (0 = greedy)",
+            )
 
     if "sample_id" in has and table.num_rows > 1 and len(pc.unique(table.column("sample_id"))) != table.num_rows:
         seen: set[str] = set()

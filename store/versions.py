@@ -32,7 +32,10 @@ def folder_weight_version(path: str | os.PathLike) -> str | None:
     if not state.is_file():
         return None
     try:
-        version = json.loads(state.read_text()).get("weight_version")
+        doc = json.loads(state.read_text())
     except (OSError, ValueError) as e:
         raise VersionError(f"{state}: unreadable checkpoint state ({e}); is the checkpoint complete?") from e
+    if not isinstance(doc, dict):
+        raise VersionError(f"{state}: not a checkpoint state (a JSON object); is the checkpoint complete?")
+    version = doc.get("weight_version")
     return None if version is None else str(version)

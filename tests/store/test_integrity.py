@@ -279,3 +279,14 @@ def test_close_stops_a_checksum_in_progress_and_a_new_iteration_hashes_again(tmp
     assert not [t for t in threading.enumerate() if t.name.startswith("rollshard-checksum")]
     monkeypatch.setattr(integrity, "verify_sha256", real)
     assert len(list(loader)) == CLEAN_GROUPS + 1  # the interrupted shard is hashed from the start
+
+
+def test_a_list_whose_items_are_declared_not_null_is_the_schema_type(tmp_path):
+    # Some writers declare list items non-nullable (list<element: int32 not null>): the same value type.
+    table = rows_to_table([row("b-0"), row("b-1")])
+    i = table.schema.get_field_index("prompt_tokens")
+    strict = pa.list_(pa.field("element", pa.int32(), nullable=False))
+    table = table.set_column(i, pa.field("prompt_tokens", strict, nullable=False), table.column(i).cast(strict))
+    root = dataset(tmp_path, table=table)
+    with RolloutLoader(root, LoaderConfig(groups_per_step=1, shuffle=False, tail="partial")) as loader:
+        assert len(sample_ids(list(loader))) == 2 * CLEAN_GROUPS + 2

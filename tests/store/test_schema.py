@@ -104,7 +104,10 @@ def test_round_trip_every_column_type():
         (dict(group_id=""), "group_id", "is empty"),
         (dict(sample_id=""), "sample_id", "is empty"),
         # Trained as if sampled at 1.0 otherwise: the trainer divides logits by each row's temperature.
-        (dict(temperature=None), "temperature", "is null on a row with trained tokens (loss_mask 1)"),
+        (dict(temperature=None), "temperature", "is None on a row with trained tokens (loss_mask 1)"),
+        (dict(temperature=math.nan), "temperature", "is nan on a row with trained tokens"),
+        (dict(temperature=math.inf), "temperature", "is inf on a row with trained tokens"),
+        (dict(temperature=-1.0), "temperature", "is -1.0 on a row with trained tokens"),
     ],
 )
 def test_each_invariant_break_is_reported_with_sample_and_field(over, field, fragment):
