@@ -187,13 +187,13 @@ def _clip_spans(spans: list[WeightSpan], n: int) -> list[WeightSpan] | None:
 
 
 def preferred_sampling_differences(preferred: Any, sampling: SamplingParams) -> list[str] | None:
-    """The keys of a server's ``preferred_sampling_params`` that differ from what the client sends.
+    """The keys of a server's ``preferred_sampling_params`` that would change what the client samples.
 
     SGLang fills every sampling parameter a request leaves out from ``--preferred-sampling-params``
     (``{**preferred, **request}`` in the tokenizer manager), and ``/get_model_info`` reports them as an
-    object (a JSON string when set through the Python API) or null. A key the client does not send is
-    a difference even when the client has no opinion on it: the server would apply it. Returns None
-    when the report is not an object at all."""
+    object (a JSON string when set through the Python API) or null. A key the client sends wins over
+    the server's, whatever its value, so only the keys the client does not send count: the server would
+    apply them, even where the client has no opinion. Returns None when the report is not an object."""
     if isinstance(preferred, str):
         try:
             preferred = json.loads(preferred) if preferred.strip() else None
@@ -205,9 +205,4 @@ def preferred_sampling_differences(preferred: Any, sampling: SamplingParams) -> 
         return None
     sent = sampling.to_json()
     out = []
-    for key in sorted(preferred):
-        if key not in sent:
-            out.append(f"{key}={preferred[key]!r} (client sends none)")
-        elif preferred[key] != sent[key]:
-            out.append(f"{key}={preferred[key]!r} (client sends {sent[key]!r})")
-    return out
+    return [f"{key}={preferred[key]!r} (client sends none)" for key in sorted(preferred) if key not in sent]

@@ -577,14 +577,15 @@ def test_a_server_that_dies_mid_run_ends_it_with_one_line(tiny_gpt2, tmp_path, c
 
 def test_server_with_preferred_sampling_params_is_refused(tiny_gpt2, tmp_path, capsys):
     args = ["--agents", "single", "--task", "toy", "--limit", "2", "--no-progress", "--out", str(tmp_path / "ds")]
-    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7}) as server:
+    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "ignore_eos": True}) as server:
         assert main(["--engine", server.url, *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"engine {server.url!r} cannot be used as it is: SGLang server" in err
-        assert "temperature=0.7 (client sends 1.0); restart it without --preferred-sampling-params" in err
+        assert "ignore_eos=True (client sends none); restart it without --preferred-sampling-params" in err
         assert not (tmp_path / "ds").exists()
-        # A run that asks for exactly what the server prefers loses nothing: accepted.
-        assert main(["--engine", server.url, "--temperature", "0.7", *args]) == 0
+    # A preference for a parameter the client always sends is overridden by the request: accepted.
+    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "min_p": 0.2}) as server:
+        assert main(["--engine", server.url, *args]) == 0
 
 
 def test_an_interrupt_during_the_final_commit_still_counts(tiny_gpt2, tmp_path, monkeypatch):
