@@ -22,7 +22,9 @@ SINGLE_TURN_AGENTS = frozenset({"single", "multi_agent"})
 
 def prepare_config(config: TrainConfig) -> TrainConfig:
     """A copy of ``config`` with the file-dependent settings resolved: the model folder (absolute, links
-    resolved) and the initial weight version; ``--out`` checked against the dataset and model folders."""
+    resolved) and the initial weight version; ``--out`` checked against the dataset and model folders. The
+    config is validated first (the command line does it too; a config built in Python must not skip it)."""
+    config.validate(require_paths=True)
     model = check_model_path(config.model.path)
     version = config.trainer.initial_version
     if version is None:

@@ -361,3 +361,14 @@ def test_torn_metrics_line_is_dropped_on_resume(tiny_dataset, tiny_gpt2, tmp_pat
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not a torn tail: an error naming it
     with pytest.raises(ValueError, match="line 2"):
         MetricsLogger(out, tensorboard=False, resume_step=3)
+
+
+def test_a_config_built_in_python_is_validated_too(tiny_dataset, tiny_gpt2, tmp_path):
+    from rollshard.train.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrainerConfig
+
+    config = TrainConfig(
+        data=DataConfig(path=str(tiny_dataset)), model=ModelConfig(path=str(tiny_gpt2)),
+        trainer=TrainerConfig(out=str(tmp_path / "run")), loss=LossConfig(ratio_level="sequence"),
+    )
+    with pytest.raises(ValueError, match="--ratio-level sequence .* with --mode bypass"):
+        prepare_config(config)
