@@ -8,8 +8,8 @@ SGLang refuses it), max_new_tokens an integer >= 0 (null is refused: SGLang read
 a boolean is refused where a number is expected (``True == 1`` in Python), and a number
 where a boolean is. SGLang parameters the engine does not implement are accepted only
 at their neutral value (:data:`NEUTRAL_SAMPLING`). Departures from SGLang, to keep the
-worker cheap for everyone: at most :data:`MAX_STOP_STRINGS` stop strings, and
-sampling_seed in [0, 2**63).
+worker cheap for everyone: at most :data:`MAX_STOP_STRINGS` stop strings of at most
+:data:`MAX_STOP_CHARS` characters, and sampling_seed in [0, 2**63).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
     "custom_params": None,
 }
 MAX_STOP_STRINGS = 64  # each is checked against the decoded tail at every step of the request
+MAX_STOP_CHARS = 256  # the tail decoded for a stop string grows with its length (4 tokens a character)
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 MAX_SEED = 2**63  # torch generators take a 64-bit seed; the runner's seeds are 31-bit
 
@@ -120,6 +121,8 @@ def parse_sampling(raw: Any) -> SamplingParams:
         raise RequestError(f"{where}stop must be a string or a list of strings, got {_short(stop)}")
     if stop is not None and len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"{where}stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are supported")
+    if stop is not None and any(len(x) > MAX_STOP_CHARS for x in stop):
+        raise RequestError(f"{where}stop strings may be at most {MAX_STOP_CHARS} characters long")
     ids = raw.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
         raise RequestError(f"{where}stop_token_ids must be a list of integers, got {_short(ids)}")

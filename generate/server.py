@@ -46,6 +46,7 @@ from rollshard.store.tokenizer import TokenizerError, encode
 # parameters, stop strings) gets this much room on top.
 JSON_ESCAPE_FACTOR = 6
 BODY_OVERHEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 64 * 1024**2  # whatever the context: a bound on what one request may make the server hold
 PARSE_ON_LOOP_MAX_BYTES = 64 * 1024  # larger bodies are parsed on a thread
 
 
@@ -58,9 +59,10 @@ def longest_token_bytes(tokenizer) -> int:
 
 
 def body_limit(context: int, token_bytes: int, vocab_size: int) -> int:
-    """Largest request body accepted: a text of ``context`` tokens, JSON-escaped, or as many ids."""
+    """Largest request body accepted: a text of ``context`` tokens, JSON-escaped, or as many ids; never more
+    than :data:`MAX_BODY_BYTES` (a model without a context length reports 2**30)."""
     ids = context * (len(str(vocab_size)) + 2)  # "12345, " per id
-    return max(context * token_bytes * JSON_ESCAPE_FACTOR, ids) + BODY_OVERHEAD_BYTES
+    return min(max(context * token_bytes * JSON_ESCAPE_FACTOR, ids) + BODY_OVERHEAD_BYTES, MAX_BODY_BYTES)
 
 
 def _error(status: int, message: str) -> web.Response:

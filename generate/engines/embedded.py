@@ -225,6 +225,12 @@ class EmbeddedEngine(Engine):
         ``weight_version``, else the checkpoint's own (a rollshard checkpoint records it), else the current
         one plus 1 when it is a number."""
         weight_version = _version_of(path, weight_version)
+        if weight_version is None and not self.weight_version.isdigit():
+            # Counting up is only defined for numbers; keeping "v3" would label two policies alike.
+            raise EngineError(
+                f"checkpoint {str(path)!r} records no weight_version and the served one ({self.weight_version!r}) is "
+                "not a number to count up from; pass the new weight_version"
+            )
         path = resolve_model_path(path)
         model = await asyncio.to_thread(load_causal_lm, path, str(self.device))
         old, new = self.model.config.vocab_size, model.config.vocab_size
@@ -233,7 +239,7 @@ class EmbeddedEngine(Engine):
                 f"checkpoint {str(path)!r} has vocab size {new}, the served model {old}; load a checkpoint of the same model"
             )
         if weight_version is None:
-            weight_version = str(int(self.weight_version) + 1) if self.weight_version.isdigit() else self.weight_version
+            weight_version = str(int(self.weight_version) + 1)
         done = threading.Event()
         with self._lock:
             self._swap = (model, str(path), str(weight_version), done)
@@ -395,7 +401,8 @@ class EmbeddedEngine(Engine):
             torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
             # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
             torch.tensor([max(min(p.top_k, vocab), -1) for p in s], dtype=torch.long, device=dev),
-            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(dev),
+            # on the CPU: the sampler moves it to where its float64 CDF is
+            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]),
         )
         for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             req.out_ids.append(tok)

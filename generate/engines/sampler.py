@@ -62,13 +62,14 @@ def sample_tokens(
         kept = probs.masked_fill(drop, 0.0)
 
     # Inverse CDF in vocabulary order: the first token whose cumulative kept mass exceeds u * total.
-    kept_cum = kept.double().cumsum(dim=-1)  # [B, V]
-    target = uniform.to(kept_cum.dtype) * kept_cum[:, -1]  # [B]
+    # float64 where the device has it (MPS has none: the CDF is taken on the CPU there).
+    kept_cum = (kept.cpu() if kept.device.type == "mps" else kept).double().cumsum(dim=-1)  # [B, V]
+    target = uniform.to(kept_cum.device, kept_cum.dtype) * kept_cum[:, -1]  # [B]
     pos = torch.searchsorted(kept_cum, target[:, None], right=True)  # [B, 1]
     # u * total can round up to total itself: stay on the last token with kept mass (the first index whose
     # cumsum reaches the total), never on a dropped or zero-probability token after it.
     last = torch.searchsorted(kept_cum, kept_cum[:, -1:].contiguous(), right=False)  # [B, 1]
-    sampled = torch.minimum(pos, last).squeeze(-1)  # [B]
+    sampled = torch.minimum(pos, last).squeeze(-1).to(logits.device)  # [B]
 
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -160,6 +160,7 @@ BAD_SAMPLING = [
     ({"stop": 5}, "stop"),
     ({"stop": ["a", None]}, "stop"),
     ({"stop": ["s"] * 65}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),  # each stop string is matched against a decoded tail at every step
     ({"stop_token_ids": "2"}, "stop_token_ids"),
     ({"stop_token_ids": [1.5]}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"),
@@ -396,3 +397,10 @@ def test_a_client_timeout_aborts_the_generation_on_the_server(tiny_gpt2):
     after, steps = run(go())
     assert len(after.output_ids) == 8
     assert steps <= 3 + 8  # the aborted request stopped at the gate; it did not decode its 900 tokens
+
+
+def test_the_body_limit_is_bounded_for_a_model_without_a_context_length():
+    from rollshard.generate.server import MAX_BODY_BYTES, body_limit
+
+    assert body_limit(1024, 13, 1024) == 145408  # the tiny model: a context's text, escaped, or its ids
+    assert body_limit(1 << 30, 16, 151936) == MAX_BODY_BYTES == 64 * 1024**2  # no context length reported
