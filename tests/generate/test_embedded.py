@@ -289,7 +289,8 @@ def test_abort_and_abort_all_answer_with_the_tokens_so_far(tiny_gpt2, teacher_fo
 def test_a_weight_update_without_a_version_needs_a_number_to_count_from(tiny_gpt2, tiny_gpt2_seed1):
     async def go():
         async with EmbeddedEngine(tiny_gpt2, weight_version="v3") as eng:
-            with pytest.raises(EngineError, match=r"records no weight_version and the served one \('v3'\) is not a number"):
+            refused = r"records no weight_version and the served one \('v3'\) is not a number"
+            with pytest.raises(EngineError, match=refused):
                 await eng.load_weights(tiny_gpt2_seed1)  # keeping "v3" would label two policies alike
             return await eng.load_weights(tiny_gpt2_seed1, "v4"), eng.weight_version
 
