@@ -190,11 +190,15 @@ class SGLangEngine(Engine):
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aborts: set[asyncio.Task] = set()
+        self._closed_in: asyncio.AbstractEventLoop | None = None  # the loop close() ran in
 
     # ---- plumbing ---------------------------------------------------------------------------
 
     def _http(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
+        if self._closed_in is loop:
+            # A request still retrying after close() would open a session nobody closes.
+            raise EngineError("the SGLang client was closed; make a new one (or use it from another event loop)")
         if self._session is None or self._session.closed or self._loop is not loop:
             connector = aiohttp.TCPConnector(
                 limit=self.config.max_concurrency + CONTROL_CONNECTIONS, limit_per_host=0, ttl_dns_cache=300
@@ -241,6 +245,8 @@ class SGLangEngine(Engine):
 
     def _abort_later(self, url: str, rid: str) -> None:
         """Post ``/abort_request`` for ``rid`` to ``url`` in the background; close() waits for it."""
+        if self._closed_in is asyncio.get_running_loop():
+            return  # closing cancelled the request; no session is left to send the abort with
         session, _ = self._http()
         task = asyncio.get_running_loop().create_task(self._abort(session, url, rid))
         self._aborts.add(task)
@@ -351,6 +357,7 @@ class SGLangEngine(Engine):
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
+        self._closed_in = loop
         if self._aborts and self._loop is loop:
             # Each abort is bounded by its own timeout; the margin covers their start-up, not a hang.
             await asyncio.wait(set(self._aborts), timeout=self.config.abort_timeout_s + 1.0)

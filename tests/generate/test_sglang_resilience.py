@@ -442,3 +442,24 @@ def test_preferred_sampling_params_equal_to_the_request_pass_and_garbage_is_refu
     assert preferred_sampling_differences({"temperature": 0.7, "stop": ["x"], "min_new_tokens": 0}, sp) == []
     assert preferred_sampling_differences("not json", sp) is None
     assert preferred_sampling_differences([1], sp) is None
+
+
+def test_close_with_a_request_in_flight_opens_no_new_session():
+    # The in-flight request loses its connection when close() closes the session; its retry must not open a new
+    # session behind close()'s back (nobody would close it), and no abort is sent through one.
+    async def go():
+        async with FakeSGLang(default="hang") as fake:
+            eng = SGLangEngine(fake.url, config=SGLangConfig(**FAST))
+            task = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(), rid="r1"))
+            deadline = asyncio.get_running_loop().time() + 60
+            while not fake.requests:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            await eng.close()
+            with pytest.raises(EngineError) as e:
+                await task
+            return str(e.value), eng._session, [r["rid"] for r in fake.requests]
+
+    message, session, rids = run(go())
+    assert session is None and rids == ["r1"]  # no retry reached the server
+    assert "closed" in message
