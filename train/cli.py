@@ -89,10 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         close_distributed(env)
     if trainer.stopped_by is not None:
         if env.is_main:
-            where = (
-                f"saved step {trainer.step} to {trainer.checkpoint_path()}; rerun with --resume to continue"
-                if trainer.last_saved is not None else "no step had finished, nothing to save"
-            )
+            if trainer.saved_in_run:
+                where = f"saved step {trainer.step} to {trainer.checkpoint_path()}; rerun with --resume to continue"
+            elif trainer.last_saved is not None:  # resumed, then stopped before a new step finished
+                where = (
+                    f"no new step finished; the latest checkpoint is {trainer.checkpoint_path()} "
+                    f"(step {trainer.last_saved}); rerun with --resume to continue"
+                )
+            else:
+                where = "no step had finished, nothing to save"
             print(f"{PROG}: interrupted ({trainer.stopped_by}); {where}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if env.is_main:

@@ -191,6 +191,7 @@ class Trainer:
             self.out, enabled=self.env.is_main, tensorboard=tr.tensorboard, resume_step=self.step if ckpt else None
         )
         self.last_saved = self.step if ckpt else None
+        self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
         self.history: list[dict[str, float]] = []
         self.stopped_by: str | None = None  # the signal that stopped run() at a step boundary
         self.run_seconds = 0.0  # wall time of run(), and the tokens it trained on
@@ -363,6 +364,7 @@ class Trainer:
         )
         self.env.barrier()
         self.last_saved = self.step
+        self.saved_in_run = True
         return path
 
     def close(self) -> None:

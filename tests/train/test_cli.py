@@ -262,3 +262,21 @@ def test_data_errors_from_the_loader_are_one_line(tiny_dataset, tiny_gpt2, tmp_p
     assert one_error_line(capsys) == (
         "rollshard-train: error: shards/w-00001.parquet: corrupt row group 3; (Parquet: invalid page header)"
     )
+
+
+def test_a_resumed_run_stopped_before_a_new_step_does_not_claim_a_save(tiny_dataset, tiny_gpt2, tmp_path, capsys,
+                                                                      monkeypatch):
+    out = tmp_path / "run"
+    assert main(args_for(tiny_dataset, tiny_gpt2, out, "--max-steps", "1")) == 0
+    capsys.readouterr()
+    from rollshard.train import trainer as trainer_mod
+
+    def stopped_at_once(self):  # the signal lands before the first new step finishes
+        self.stopped_by = "SIGINT"
+        return []
+
+    monkeypatch.setattr(trainer_mod.Trainer, "run", stopped_at_once)
+    assert main(args_for(tiny_dataset, tiny_gpt2, out, "--max-steps", "3", "--resume")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (SIGINT); no new step finished; the latest checkpoint is" in err and "(step 1)" in err
+    assert "saved step" not in err
