@@ -360,7 +360,12 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
         columns = {**{n: small.column(n) for n in SMALL_COLUMNS}, **({} if tokens is None else
                    {n: tokens.column(n) for n in TOKEN_COLUMNS})}
         check_rows(pa.table(columns), where)
-    data = _BlockData(small, filters)
+    try:
+        data = _BlockData(small, filters)
+    except DataError:
+        raise
+    except ValueError as e:  # a weight_version the staleness filter cannot read: name the block
+        raise DataError(f"{where}: {e}") from e
     assert data.needs_tokens == (tokens is not None)
     if tokens is not None:
         data.set_tokens(tokens)

@@ -290,3 +290,12 @@ def test_a_list_whose_items_are_declared_not_null_is_the_schema_type(tmp_path):
     root = dataset(tmp_path, table=table)
     with RolloutLoader(root, LoaderConfig(groups_per_step=1, shuffle=False, tail="partial")) as loader:
         assert len(sample_ids(list(loader))) == 2 * CLEAN_GROUPS + 2
+
+
+def test_a_weight_version_the_staleness_filter_cannot_read_names_the_shard(tmp_path):
+    bad = [row("b-0"), row("b-1")]
+    bad[1].weight_version = "v7"
+    root = dataset(tmp_path, bad)
+    assert_refused(root, f"{BAD} {RGS}: weight_version 'v7' is not an integer; the staleness filter (max_staleness) "
+                         "compares integer policy versions: record the training step as the engine's weight_version, "
+                         "or turn max_staleness off", max_staleness=3, current_version="0")
