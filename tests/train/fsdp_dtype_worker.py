@@ -13,6 +13,7 @@ head received). Rank 0 writes ``OUT/dtypes.json``.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -81,6 +82,10 @@ if __name__ == "__main__":
             name, path = spec.split("=", 1)
             for fp32 in (True, False):
                 report[f"{name}/fp32_lm_head={fp32}"] = measure(path, fp32, env)
+                # Both ranks done with this model before its sharded tensors are freed and the next one is built:
+                # freeing them while the other rank still runs collectives on them aborted a rank now and then.
+                gc.collect()
+                torch.distributed.barrier()
         if env.is_main:
             Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
             (Path(sys.argv[1]) / "dtypes.json").write_text(json.dumps(report, indent=1))
