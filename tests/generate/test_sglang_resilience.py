@@ -171,11 +171,10 @@ def count_generate_posts(eng: SGLangEngine) -> list[str]:
     return seen
 
 
-def test_breaker_bounds_attempts_once_the_server_dies_and_stops_every_later_request(monkeypatch):
-    threshold, concurrency, requests = 4, 8, 40
-    cfg = SGLangConfig(max_retries=4, max_concurrency=concurrency, breaker_threshold=threshold, **FAST)
+def watch_backoffs(monkeypatch) -> tuple[list[SGLangEngine], list[bool]]:
+    """Record, for every backoff sleep, whether the breaker of ``engines[0]`` (appended by the test) was open."""
     engines: list[SGLangEngine] = []
-    sleeps_while_open = []
+    sleeps_while_open: list[bool] = []
     backoff = sglang_module.backoff_delay
 
     def watched_backoff(*args):
@@ -183,6 +182,13 @@ def test_breaker_bounds_attempts_once_the_server_dies_and_stops_every_later_requ
         return backoff(*args)
 
     monkeypatch.setattr(sglang_module, "backoff_delay", watched_backoff)
+    return engines, sleeps_while_open
+
+
+def test_breaker_bounds_attempts_once_the_server_dies_and_stops_every_later_request(monkeypatch):
+    threshold, concurrency, requests = 4, 8, 40
+    cfg = SGLangConfig(max_retries=4, max_concurrency=concurrency, breaker_threshold=threshold, **FAST)
+    engines, sleeps_while_open = watch_backoffs(monkeypatch)
 
     async def go():
         async with FakeSGLang() as fake:
@@ -216,15 +222,7 @@ def test_breaker_bounds_attempts_once_the_server_dies_and_stops_every_later_requ
 def test_a_request_failing_after_the_breaker_opened_elsewhere_raises_without_a_backoff(monkeypatch):
     # Request A is in flight when the server starts dropping connections; B's drops open the breaker; only
     # then does A fail (a broken answer, not a connection failure): A must not sleep a backoff first.
-    sleeps_while_open = []
-    engines: list[SGLangEngine] = []
-    backoff = sglang_module.backoff_delay
-
-    def watched_backoff(*args):
-        sleeps_while_open.append(engines[0].breaker.open)
-        return backoff(*args)
-
-    monkeypatch.setattr(sglang_module, "backoff_delay", watched_backoff)
+    engines, sleeps_while_open = watch_backoffs(monkeypatch)
 
     async def go():
         async with FakeSGLang(["broken"], default="drop") as fake:
