@@ -478,16 +478,11 @@ class _Segment:
         if not len(kept):
             c["filtered_groups/empty"] += 1
             return None
-        if self.filters.drop_zero_variance and _zero_variance(bd.reward[kept]):
+        if self.filters.drop_zero_variance and is_zero_variance(bd.reward[kept]):
             c["filtered_groups/zero_variance"] += 1
             c["filtered_rows/zero_variance"] += len(kept)
             return None
         return kept
-
-
-def _zero_variance(rewards: np.ndarray) -> bool:
-    """Two or more rows, all rewards equal (exactly): :func:`rollshard.store.groups.is_zero_variance`."""
-    return is_zero_variance(rewards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -794,7 +789,7 @@ class _Stream:
         cols: dict[str, list] = collections.defaultdict(list)
         zero_var = 0
         for g, (bd, _, rows) in enumerate(groups):
-            zero_var += _zero_variance(bd.reward[rows])
+            zero_var += is_zero_variance(bd.reward[rows])
             for row in rows.tolist():
                 cols["prompt"].append(bd.row_tokens("prompt_tokens", row))
                 cols["response"].append(bd.row_tokens("response_tokens", row))
