@@ -94,6 +94,7 @@ from rollshard.store.storage import Storage
 __all__ = ["DataError", "LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
 
 STATE_FORMAT = "rollshard-loader"
+MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/mixture.py
 STATE_VERSION = 1
 SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
 TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
@@ -117,6 +118,7 @@ FILTER_KEYS = (
     "filtered_groups/zero_variance",
     "filtered_rows/zero_variance",
 )
+SOURCE_KEYS = ("groups", "sequences", "tokens", "loss_tokens")  # a mixture's per-source figures of a step (this rank)
 
 
 class LoaderStateError(ValueError):
@@ -175,6 +177,7 @@ class Step:
     epoch: int
     index: int  # step index, counted across epochs
     metrics: dict[str, float]  # module docstring: filter counts (global) and packing figures (this rank)
+    group_sources: list[str] | None = None  # [G] source name of each group (a mixture, store/mixture.py); else None
 
     @property
     def num_tokens(self) -> int:
@@ -505,6 +508,14 @@ class _VersionBox:
         self.current = _Version()
 
 
+@dataclasses.dataclass(frozen=True)
+class _EpochEnd:
+    """Marks the end of an epoch in :meth:`_Stream.groups`."""
+
+    epoch: int
+    num_groups: int  # raw groups of the epoch's stream
+
+
 @dataclasses.dataclass
 class _Item:
     """What the producer hands over: a step (or an epoch end), the cursor after it, and its validity."""
@@ -600,6 +611,7 @@ class _Stream:
         self.filters = _Filters.of(cfg)
         self._plans: dict[int, _EpochPlan] = {}
         self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}")
+        self.num_groups = sum(b.num_groups for b in blocks)
 
     def plan(self, epoch: int) -> _EpochPlan:
         plan = self._plans.get(epoch)
@@ -672,6 +684,36 @@ class _Stream:
                 files.popitem(last=False)[1][0].close()
         return files[shard][1]
 
+    def reader(self, start: _Cursor, preloaded: dict) -> _Background:
+        """The block reader thread from the start of ``start``'s window on (``preloaded``: blocks in memory)."""
+        return _Background(
+            lambda s: self.read_blocks(start, preloaded, s), self.cfg.prefetch, f"rollshard-loader-read-{self.rank}"
+        )
+
+    def groups(
+        self, start: _Cursor, reader: _Background, held: dict, stop: threading.Event
+    ) -> Iterator[tuple[int, int, _BlockData, int] | _EpochEnd]:
+        """The raw group stream from ``start`` on (before any filter), epoch after epoch.
+
+        Yields ``(epoch, position after the group, block, index of the group in the block)`` for each group,
+        and an :class:`_EpochEnd` after each epoch's last. ``held`` holds the current window's blocks (read
+        through ``reader``); it is emptied when the epoch after an _EpochEnd is asked for.
+        """
+        epoch, position = start.epoch, start.position
+        while self.cfg.num_epochs is None or epoch < self.cfg.num_epochs:
+            plan = self.plan(epoch)
+            for k in range(position // plan.window, plan.num_windows):
+                lo, hi = plan.bounds(k)
+                where = np.searchsorted(plan.cum, np.arange(lo, hi), side="right") - 1  # block of each group
+                self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
+                perm = plan.permutation(k)
+                for p in range(max(position, lo) - lo, hi - lo):
+                    i = int(where[perm[p]])
+                    yield epoch, lo + p + 1, held[(epoch, i)], lo + int(perm[p]) - int(plan.cum[i])
+            yield _EpochEnd(epoch=epoch, num_groups=plan.num_groups)
+            epoch, position = epoch + 1, 0
+            held.clear()
+
     def items(
         self,
         start: _Cursor,
@@ -681,56 +723,49 @@ class _Stream:
         version: "_VersionBox",
         stop: threading.Event,
     ) -> Iterator[_Item]:
-        """Steps and epoch ends from ``start`` on.
+        """Steps and epoch ends from ``start`` on: :meth:`groups` filtered and cut into global steps.
 
         ``preloaded``: blocks already in memory, by (epoch, position); ``held`` receives the blocks of the
         current window, so that a restart (a version change) need not read them again.
         """
-        cfg, w = self.cfg, self.world_size
-        full = cfg.groups_per_step * w
-        reader = _Background(
-            lambda s: self.read_blocks(start, preloaded, s), cfg.prefetch, f"rollshard-loader-read-{self.rank}"
-        )
+        cfg = self.cfg
+        full = cfg.groups_per_step * self.world_size
+        reader = self.reader(start, preloaded)
         try:
-            epoch, position, step = start.epoch, start.position, start.step
+            step = start.step
             epoch_counts = collections.Counter(counts)
-            while cfg.num_epochs is None or epoch < cfg.num_epochs:
-                plan = self.plan(epoch)
-                pending: list[tuple[_BlockData, int, np.ndarray]] = []
-                seg = _Segment(version.current.threshold, self.filters)
-                for k in range(position // plan.window, plan.num_windows):
-                    lo, hi = plan.bounds(k)
-                    where = np.searchsorted(plan.cum, np.arange(lo, hi), side="right") - 1  # block of each group
-                    self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
-                    perm = plan.permutation(k)
-                    for p in range(max(position, lo) - lo, hi - lo):
-                        i = int(where[perm[p]])
-                        bd = held[(epoch, i)]
-                        kept = seg.examine(bd, lo + int(perm[p]) - int(plan.cum[i]))
-                        if kept is not None:
-                            pending.append((bd, lo + int(perm[p]) - int(plan.cum[i]), kept))
-                        if len(pending) == full:
-                            self._verified(pending, stop)
-                            epoch_counts.update(seg.counts)
-                            epoch_counts["steps"] += 1
-                            after = _Cursor(epoch, lo + p + 1, step + 1)
-                            yield self._item(pending, seg, after, epoch, step, epoch_counts)
-                            step += 1
-                            pending, seg = [], _Segment(version.current.threshold, self.filters)
-                if pending and cfg.tail == "partial":
+            pending: list[tuple[_BlockData, int, np.ndarray]] = []
+            seg = _Segment(version.current.threshold, self.filters)
+            for g in self.groups(start, reader, held, stop):
+                if isinstance(g, _EpochEnd):
+                    if pending and cfg.tail == "partial":
+                        self._verified(pending, stop)
+                        epoch_counts.update(seg.counts)
+                        epoch_counts["steps"] += 1
+                        after = _Cursor(g.epoch, g.num_groups, step + 1)
+                        yield self._item(pending, seg, after, g.epoch, step, epoch_counts)
+                        step += 1
+                        pending, seg = [], _Segment(seg.threshold, self.filters)
+                    epoch_counts.update(seg.counts)
+                    epoch_counts["tail_dropped_groups"] += len(pending)
+                    if epoch_counts["steps"] == 0:
+                        self._no_step(g.epoch, epoch_counts)
+                    after = _Cursor(g.epoch + 1, 0, step)
+                    yield _Item(step=None, cursor=after, epoch_counts=dict(epoch_counts), segment=seg)
+                    epoch_counts = collections.Counter()
+                    pending, seg = [], _Segment(version.current.threshold, self.filters)
+                    continue
+                epoch, after_position, bd, j = g
+                kept = seg.examine(bd, j)
+                if kept is not None:
+                    pending.append((bd, j, kept))
+                if len(pending) == full:
                     self._verified(pending, stop)
                     epoch_counts.update(seg.counts)
                     epoch_counts["steps"] += 1
-                    yield self._item(pending, seg, _Cursor(epoch, plan.num_groups, step + 1), epoch, step, epoch_counts)
+                    yield self._item(pending, seg, _Cursor(epoch, after_position, step + 1), epoch, step, epoch_counts)
                     step += 1
-                    pending, seg = [], _Segment(seg.threshold, self.filters)
-                epoch_counts.update(seg.counts)
-                epoch_counts["tail_dropped_groups"] += len(pending)
-                if epoch_counts["steps"] == 0:
-                    self._no_step(epoch, epoch_counts)
-                yield _Item(step=None, cursor=_Cursor(epoch + 1, 0, step), epoch_counts=dict(epoch_counts), segment=seg)
-                epoch, position, epoch_counts = epoch + 1, 0, collections.Counter()
-                held.clear()
+                    pending, seg = [], _Segment(version.current.threshold, self.filters)
         finally:
             reader.close()
 
@@ -759,97 +794,127 @@ class _Stream:
         warnings.warn(msg, stacklevel=2)
 
     def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts) -> _Item:
-        n, r, w = len(pending), self.rank, self.world_size
-        mine = pending[r * n // w : (r + 1) * n // w]  # groups_per_step each in a full step; a tail as even as can be
-        seqs, zero_var = self._sequences(mine)
-        batches, efficiency = pack(seqs, self.cfg.micro_batch_tokens)
-        if self.cfg.pin_memory and torch.cuda.is_available():
-            batches = [b.pin_memory() for b in batches]
-        metrics = {k: float(v) for k, v in seg.counts.items()}
-        metrics.update(
-            groups=float(len(mine)),
-            sequences=float(len(seqs)),
-            tokens=float(sum(b.num_tokens for b in batches)),
-            loss_tokens=float(sum(b.num_loss_tokens for b in batches)),
-            micro_batches=float(len(batches)),
-            packing_efficiency=efficiency,
-            zero_variance_groups=float(zero_var),
-        )
-        step = Step(
-            micro_batches=batches,
-            group_ids=[bd.group_ids[j] for bd, j, _ in mine],
-            epoch=epoch,
-            index=index,
-            metrics=metrics,
-        )
+        step = make_step(pending, seg.counts, epoch=epoch, index=index, rank=self.rank, world_size=self.world_size,
+                         cfg=self.cfg)
         return _Item(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg)
 
-    @staticmethod
-    def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:
-        cols: dict[str, list] = collections.defaultdict(list)
-        zero_var = 0
-        for g, (bd, _, rows) in enumerate(groups):
-            zero_var += is_zero_variance(bd.reward[rows])
-            for row in rows.tolist():
-                cols["prompt"].append(bd.row_tokens("prompt_tokens", row))
-                cols["response"].append(bd.row_tokens("response_tokens", row))
-                cols["logprobs"].append(bd.row_tokens("rollout_logprobs", row))
-                cols["mask"].append(bd.row_tokens("loss_mask", row))
-                cols["temperature"].append(bd.temperature[row])
-                cols["reward"].append(bd.reward[row])
-                cols["group"].append(g)
-                cols["agent"].append(bd.agent[row])
-                cols["sample_id"].append(bd.sample_id[row])
-                cols["weight_version"].append(bd.weight_version[row])
-        seqs = Sequences(
-            prompt=cols["prompt"],
-            response=cols["response"],
-            logprobs=cols["logprobs"],
-            mask=cols["mask"],
-            temperature=np.asarray(cols["temperature"], np.float32),
-            reward=np.asarray(cols["reward"], np.float32),
-            group=np.asarray(cols["group"], np.int64),
-            agent=cols["agent"],
-            sample_id=cols["sample_id"],
-            weight_version=cols["weight_version"],
-        )
-        return seqs, zero_var
+
+def make_step(
+    pending: list[tuple[_BlockData, int, np.ndarray]],
+    counts: dict[str, int],
+    *,
+    epoch: int,
+    index: int,
+    rank: int,
+    world_size: int,
+    cfg: LoaderConfig,
+    sources: tuple[str, ...] | None = None,
+    owners: list[int] | None = None,
+) -> Step:
+    """This rank's share of one global step of ``pending`` groups ``(block, index in block, rows kept)``.
+
+    Rank ``r`` of ``w`` takes ``pending[r * n // w : (r + 1) * n // w]``. ``counts``: the filter counts of
+    the global step. A mixture (store/mixture.py) gives the source names and each pending group's source
+    index (``owners``): the step then carries :attr:`Step.group_sources` and per-source figures.
+    """
+    n, r, w = len(pending), rank, world_size
+    lo, hi = r * n // w, (r + 1) * n // w  # groups_per_step each in a full step; a tail as even as can be
+    mine = pending[lo:hi]
+    seqs, zero_var = _sequences(mine)
+    batches, efficiency = pack(seqs, cfg.micro_batch_tokens)
+    metrics = {k: float(v) for k, v in counts.items()}
+    metrics.update(
+        groups=float(len(mine)),
+        sequences=float(len(seqs)),
+        tokens=float(sum(b.num_tokens for b in batches)),
+        loss_tokens=float(sum(b.num_loss_tokens for b in batches)),
+        micro_batches=float(len(batches)),
+        packing_efficiency=efficiency,
+        zero_variance_groups=float(zero_var),
+    )
+    group_sources = None
+    if sources is not None:
+        group_sources = [sources[i] for i in owners[lo:hi]]  # [G]
+        metrics.update(_source_metrics(batches, group_sources, sources))
+    if cfg.pin_memory and torch.cuda.is_available():
+        batches = [b.pin_memory() for b in batches]
+    return Step(
+        micro_batches=batches,
+        group_ids=[bd.group_ids[j] for bd, j, _ in mine],
+        epoch=epoch,
+        index=index,
+        metrics=metrics,
+        group_sources=group_sources,
+    )
+
+
+def _source_metrics(batches: list[PackedBatch], group_sources: list[str], sources: tuple[str, ...]) -> dict[str, float]:
+    """``source/<name>/{groups,sequences,tokens,loss_tokens}`` of this rank's step, 0 for a source without any."""
+    out = {f"source/{name}/{k}": 0.0 for name in sources for k in SOURCE_KEYS}
+    for name in group_sources:
+        out[f"source/{name}/groups"] += 1
+    for b in batches:
+        cu = b.cu_seqlens.numpy().astype(np.int64)  # [S+1]
+        mask = np.concatenate([[0.0], np.cumsum(b.loss_mask.numpy(), dtype=np.float64)])  # [T+1]
+        loss = mask[cu[1:]] - mask[cu[:-1]]  # [S] loss tokens per sequence
+        for g, n_tok, n_loss in zip(b.seq_group.tolist(), np.diff(cu).tolist(), loss.tolist()):
+            name = group_sources[g]
+            out[f"source/{name}/sequences"] += 1
+            out[f"source/{name}/tokens"] += n_tok
+            out[f"source/{name}/loss_tokens"] += n_loss
+    return out
+
+
+def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:
+    cols: dict[str, list] = collections.defaultdict(list)
+    zero_var = 0
+    for g, (bd, _, rows) in enumerate(groups):
+        zero_var += is_zero_variance(bd.reward[rows])
+        for row in rows.tolist():
+            cols["prompt"].append(bd.row_tokens("prompt_tokens", row))
+            cols["response"].append(bd.row_tokens("response_tokens", row))
+            cols["logprobs"].append(bd.row_tokens("rollout_logprobs", row))
+            cols["mask"].append(bd.row_tokens("loss_mask", row))
+            cols["temperature"].append(bd.temperature[row])
+            cols["reward"].append(bd.reward[row])
+            cols["group"].append(g)
+            cols["agent"].append(bd.agent[row])
+            cols["sample_id"].append(bd.sample_id[row])
+            cols["weight_version"].append(bd.weight_version[row])
+    seqs = Sequences(
+        prompt=cols["prompt"],
+        response=cols["response"],
+        logprobs=cols["logprobs"],
+        mask=cols["mask"],
+        temperature=np.asarray(cols["temperature"], np.float32),
+        reward=np.asarray(cols["reward"], np.float32),
+        group=np.asarray(cols["group"], np.int64),
+        agent=cols["agent"],
+        sample_id=cols["sample_id"],
+        weight_version=cols["weight_version"],
+    )
+    return seqs, zero_var
 
 
 # -- the loader ----------------------------------------------------------------------------
 
 
-class RolloutLoader:
-    """Iterable of :class:`Step`: whole GRPO groups of one rank, packed; see the module docstring.
+class _StepLoader:
+    """What every loader of steps shares: the producer thread, iteration from the cursor, the policy version.
 
-    Iterating continues from the cursor (a new ``iter()`` picks up where the last step
-    taken left off); with ``num_epochs=E`` the loader stops after E epochs in all.
-    The cursor is the same on every rank, so a checkpoint may keep rank 0's state and
-    load it on every rank. Call :meth:`close` (or use ``with``) to stop the threads early.
+    A subclass sets ``config``, ``rank``, ``world_size``, ``_cursor``, ``_epoch_counts`` and implements
+    :meth:`_produce` (a function of the stop event that yields :class:`_Item`, holding no reference to the
+    loader), :meth:`state_dict`, :meth:`load_state_dict` and :meth:`_close_streams`.
     """
 
-    def __init__(
-        self,
-        dataset: RolloutDataset | str | os.PathLike,
-        config: LoaderConfig | None = None,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
-        self.config = config = config or LoaderConfig()
-        config.check()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
-        self.rank, self.world_size = rank, world_size
-        blocks = _scan_blocks(self.dataset, check_types=config.verify_data)
-        self._stream = _Stream(self.dataset, blocks, config, rank, world_size)
-        self.num_groups = sum(b.num_groups for b in self._stream.blocks)
+    config: LoaderConfig
+    rank: int
+    world_size: int
+
+    def _init_common(self) -> None:
         self._version = _VersionBox()
-        if config.current_version is not None:
-            self.set_current_version(config.current_version)
-        self._cursor = _Cursor()
-        self._epoch_counts: dict[str, int] = {}
+        if self.config.current_version is not None:
+            self.set_current_version(self.config.current_version)
         self.epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
         self._producer: _Background | None = None
         self._held: dict = {}  # the producer's current window of blocks (reused by a restart)
@@ -872,61 +937,13 @@ class RolloutLoader:
     def current_version(self) -> str | None:
         return self._version.current.text
 
-    def state_dict(self) -> dict:
-        """The cursor after the last step taken, and what it is valid for (JSON-serializable)."""
-        c = self._cursor
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seed": self.config.seed,
-            "dataset": self.dataset.fingerprint,
-            "shuffle": self.config.shuffle,
-            "shuffle_window": self.config.shuffle_window,
-            "epoch": c.epoch,
-            "cursor": {"position": c.position, "step": c.step},
-            "current_version": self._version.current.text,
-            "epoch_counts": dict(self._epoch_counts),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at the step after the one the state was taken at; raises :class:`LoaderStateError` on a mismatch."""
-        if state.get("format") != STATE_FORMAT or not isinstance(state.get("version"), int):
-            raise LoaderStateError("not a rollshard loader state (no 'format': 'rollshard-loader')")
-        if state["version"] > STATE_VERSION:
-            raise LoaderStateError(
-                f"loader state version {state['version']} is newer than this rollshard's {STATE_VERSION}; "
-                "upgrade rollshard"
-            )
-        mine = self.state_dict()
-        why = {
-            "world_size": "the data-parallel split depends on it; resume with the world size of the checkpoint",
-            "seed": "the order depends on it; resume with the seed of the checkpoint",
-            "dataset": "its shards were added, removed or rewritten since the checkpoint; resume on the same shards "
-            "or start a new run",
-            "shuffle": "the order depends on it",
-        }
-        if mine["shuffle"]:
-            why["shuffle_window"] = "the order depends on it"
-        for key, reason in why.items():
-            if state.get(key) != mine[key]:
-                raise LoaderStateError(
-                    f"loader state has {key}={state.get(key)!r}, this loader {key}={mine[key]!r}: {reason}"
-                )
-        self._stop_producer()
-        self._cursor = _Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
-        self._epoch_counts = dict(state.get("epoch_counts") or {})
-        if state.get("current_version") is not None:
-            self.set_current_version(state["current_version"])
-
     def close(self) -> None:
         """Stop the background threads (iteration can start again later from the cursor)."""
         self._stop_producer()
         self._held = {}
-        self._stream.checksums.close()
+        self._close_streams()
 
-    def __enter__(self) -> "RolloutLoader":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -935,8 +952,7 @@ class RolloutLoader:
     def __del__(self) -> None:
         if getattr(self, "_producer", None) is not None:
             self._producer.close()
-        if getattr(self, "_stream", None) is not None:
-            self._stream.checksums.close()
+        self._close_streams()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -945,19 +961,15 @@ class RolloutLoader:
             raise ValueError(
                 "max_staleness needs the policy version: set LoaderConfig.current_version or call set_current_version()"
             )
-        if self.config.num_epochs is None and self.num_groups == 0:
-            raise ValueError(f"{self.dataset.storage.uri}: the dataset has no groups to loop over")
+
+    def _close_streams(self) -> None:
+        raise NotImplementedError
+
+    def _produce(self) -> Callable[[threading.Event], Iterator[_Item]]:
+        raise NotImplementedError
 
     def _start_producer(self) -> _Background:
-        # the thread holds the stream and a view of the version, never the loader, so an abandoned loader is freed
-        stream, start, counts, version = self._stream, self._cursor, dict(self._epoch_counts), self._version
-        preloaded, held = dict(self._held), {}  # copied here: a producer that outlived close() cannot touch it
-        self._held = held
-        self._producer = _Background(
-            lambda stop: stream.items(start, counts, preloaded, held, version, stop),
-            self.config.prefetch,
-            f"rollshard-loader-steps-{self.rank}",
-        )
+        self._producer = _Background(self._produce(), self.config.prefetch, f"rollshard-loader-steps-{self.rank}")
         return self._producer
 
     def _stop_producer(self) -> None:
@@ -987,6 +999,126 @@ class RolloutLoader:
             if self._producer is producer:
                 self._stop_producer()
                 self._held = {}
+
+
+def check_state_header(state: Any, expected: str) -> None:
+    """Raise :class:`LoaderStateError` unless ``state`` is a loader state of format ``expected`` this rollshard reads."""
+    if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, MIXTURE_STATE_FORMAT):
+        raise LoaderStateError("not a rollshard loader state (no 'format': 'rollshard-loader')")
+    if state["format"] != expected:
+        if expected == STATE_FORMAT:
+            names = ", ".join(s.get("name", "?") for s in state.get("sources") or [])
+            raise LoaderStateError(
+                f"loader state is of a mixture of sources {names}, this loader reads one dataset: the source list "
+                "changed; resume with the --data of the checkpoint"
+            )
+        raise LoaderStateError(
+            f"loader state is of one dataset (dataset={state.get('dataset')!r}), this loader mixes several sources: "
+            "the source list changed; resume with the --data of the checkpoint"
+        )
+    if not isinstance(state.get("version"), int):
+        raise LoaderStateError(f"loader state has no integer 'version' (format {expected!r})")
+    if state["version"] > STATE_VERSION:
+        raise LoaderStateError(
+            f"loader state version {state['version']} is newer than this rollshard's {STATE_VERSION}; upgrade rollshard"
+        )
+
+
+def check_state_settings(state: dict, mine: dict) -> None:
+    """Raise :class:`LoaderStateError` naming the first setting the order depends on that differs."""
+    why = {
+        "world_size": "the data-parallel split depends on it; resume with the world size of the checkpoint",
+        "seed": "the order depends on it; resume with the seed of the checkpoint",
+        "dataset": "its shards were added, removed or rewritten since the checkpoint; resume on the same shards "
+        "or start a new run",
+        "shuffle": "the order depends on it",
+    }
+    if mine["shuffle"]:
+        why["shuffle_window"] = "the order depends on it"
+    for key, reason in why.items():
+        if key in mine and state.get(key) != mine[key]:
+            raise LoaderStateError(f"loader state has {key}={state.get(key)!r}, this loader {key}={mine[key]!r}: {reason}")
+
+
+class RolloutLoader(_StepLoader):
+    """Iterable of :class:`Step`: whole GRPO groups of one rank, packed; see the module docstring.
+
+    Iterating continues from the cursor (a new ``iter()`` picks up where the last step
+    taken left off); with ``num_epochs=E`` the loader stops after E epochs in all.
+    The cursor is the same on every rank, so a checkpoint may keep rank 0's state and
+    load it on every rank. Call :meth:`close` (or use ``with``) to stop the threads early.
+    """
+
+    def __init__(
+        self,
+        dataset: RolloutDataset | str | os.PathLike,
+        config: LoaderConfig | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.config = config = config or LoaderConfig()
+        config.check()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
+        self.rank, self.world_size = rank, world_size
+        self._stream = open_stream(self.dataset, config, rank, world_size)
+        self.num_groups = self._stream.num_groups
+        self._cursor = _Cursor()
+        self._epoch_counts: dict[str, int] = {}
+        self._init_common()
+
+    def state_dict(self) -> dict:
+        """The cursor after the last step taken, and what it is valid for (JSON-serializable)."""
+        c = self._cursor
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.config.seed,
+            "dataset": self.dataset.fingerprint,
+            "shuffle": self.config.shuffle,
+            "shuffle_window": self.config.shuffle_window,
+            "epoch": c.epoch,
+            "cursor": {"position": c.position, "step": c.step},
+            "current_version": self._version.current.text,
+            "epoch_counts": dict(self._epoch_counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the step after the one the state was taken at; raises :class:`LoaderStateError` on a mismatch."""
+        check_state_header(state, STATE_FORMAT)
+        check_state_settings(state, self.state_dict())
+        self._stop_producer()
+        self._cursor = _Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
+        self._epoch_counts = dict(state.get("epoch_counts") or {})
+        if state.get("current_version") is not None:
+            self.set_current_version(state["current_version"])
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        super()._check_ready()
+        if self.config.num_epochs is None and self.num_groups == 0:
+            raise ValueError(f"{self.dataset.storage.uri}: the dataset has no groups to loop over")
+
+    def _close_streams(self) -> None:
+        if getattr(self, "_stream", None) is not None:
+            self._stream.checksums.close()
+
+    def _produce(self) -> Callable[[threading.Event], Iterator[_Item]]:
+        # the thread holds the stream and a view of the version, never the loader, so an abandoned loader is freed
+        stream, start, counts, version = self._stream, self._cursor, dict(self._epoch_counts), self._version
+        preloaded, held = dict(self._held), {}  # copied here: a producer that outlived close() cannot touch it
+        self._held = held
+        return lambda stop: stream.items(start, counts, preloaded, held, version, stop)
+
+
+def open_stream(dataset: RolloutDataset, config: LoaderConfig, rank: int, world_size: int) -> _Stream:
+    """The group stream of one dataset (its blocks scanned and checked); the machinery a mixture draws from."""
+    return _Stream(dataset, _scan_blocks(dataset, check_types=config.verify_data), config, rank, world_size)
 
 
 # -- HF datasets -----------------------------------------------------------------------------
