@@ -1,11 +1,14 @@
-"""``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset.
+"""``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset; ``filter`` it into a new one.
 
 Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
 the data could not be read (``stats`` and ``inspect`` refuse a shard that is missing,
 cut short or not the manifest's size, :class:`~rollshard.store.errors.DataError`, with one
-line naming it; they do not hash shards: ``validate`` checks the checksums); 2 a usage error
+line naming it; they do not hash shards: ``validate`` checks the checksums; ``filter``
+refuses a parent shard whose sha256 is not its manifest's); 2 a usage error
 (bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
-any shard, an unknown ``--sample``). ``--json`` prints one
+any shard, an unknown ``--sample``; for ``filter`` an ``--agent`` the dataset does not
+have, an ``--out`` that is not new, or a rerun into it with other filters or a changed
+parent); 130 ``filter`` interrupted (rerun the same command to resume). ``--json`` prints one
 JSON document on stdout and nothing else there; progress goes to stderr when it is a
 terminal.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections import Counter
 from contextlib import nullcontext
@@ -27,11 +31,13 @@ from rich.table import Table
 from rich.text import Text
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.derive import DeriveError
 from rollshard.store.errors import DataError
 from rollshard.store.groups import REWARD_STD_DDOF
-from rollshard.store.schema import SchemaVersionError
+from rollshard.store.lineage import DERIVED_KEY, LINEAGE_KEY
+from rollshard.store.schema import RowInvariantError, SchemaVersionError
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 PROG = "rollshard-store"
 
 
@@ -41,7 +47,7 @@ class _UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Check and summarize a rollshard dataset directory.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,stats,inspect}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,stats,inspect,filter}")
 
     v = sub.add_parser("validate", help="re-check every invariant, checksum and count; exit 1 on any problem")
     v.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
@@ -62,6 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer folder to decode tokens with (default: the model path in the run config, when it exists here)",
     )
     i.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens shown with --sample (0: all)")
+
+    f = sub.add_parser(
+        "filter",
+        help="write the rows that pass the filters into a new dataset, lineage recorded",
+        description=(
+            "Write the rows of DATASET that pass every filter given into the new dataset --out. Filters are per "
+            "row: a reward range can keep part of a GRPO group (the trainer normalizes the rows left); a group is "
+            "never split across shards. A shard whose rows all pass is copied byte for byte, one with some rows "
+            "left is rewritten, one with none is dropped. The lineage (parent, its fingerprint, the filters) is "
+            "recorded in the new dataset's manifests and shown by `inspect`. Interrupted, rerun the same command: "
+            "it resumes with the shards not done."
+        ),
+    )
+    f.add_argument("path", metavar="DATASET", help="dataset directory (or pyarrow filesystem URI)")
+    f.add_argument("--out", required=True, metavar="NEW", help="new dataset directory (new or empty; not inside DATASET)")
+    f.add_argument("--agent", metavar="A[,B]", help="keep rows of these agents")
+    f.add_argument("--status", metavar="S[,S]", help="keep rows of these statuses (completed, truncated, aborted, failed)")
+    f.add_argument("--min-reward", type=float, metavar="X", help="keep rows with a finite reward >= X")
+    f.add_argument("--max-reward", type=float, metavar="X", help="keep rows with a finite reward <= X")
+    f.add_argument(
+        "--weight-version", metavar="V[,V] | LO..HI",
+        help="keep rows of these weight versions, or of an inclusive integer range (3..5, 3.., ..5)",
+    )
+    f.add_argument("--sample-ids", metavar="FILE", help="keep rows whose sample_id is in FILE (one id per line)")
+    f.add_argument("--writer-id", default="filter", metavar="ID", help="prefix of the new dataset's writer ids")
+    f.add_argument("--json", action="store_true", help="print the result as JSON")
+    f.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -72,13 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return _validate(args, out, err)
+        if args.command == "filter":
+            return _filter(args, out, argv)
         ds = RolloutDataset.open(args.path)
         if args.command == "stats":
             return _stats(ds, args, out, err)
         return _inspect(ds, args, out, err)
-    except (DatasetNotFoundError, SchemaVersionError, _UsageError) as e:
+    except (DatasetNotFoundError, SchemaVersionError, _UsageError, DeriveError) as e:
         _error(f"{e}")
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted; rerun the same command to resume")
+        return EXIT_INTERRUPTED
+    except RowInvariantError as e:  # a parent row the writer refuses: the parent is damaged
+        _error(f"{args.path}: {e}; run `{PROG} validate {args.path}`")
+        return EXIT_PROBLEMS
     except DataError as e:  # a damaged shard or manifest: the message names it and points at validate
         _error(f"{args.path}: {e}")
         return EXIT_PROBLEMS
@@ -135,6 +176,43 @@ def _validate(args, out: Console, err: Console) -> int:
         return EXIT_OK
     out.print(Text("FAILED", style="red") + Text(f": {len(report.problems)} problems in {report.dataset}"))
     return EXIT_PROBLEMS
+
+
+# -- filter ---------------------------------------------------------------------------------
+
+
+def _filter(args, out: Console, argv: list[str] | None) -> int:
+    from rollshard.store.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
+
+    try:
+        versions, version_range = (None, None) if args.weight_version is None else parse_weight_versions(args.weight_version)
+        row_filter = RowFilter(
+            agents=None if args.agent is None else parse_list(args.agent, "--agent"),
+            statuses=None if args.status is None else parse_list(args.status, "--status"),
+            min_reward=args.min_reward,
+            max_reward=args.max_reward,
+            weight_versions=versions,
+            weight_version_range=version_range,
+            sample_ids=None if args.sample_ids is None else read_sample_ids(args.sample_ids),
+        )
+    except ValueError as e:
+        raise _UsageError(f"filter: {e}") from e
+    ds = RolloutDataset.open(args.path)
+    if row_filter.agents is not None:
+        present = set(ds.scan().select(pl.col("agent").unique()).collect()["agent"].to_list())
+        missing = sorted(set(row_filter.agents) - present)
+        if missing:
+            have = ", ".join(sorted(present)) or "none: the dataset has no rows"
+            raise _UsageError(f"filter: --agent {missing[0]!r}: no such agent in {args.path} (agents: {have})")
+    command = shlex.join([PROG, *(sys.argv[1:] if argv is None else argv)])
+    result = filter_dataset(
+        ds, args.out, row_filter, command=command, writer_id=args.writer_id, progress=not args.no_progress
+    )
+    if args.json:
+        _print_json(out, result.to_dict())
+    else:
+        print(f"{PROG} filter: {args.path} -> {args.out}: {result.summary()}", file=out.file)
+    return EXIT_OK
 
 
 # -- stats ----------------------------------------------------------------------------------
@@ -201,10 +279,13 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
         return EXIT_OK
     st = summary["stats"]
     out.print(_totals_table(st))
+    if summary["lineage"]:
+        out.print(_lineage_table(summary["lineage"]))
     config = Table(title="run config", show_header=False)
     config.add_column("key", style="bold")
     config.add_column("value", overflow="fold")
-    for key, value in _flatten(summary["config"]):
+    shown = {k: v for k, v in summary["config"].items() if k not in (DERIVED_KEY, LINEAGE_KEY)}  # the lineage table's
+    for key, value in _flatten(shown):
         _row(config, key, str(value))
     out.print(config)
     writers = Table(title="writers")
@@ -246,6 +327,20 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
         _row(versions, str(r["weight_version"]), _fmt(r["rows"]), _fmt(r["multi_version_rows"]))
     out.print(versions)
     return EXIT_OK
+
+
+def _lineage_table(lineage: list[dict[str, Any]]) -> Table:
+    t = Table(title="lineage (newest first; details: the operation's settings)")
+    for c in ("step", "operation", "parent", "parent fingerprint", "details", "created"):
+        t.add_column(c, justify="right" if c == "step" else "left", overflow="fold")
+    for n, e in enumerate(lineage, 1):
+        details = e.get("details")
+        if isinstance(details, dict) and isinstance(details.get("expression"), str):
+            shown = details["expression"]
+        else:
+            shown = json.dumps(details, sort_keys=True)
+        _row(t, n, e.get("operation"), e.get("parent"), e.get("parent_fingerprint"), shown, e.get("created_at"))
+    return t
 
 
 def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int:

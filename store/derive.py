@@ -86,6 +86,7 @@ class DeriveResult:
 
     out: str
     operation: str
+    mutable_columns: tuple[str, ...]
     parent_fingerprint: str
     fingerprint: str  # of the derived dataset
     rows_in: int
@@ -101,13 +102,17 @@ class DeriveResult:
         return self.rows_in - self.rows_out
 
     def summary(self) -> str:
-        """One line: ``kept 5 of 8 rows (3 dropped, 0 changed); shards: 1 copied, 1 rewritten, 0 dropped``."""
+        """One line: ``kept 5 of 8 rows (3 dropped); shards: 1 copied, 1 rewritten, 0 dropped``; the rows
+        changed are counted when the operation may change a column (``3 dropped, 4 changed``)."""
+        changed = f", {self.rows_changed:,} changed" if self.mutable_columns else ""
         resumed = f" ({self.shards_resumed} done by an earlier run)" if self.shards_resumed else ""
         return (
-            f"kept {self.rows_out:,} of {self.rows_in:,} rows ({self.rows_dropped:,} dropped, {self.rows_changed:,} "
-            f"changed); shards: {self.shards_copied} copied, {self.shards_rewritten} rewritten, "
-            f"{self.shards_dropped} dropped{resumed}"
+            f"kept {self.rows_out:,} of {self.rows_in:,} rows ({self.rows_dropped:,} dropped{changed}); shards: "
+            f"{self.shards_copied} copied, {self.shards_rewritten} rewritten, {self.shards_dropped} dropped{resumed}"
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "rows_dropped": self.rows_dropped}
 
 
 def derive_dataset(
@@ -485,6 +490,7 @@ class _State:
         return DeriveResult(
             out=out.uri,
             operation=self.entry["operation"],
+            mutable_columns=tuple(self.entry["mutable_columns"]),
             parent_fingerprint=parent_fingerprint,
             fingerprint=fingerprint([s for m in load_manifests(out) for s in m.shards]),
             rows_in=sum(r["rows_in"] for r in records),

@@ -25,6 +25,7 @@ import polars as pl
 
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.groups import REWARD_STD_DDOF, group_flags
+from rollshard.store.lineage import lineage_of
 from rollshard.store.schema import STATUS_VALUES, Status
 
 RESPONSE_LEN = pl.col("loss_mask").list.len().cast(pl.Int64)
@@ -84,7 +85,8 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
 
 
 def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
-    """Everything ``rollshard-store inspect`` shows; ``["stats"]`` is :func:`dataset_stats`."""
+    """Everything ``rollshard-store inspect`` shows; ``["stats"]`` is :func:`dataset_stats`, ``["lineage"]``
+    :func:`rollshard.store.lineage.lineage_of` (``[]`` unless the dataset was derived from another)."""
     lf = ds.scan()
     per_group = lf.group_by("group_id").agg(pl.col("agent").first(), *group_flags())
     finish, by_round, lengths, zero_var, versions, times = pl.collect_all(
@@ -127,6 +129,7 @@ def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
     return {
         "stats": dataset_stats(ds),
         "config": ds.config,
+        "lineage": lineage_of(ds),  # newest derivation first; [] for a generated dataset
         "writers": [
             {
                 "writer_id": m.writer_id,
