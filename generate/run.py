@@ -2,8 +2,13 @@
 
     rollshard-generate --engine embedded:MODEL --agents multi_agent --task math --out DATASET
 
-Steps: parse -> load task, agent system and prompts -> reach the engine -> load the
+Steps: parse -> load task, agent system, reward and prompts -> reach the engine -> load the
 tokenizer -> open the dataset (resume) -> run -> commit, report.
+
+Bring your own (rollshard/generate/plugins.py): ``--task``, ``--agents`` and ``--reward``
+take a built-in name or ``module:attr`` / ``path/to/file.py:attr``; ``--reward-url`` posts each
+row to a reward server. A plugin's file and hash are recorded in the run config, and a
+resume with an edited plugin is refused.
 
 Rerunning the same command resumes: prompts already in DATASET are skipped, the rest
 (including those in the failure ledger) are generated. ``--shard-index i --num-shards
@@ -36,6 +41,8 @@ import aiohttp
 
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
 from rollshard.generate.agents.base import prompt_hash
+from rollshard.generate.chat import ChatFormat
+from rollshard.generate.rewards import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, Scorer, make_scorer
 from rollshard.generate.engines.base import Engine, EngineError, EngineSettingsError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
@@ -53,7 +60,7 @@ from rollshard.generate.runner import (
 from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.schema import SchemaVersionError
-from rollshard.store.tokenizer import TokenizerError, apply_chat_template, load_tokenizer
+from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 from rollshard.store.versions import resolve_model_path
 from rollshard.store.writer import ShardWriter
 
@@ -74,14 +81,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("what to run")
     g.add_argument("--engine", required=True, metavar="SPEC", help="embedded:MODEL_DIR, or SGLang URL[,URL...]")
-    g.add_argument("--agents", default="single", choices=sorted(SYSTEMS), help="agent system (default: %(default)s)")
+    g.add_argument(
+        "--agents", default="single", metavar="SYSTEM",
+        help=f"agent system: {', '.join(sorted(SYSTEMS))}, or your own as module:Class or file.py:Class "
+        "(default: %(default)s)",
+    )
     g.add_argument(
         "--agent-option", action="append", default=[], metavar="KEY=VALUE",
         help="an option of the agent system, e.g. correct_weight=1.0 (repeatable)",
     )
     g.add_argument(
-        "--task", default="math", choices=sorted(TASKS),
-        help="prompt format and verifier (default: %(default)s)",
+        "--task", default="math", metavar="TASK",
+        help=f"prompt format and verifier: {', '.join(sorted(TASKS))}, or your own as module:attr or file.py:attr "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--reward", metavar="FN",
+        help="reward function instead of the task's verifier: module:fn or file.py:fn, sync or async, given a "
+        "rollshard.generate.rewards.Sample, returning a float or {'reward': float, ...}",
+    )
+    g.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON, the answer is the reward")
+    g.add_argument(
+        "--reward-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+        help="reward calls at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--reward-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+        help="per reward call; over it the prompt fails into the ledger (default: %(default)s)",
+    )
+    g.add_argument("--system-prompt", metavar="TEXT", help="system message before every prompt (default: the task's)")
+    chat = g.add_mutually_exclusive_group()
+    chat.add_argument("--chat-template", metavar="PATH", help="Jinja chat template file (default: the tokenizer's)")
+    chat.add_argument(
+        "--no-chat-template", action="store_true",
+        help="send raw prompts: message contents joined by a blank line, no template (base models)",
     )
     g.add_argument(
         "--prompts", metavar="SOURCE",
@@ -167,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
-        task, system, prompts = _load_inputs(args)
-        return asyncio.run(_run(args, task, system, prompts))
+        task, system, scorer, prompts = _load_inputs(args)
+        return asyncio.run(_run(args, task, system, scorer, prompts))
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -191,19 +224,33 @@ def _quiet_model_loading() -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards); got {args.shard_index} of {args.num_shards}")
-    for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every"):
+    for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every", "reward_concurrency"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    if not args.reward_timeout > 0:
+        raise UsageError("--reward-timeout must be > 0")
 
 
-def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, list[Prompt]]:
-    """Task, agent system and this host's prompts; every error here is the user's to fix."""
+def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, list[Prompt]]:
+    """Task, agent system, scorer and this host's prompts; every error here is the user's to fix."""
     try:
         task = get_task(args.task)
+        if args.system_prompt is not None:
+            task = dataclasses.replace(task, system_prompt=args.system_prompt or None)
         options = dict(_key_value(o) for o in args.agent_option)
         system = make_agent_system(args.agents, n_samples=args.n_samples, options=options)
+        scorer = make_scorer(
+            task,
+            reward=args.reward,
+            reward_url=args.reward_url,
+            concurrency=args.reward_concurrency,
+            timeout=args.reward_timeout,
+        )
+        args.chat = ChatFormat.from_file(args.chat_template) if args.chat_template else (
+            ChatFormat(mode="raw") if args.no_chat_template else ChatFormat()
+        )
         source = args.prompts or task.default_prompts()
         prompts = load_prompts(
             source,
@@ -219,7 +266,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, list[Prom
     args.prompts_fingerprint = prompts_fingerprint(prompts)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    return task, system, shard_prompts(prompts, args.shard_index, args.num_shards)
+    return task, system, scorer, shard_prompts(prompts, args.shard_index, args.num_shards)
 
 
 def _key_value(option: str) -> tuple[str, str]:
@@ -229,7 +276,16 @@ def _key_value(option: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompts: list[Prompt]) -> int:
+async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt]) -> int:
+    try:
+        return await _generate(args, task, system, scorer, prompts)
+    finally:
+        await scorer.close()
+
+
+async def _generate(
+    args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt]
+) -> int:
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -237,7 +293,7 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
     )
-    config = _generation_config(args, system, task, sampling)
+    config = _generation_config(args, system, task, scorer, sampling)
     _check_existing(args.out, config)  # before the engine: a refused resume costs no model load
     _quiet_model_loading()
     engine = await _connect(args)
@@ -257,15 +313,16 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
             tokenizer=resolve_model_path(tokenizer_path),
             weight_version=info.get("weight_version"),
             max_context_len=_context_len(args, info, tokenizer),
+            chat_template=args.chat.config(tokenizer),
         )
-        try:  # both render prompts with the tokenizer's chat template
-            _check_existing_prompts(args.out, prompts, task, tokenizer)
+        try:  # both render prompts with the run's chat template
+            _check_existing_prompts(args.out, prompts, task, tokenizer, args.chat)
             warning = prompts and system.context_warning(
                 sampling=sampling,
                 context=config["max_context_len"],
                 task=task,
                 prompt=prompts[0],
-                count_tokens=lambda messages: len(apply_chat_template(tokenizer, messages)),
+                count_tokens=lambda messages: len(args.chat.ids(tokenizer, messages)),
             )
         except TokenizerError as e:
             raise UsageError(f"{e} (or pass --tokenizer)") from e
@@ -296,6 +353,8 @@ async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, prompt
                     allow_skipped_calls=args.allow_skipped_calls,
                     progress=not args.no_progress,
                 ),
+                scorer=scorer,
+                chat=args.chat,
             )
             result = await runner.run(prompts)
         _report(args, result)
@@ -351,7 +410,7 @@ def _context_len(args: argparse.Namespace, info: dict[str, Any], tokenizer) -> i
     return int(limit) if isinstance(limit, int) and 0 < limit < MAX_SANE_CONTEXT else None
 
 
-def _generation_config(args, system: AgentSystem, task: Task, sampling: SamplingParams) -> dict[str, Any]:
+def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sampling: SamplingParams) -> dict[str, Any]:
     """The run config (stored with every shard); the engine's fields are added once it answers."""
     try:
         version = metadata.version("rollshard")
@@ -363,6 +422,9 @@ def _generation_config(args, system: AgentSystem, task: Task, sampling: Sampling
         "engine": args.engine,
         "agents": system.config(),
         "task": task.name,
+        "task_plugin": task.plugin,
+        "reward": scorer.identity,
+        "system_prompt": task.system_prompt,
         "prompts": args.prompts,
         "prompts_fingerprint": args.prompts_fingerprint,
         "input_key": args.input_key,
@@ -392,7 +454,7 @@ def _check_existing(out: str, config: dict[str, Any]) -> None:
         raise UsageError(str(e)) from e
 
 
-def _check_existing_prompts(out: str, prompts: list[Prompt], task: Task, tokenizer) -> None:
+def _check_existing_prompts(out: str, prompts: list[Prompt], task: Task, tokenizer, chat: ChatFormat) -> None:
     """A resume refuses prompts that changed under their id (see :func:`check_resume_prompts`)."""
     try:
         dataset = RolloutDataset.open(out)
@@ -400,7 +462,7 @@ def _check_existing_prompts(out: str, prompts: list[Prompt], task: Task, tokeniz
         return
     try:
         check_resume_prompts(
-            dataset, prompts, lambda p: prompt_hash(apply_chat_template(tokenizer, task.messages(p)), p.label)
+            dataset, prompts, lambda p: prompt_hash(chat.ids(tokenizer, task.messages(p)), p.label)
         )
     except ConfigMismatchError as e:
         raise UsageError(str(e)) from e

@@ -49,7 +49,8 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from rollshard.generate.agents import AgentSystem, Episode
+from rollshard.generate.agents import AgentSystem, Episode, play
+from rollshard.generate.chat import ChatFormat
 from rollshard.generate.engines.base import (
     Engine,
     EngineError,
@@ -57,6 +58,7 @@ from rollshard.generate.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.schema import Row, rows_to_table
@@ -70,10 +72,16 @@ TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, Conn
 EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
-# Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs.
-GENERATION_KEYS = ("agents", "task", "sampling", "seed", "input_key", "label_key", "id_key", "allow_skipped_calls")
+# Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs. A plugin's
+# identity (file and hash) is part of "agents", "task_plugin" and "reward". (The chat template and system prompt
+# change the rendered prompt, which the per-prompt hash check catches.)
+GENERATION_KEYS = (
+    "agents", "task", "task_plugin", "reward", "sampling", "seed", "input_key", "label_key", "id_key",
+    "allow_skipped_calls",
+)
+UNRECORDED = object()  # a key a config written before it existed cannot be compared on
 # The value of a key in a config written before the key existed.
-GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False}
+GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "reward": UNRECORDED}
 
 
 class ConfigMismatchError(ValueError):
@@ -214,8 +222,12 @@ class Runner:
         sampling: SamplingParams,
         writer: ShardWriter,
         options: RunnerOptions,
+        scorer: Scorer | None = None,
+        chat: ChatFormat | None = None,
     ):
         self.system = system
+        self.scorer = scorer
+        self.chat = chat
         self.task = task
         self.engine = GatedEngine(engine, concurrency=options.concurrency, request_timeout=options.request_timeout)
         self.tokenizer = tokenizer
@@ -373,9 +385,11 @@ class Runner:
                 max_context_len=self.options.max_context_len,
                 allow_skip=self.options.allow_skipped_calls,
                 system=self.system.name,
+                scorer=self.scorer,
+                chat=self.chat,
             )
             try:
-                rows = await self.system.run(episode)
+                rows = await play(self.system, episode)
                 if not rows:
                     raise ValueError(f"agent system {self.system.name!r} produced no rows")
                 return _Outcome(rows, episode.skipped)
@@ -386,7 +400,7 @@ class Runner:
                 error = e
                 if attempt + 1 < attempts:
                     await asyncio.sleep(min(self.options.backoff_s * 2**attempt, BACKOFF_MAX_S))
-            except Exception as e:  # permanent (ContextFullError, a verifier or system error): recorded, not retried
+            except Exception as e:  # permanent (ContextFullError, RewardError, a plugin's rows): recorded, not retried
                 return _failure(e, attempt + 1)
         return _failure(error, attempts)
 
@@ -501,6 +515,8 @@ def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None
             continue
         for key in GENERATION_KEYS:
             default = GENERATION_KEY_DEFAULTS.get(key)
+            if default is UNRECORDED and key not in old:
+                continue
             diff = _first_difference(old.get(key, default), config.get(key, default), key)
             if diff is not None:
                 name, there, now = diff

@@ -7,6 +7,14 @@ calculator observations between turns, masked out of the loss).
 ``--n-samples`` sets the samples per prompt of ``single`` and ``tool_loop`` and the
 number of solvers and of rewriters of ``multi_agent``; any other option is set with
 ``--agent-option KEY=VALUE`` (the fields of the system's options dataclass).
+
+A user system (``--agents module:Class`` or ``file.py:Class``) is an :class:`AgentSystem`
+subclass written against the same :class:`Episode` API: ``run`` makes calls with
+``episode.call``/``episode.extend`` and returns ``episode.row(call)`` rows, ``score`` (optional;
+the default scores each row's last turn) sets rewards. If the class has an ``Options``
+dataclass, it is built from ``--agent-option`` (and ``--n-samples`` sets its ``n_samples``
+field, or the fields named in ``n_samples_fields``) and passed to the constructor; otherwise
+the class is built with no argument. An :class:`AgentSystem` instance is used as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +22,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rollshard.generate.agents.base import AgentCall, AgentSystem, ContextFullError, Episode, derive_seed
+from rollshard.generate import plugins
+from rollshard.generate.agents.base import (
+    AgentCall,
+    AgentSystem,
+    ContextFullError,
+    Episode,
+    RowProvenanceError,
+    derive_seed,
+    play,
+    set_reward,
+)
 from rollshard.generate.agents.multi_agent import MultiAgent, MultiAgentOptions
 from rollshard.generate.agents.single import Single, SingleOptions
 from rollshard.generate.agents.tool_loop import ToolLoop, ToolLoopOptions
@@ -41,11 +59,58 @@ def _convert(value: str, kind: Any, key: str, name: str) -> Any:
 
 
 def make_agent_system(name: str, *, n_samples: int | None = None, options: dict[str, str] | None = None) -> AgentSystem:
-    """Build a system from its name, ``--n-samples`` and ``KEY=VALUE`` options given as strings."""
+    """Build a system from its name or plugin spec, ``--n-samples`` and ``KEY=VALUE`` options (strings or values).
+
+    A plugin system's ``plugin`` is its identity (:class:`rollshard.generate.plugins.Plugin`), which its
+    :meth:`AgentSystem.config` records, so a resume with an edited plugin file is refused."""
+    if plugins.is_spec(name):
+        system, plugin = _plugin_system(name, n_samples, options)
+        system.plugin = plugin.identity
+        return system
     try:
         cls, opts_cls, n_fields = SYSTEMS[name]
     except KeyError as e:
-        raise ValueError(f"unknown agent system {name!r}; choose one of {', '.join(SYSTEMS)}") from e
+        raise ValueError(
+            f"unknown agent system {name!r}; choose one of {', '.join(SYSTEMS)}, or give your own as module:Class "
+            "or path/to/file.py:Class"
+        ) from e
+    return _build(cls, opts_cls, n_fields, name, n_samples, options)
+
+
+def _plugin_system(spec: str, n_samples: int | None, options: dict[str, str] | None):
+    plugin = plugins.load(spec, what="--agents")
+    obj = plugin.obj
+    if isinstance(obj, AgentSystem):
+        if options:
+            raise ValueError(f"--agents {spec!r} is a ready system instance; it takes no --agent-option")
+        return obj, plugin
+    if not (isinstance(obj, type) and issubclass(obj, AgentSystem)):
+        raise ValueError(
+            f"--agents {spec!r} is a {type(obj).__name__}, not an AgentSystem subclass or instance "
+            "(from rollshard.generate.agents import AgentSystem)"
+        )
+    if not getattr(obj, "name", None):
+        obj.name = obj.__name__
+    opts_cls = getattr(obj, "Options", None)
+    if opts_cls is None:
+        if options:
+            raise ValueError(f"--agents {spec!r} has no Options dataclass; it takes no --agent-option")
+        return _instantiate(spec, obj), plugin
+    if not dataclasses.is_dataclass(opts_cls):
+        raise ValueError(f"--agents {spec!r}: {obj.__name__}.Options must be a dataclass")
+    names = {f.name for f in dataclasses.fields(opts_cls)}
+    n_fields = tuple(getattr(obj, "n_samples_fields", ("n_samples",) if "n_samples" in names else ()))
+    return _build(obj, opts_cls, n_fields, spec, n_samples, options), plugin
+
+
+def _instantiate(spec: str, cls, *args):
+    try:
+        return cls(*args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--agents {spec!r}: building {cls.__name__} failed: {e}") from e
+
+
+def _build(cls, opts_cls, n_fields, name, n_samples, options) -> AgentSystem:
     fields = {f.name: f for f in dataclasses.fields(opts_cls)}
     kwargs: dict[str, Any] = {}
     if n_samples is not None:
@@ -54,7 +119,7 @@ def make_agent_system(name: str, *, n_samples: int | None = None, options: dict[
         if key not in fields:
             raise ValueError(f"{name} has no option {key!r}; its options are {', '.join(fields)}")
         kwargs[key] = _convert(value, fields[key].type, key, name) if isinstance(value, str) else value
-    return cls(opts_cls(**kwargs))
+    return _instantiate(name, cls, opts_cls(**kwargs))
 
 
 __all__ = [
@@ -64,6 +129,7 @@ __all__ = [
     "ContextFullError",
     "Episode",
     "MultiAgent",
+    "RowProvenanceError",
     "MultiAgentOptions",
     "Single",
     "SingleOptions",
@@ -71,4 +137,6 @@ __all__ = [
     "ToolLoopOptions",
     "derive_seed",
     "make_agent_system",
+    "play",
+    "set_reward",
 ]

@@ -17,6 +17,14 @@ Token accounting: ``prompt_tokens`` are exactly the ids sent for the first turn 
 template applied); ``response_tokens`` are every id after them -- model turns
 (loss_mask 1, the engine's logprob) and environment text between turns (loss_mask 0,
 logprob 0.0), as slime builds multi-turn samples.
+
+Rewards are a second phase: :meth:`AgentSystem.run` makes the calls and their rows,
+:meth:`AgentSystem.score` assigns rewards from the rows alone (the system's reward rule,
+through a :class:`~rollshard.generate.rewards.Scorer`), so ``rollshard-generate rescore``
+applies the same rule to stored rows. :func:`play` runs both, then checks every row
+against the engine calls the episode made (:meth:`Episode.check_rows`): whatever a plugin
+system does, a row whose tokens, logprobs or mask are not those of a call of this
+episode cannot reach the writer, which checks the row invariants in turn.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import json
 from collections import Counter
 from typing import Any, ClassVar
 
+from rollshard.generate.chat import ChatFormat
 from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
+from rollshard.generate.rewards import Scorer, TaskScorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.generate.tasks.prompts import ID_SEPARATOR
 from rollshard.store.schema import Row, Status, WeightSpan
-from rollshard.store.tokenizer import encode, render_chat
+from rollshard.store.tokenizer import encode
 
 SEED_MODULUS = 2**31 - 1  # engines take the seed as a signed 32-bit int (torch and SGLang both accept it)
 
@@ -112,6 +122,10 @@ class ContextFullError(ValueError):
     """A prompt leaves no room for a response within the model's context."""
 
 
+class RowProvenanceError(ValueError):
+    """An agent system returned a row that is not one of its episode's engine calls, as the engine answered."""
+
+
 class Episode:
     """Everything one agent system needs to turn one prompt into rows."""
 
@@ -128,6 +142,8 @@ class Episode:
         max_context_len: int | None = None,
         allow_skip: bool = False,
         system: str = "",
+        scorer: Scorer | None = None,
+        chat: ChatFormat | None = None,
     ):
         if ID_SEPARATOR in prompt.prompt_id:  # load_prompts refuses these; a Prompt built in code may not
             raise ValueError(
@@ -144,6 +160,9 @@ class Episode:
         self.max_context_len = max_context_len
         self.allow_skip = allow_skip
         self.system = system
+        self.scorer = scorer or TaskScorer(task)
+        self.chat = chat or ChatFormat()
+        self.calls: dict[str, AgentCall] = {}  # every call made, by sample id (what check_rows holds rows to)
         self.skipped: Counter = Counter()  # optional calls skipped because their prompt did not fit, by agent
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # n samples of one conversation: render once
         self._prompt_hash: str | None = None
@@ -183,6 +202,7 @@ class Episode:
             prompt_text=prompt_text,
             sampling=sampling or self.sampling,
         )
+        self.calls[sample_id] = call
         if await self._turn(call):
             return call
         if not required and self.allow_skip:
@@ -197,12 +217,12 @@ class Episode:
     def _prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """Chat template applied (text, ids), once per distinct conversation of the episode.
 
-        The ids are ``store.tokenizer.apply_chat_template``'s: the rendered text, encoded.
+        The ids are the rendered text (the run's :class:`ChatFormat`), encoded.
         """
         key = json.dumps(messages, sort_keys=True)
         hit = self._prompts.get(key)
         if hit is None:
-            text = render_chat(self.tokenizer, messages)
+            text = self.chat.render(self.tokenizer, messages)
             hit = self._prompts[key] = (text, encode(self.tokenizer, text))
         return hit
 
@@ -233,9 +253,6 @@ class Episode:
             return 1 << 30
         return self.max_context_len - used
 
-    def verify(self, text: str):
-        return self.task.verify(text, self.prompt.label)
-
     @property
     def prompt_hash(self) -> str:
         """Identity of the source prompt as the run saw it: its rendered ids (task template, chat template and
@@ -245,15 +262,20 @@ class Episode:
             self._prompt_hash = prompt_hash(ids, self.prompt.label)
         return self._prompt_hash
 
-    def row(self, call: AgentCall, reward: float, metadata: dict[str, Any]) -> Row:
+    def row(self, call: AgentCall, metadata: dict[str, Any] | None = None, *, reward: float | None = None) -> Row:
+        """The row of a finished call; its reward is :meth:`AgentSystem.score`'s to set.
+
+        ``metadata.last_turn_start`` is the character offset of the last model turn in the response text: what
+        a verifier reads, recoverable from the stored row."""
         meta = {
             "task": self.task.name,
             "system": self.system,
             "label": self.prompt.label,
             "prompt_hash": self.prompt_hash,
             "turns": call.turns,
+            "last_turn_start": len(call.text) - len(call.last_text),
         }
-        meta.update(metadata)
+        meta.update(metadata or {})
         return Row(
             sample_id=call.sample_id,
             prompt_id=self.prompt.prompt_id,
@@ -277,11 +299,52 @@ class Episode:
             metadata=meta,
         )
 
+    def check_rows(self, rows: list[Row]) -> None:
+        """Raise :class:`RowProvenanceError` unless every row is a distinct call of this episode, its tokens,
+        logprobs, mask and sampling exactly as the engine returned them (module docstring)."""
+        seen: set[str] = set()
+        for row in rows:
+            call = self.calls.get(row.sample_id) if isinstance(row, Row) else None
+            if call is None:
+                raise RowProvenanceError(
+                    f"agent system {self.system!r} returned a row {getattr(row, 'sample_id', row)!r} that is not one "
+                    "of its episode's engine calls; build rows with episode.row(call) from episode.call/extend"
+                )
+            if row.sample_id in seen:
+                raise RowProvenanceError(f"agent system {self.system!r} returned row {row.sample_id!r} twice")
+            seen.add(row.sample_id)
+            for field, mine in (
+                ("prompt_tokens", call.prompt_ids),
+                ("response_tokens", call.response_ids),
+                ("rollout_logprobs", call.logprobs),
+                ("loss_mask", call.loss_mask),
+            ):
+                if list(getattr(row, field)) != mine:
+                    raise RowProvenanceError(
+                        f"agent system {self.system!r} changed {field} of {row.sample_id!r} from what the engine "
+                        f"returned ({len(mine)} values there, {len(getattr(row, field))} in the row); rows must keep "
+                        "the engine's tokens and logprobs"
+                    )
+            if row.temperature != call.sampling.temperature:
+                raise RowProvenanceError(
+                    f"agent system {self.system!r} changed the temperature of {row.sample_id!r} "
+                    f"({call.sampling.temperature} sent, {row.temperature} in the row): the trainer needs the one sent"
+                )
+
+
+async def play(system: "AgentSystem", episode: Episode) -> list[Row]:
+    """One episode: the system's calls and rows, its rewards, and the rows checked against the calls."""
+    rows = await system.run(episode)
+    rows = await system.score(rows, episode.scorer)
+    episode.check_rows(rows)
+    return rows
+
 
 class AgentSystem(abc.ABC):
     """Turns one prompt into the rows of one episode."""
 
     name: ClassVar[str]
+    plugin: dict[str, Any] | None = None  # where a user system came from (set by make_agent_system)
 
     @abc.abstractmethod
     async def run(self, episode: Episode) -> list[Row]: ...
@@ -299,6 +362,31 @@ class AgentSystem(abc.ABC):
         rendered length of a conversation. None when they cannot, or the system cannot tell."""
         return None
 
+    def verify_text(self, row: Row) -> str:
+        """The text of ``row`` that the reward reads: its last model turn (``metadata.last_turn_start`` on)."""
+        start = metadata_of(row).get("last_turn_start", 0)
+        return (row.response_text or "")[start:]
+
+    async def score(self, rows: list[Row], scorer: Scorer) -> list[Row]:
+        """The reward rule, a function of one episode's rows: each row's reward is the scorer's on its
+        :meth:`verify_text`, its verdict kept in ``metadata.verdict``. Systems with another rule override this;
+        it must not change anything of a row but ``reward`` and ``metadata``."""
+        verdicts = await scorer.verdicts([(row, self.verify_text(row)) for row in rows])
+        for row, verdict in zip(rows, verdicts):
+            set_reward(row, verdict.reward, {"verdict": verdict.to_json()})
+        return rows
+
     def config(self) -> dict[str, Any]:
         """The system's settings, for the run config stored with the dataset."""
-        return {"name": self.name, **dataclasses.asdict(self.options)}  # type: ignore[attr-defined]
+        options = getattr(self, "options", None)
+        fields = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}
+        plugin = {"plugin": self.plugin} if self.plugin else {}
+        return {"name": self.name, **plugin, **fields}
+
+
+def set_reward(row: Row, reward: float, metadata: dict[str, Any]) -> None:
+    """Set a row's reward and merge ``metadata`` into its metadata (kept a dict, or JSON text as it was)."""
+    meta = metadata_of(row)
+    meta.update(metadata)
+    row.reward = reward
+    row.metadata = json.dumps(meta, sort_keys=True) if isinstance(row.metadata, str) else meta

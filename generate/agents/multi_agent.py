@@ -14,17 +14,18 @@ answer counts as none. slime counts a response without a reasoning block as no a
 ``require_reasoning=true`` restores that (models without a reasoning format, such as the
 tiny test model, would then never reach the rewriters).
 
-Rewards (the exact rule, tested in tests/generate/test_agents.py):
+Rewards (the exact rule, tested in tests/generate/test_agents.py; :meth:`MultiAgent.score`
+computes it from the stored rows, so ``rescore`` recomputes it consistently):
 
-* solver and rewriter: ``v`` = the task verifier's reward on the call's answer (on ``""``
-  when none parsed);
+* solver and rewriter: ``v`` = the scorer's reward (the task verifier's, or ``--reward``) on
+  the call's answer (``metadata.answer``; on ``""`` when none parsed);
 * selector: its judgment is the integer of the **last** ``Judgment: N`` in its answer
   (slime takes the first; the prompt asks for it at the end, so an earlier one is
   reasoning, not the decision). It is malformed when there is none or ``N`` is outside
   ``1..m``. A valid judgment selects the N-th rewrite shown, and the selector's ``v`` is
   that rewrite's verifier reward; a malformed one gets ``v = 0``;
-* the selector was right when the rewrite it selected is correct by the verifier
-  (``Verdict.correct``; for 0/1 verifiers this is slime's ``reward == 1``);
+* the selector was right when the rewrite it selected (``metadata.selected``) is correct by the
+  verifier (``Verdict.correct``; for 0/1 verifiers this is slime's ``reward == 1``);
 * episode weight (slime's ``correct_reward_weight`` / ``incorrect_reward_weight``): every
   row's reward is ``v * correct_weight`` (1.2) when the selector was right, else
   ``v * incorrect_weight`` (0.8). An episode stopped early -- no solver answer parsed, or
@@ -55,8 +56,9 @@ import asyncio
 import dataclasses
 import re
 
-from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode
+from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode, set_reward
 from rollshard.generate.engines.base import SamplingParams
+from rollshard.generate.rewards import Scorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.store.schema import Row
 
@@ -127,11 +129,9 @@ def format_candidates(answers: list[str], max_chars: int) -> str:
 
 
 @dataclasses.dataclass
-class _Scored:
+class _Answered:
     call: AgentCall
     answer: str | None
-    reward: float
-    correct: bool
     meta: dict
 
 
@@ -176,8 +176,8 @@ class MultiAgent(AgentSystem):
             episode, SOLVER, 0, o.num_solvers, episode.task.messages(episode.prompt), required=True
         )
         solver_answers = [s for s in solvers if s.answer is not None]
-        rewriters: list[_Scored] = []
-        selector: _Scored | None = None
+        rewriters: list[_Answered] = []
+        selector: _Answered | None = None
         if solver_answers:
             shown = [s.answer for s in solver_answers]
             prompt = REWRITE_TEMPLATE.format(
@@ -189,30 +189,53 @@ class MultiAgent(AgentSystem):
             rewrites = [r for r in rewriters if r.answer is not None]
             if rewrites:
                 selector = await self._select(episode, problem, rewrites)
+        return [episode.row(a.call, a.meta) for a in solvers + rewriters + ([selector] if selector else [])]
 
-        right = selector is not None and selector.correct
+    def verify_text(self, row: Row) -> str:
+        """Solvers and rewriters are scored on their parsed answer (``""`` when none parsed)."""
+        return metadata_of(row).get("answer") or ""
+
+    async def score(self, rows: list[Row], scorer: Scorer) -> list[Row]:
+        """The reward rule of the module docstring, from the rows alone (``metadata.answer`` of solvers and
+        rewriters, ``metadata.selected`` of the selector)."""
+        o = self.options
+        scored = [r for r in rows if r.agent != SELECTOR]
+        verdicts = dict(zip((r.sample_id for r in scored), await scorer.verdicts([(r, self.verify_text(r)) for r in scored])))
+        selectors = [r for r in rows if r.agent == SELECTOR]
+        right, selector_raw = False, 0.0
+        if selectors:
+            picked = metadata_of(selectors[0]).get("selected")
+            if picked is not None:
+                if picked not in verdicts:
+                    raise ValueError(
+                        f"selector {selectors[0].sample_id!r} picked {picked!r}, which is not a row of its episode; "
+                        "rescoring needs whole episodes"
+                    )
+                right, selector_raw = verdicts[picked].correct, verdicts[picked].reward
         weight = o.correct_weight if right else o.incorrect_weight
-        rows = []
-        for s in solvers + rewriters + ([selector] if selector else []):
-            meta = {"reward_raw": s.reward, "episode_weight": weight, "selector_right": right, **s.meta}
-            rows.append(episode.row(s.call, s.reward * weight, meta))
+        for row in rows:
+            verdict = verdicts.get(row.sample_id)
+            raw = selector_raw if verdict is None else verdict.reward
+            meta = {"reward_raw": raw, "episode_weight": weight, "selector_right": right}
+            if verdict is not None:
+                meta["verdict"] = verdict.to_json()
+            set_reward(row, raw * weight, meta)
         return rows
 
     async def _round(
         self, episode: Episode, agent: str, round: int, count: int, messages: list[dict], required: bool = False
-    ) -> list[_Scored]:
+    ) -> list[_Answered]:
         calls = await asyncio.gather(
             *(episode.call(agent, round, i, messages, required=required) for i in range(count))
         )
-        return [self._score(episode, c) for c in calls if c is not None]
+        return [self._answered(c) for c in calls if c is not None]
 
-    def _score(self, episode: Episode, call: AgentCall) -> _Scored:
+    def _answered(self, call: AgentCall) -> _Answered:
         o = self.options
         answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
-        verdict = episode.verify(answer or "")
-        return _Scored(call, answer, verdict.reward, verdict.correct, {"answer": answer, "verdict": verdict.to_json()})
+        return _Answered(call, answer, {"answer": answer})
 
-    async def _select(self, episode: Episode, problem: str, rewrites: list[_Scored]) -> _Scored | None:
+    async def _select(self, episode: Episode, problem: str, rewrites: list[_Answered]) -> _Answered | None:
         o = self.options
         prompt = SELECT_TEMPLATE.format(
             problem=problem,
@@ -224,13 +247,10 @@ class MultiAgent(AgentSystem):
             return None
         answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
         idx = parse_judgment(answer, len(rewrites))
-        picked = rewrites[idx] if idx is not None else None
         meta = {
             "answer": answer,
             "candidates": [r.call.sample_id for r in rewrites],
             "judgment": None if idx is None else idx + 1,
-            "selected": picked.call.sample_id if picked else None,
+            "selected": None if idx is None else rewrites[idx].call.sample_id,
         }
-        if picked is None:
-            return _Scored(call, answer, 0.0, False, meta)
-        return _Scored(call, answer, picked.reward, picked.correct, meta)
+        return _Answered(call, answer, meta)

@@ -1,6 +1,7 @@
 """``single``: n samples of one policy per prompt; the samples of a prompt form one GRPO group.
 
-Rows: agent ``policy``, round 0, index 0..n-1; reward = the task's verifier on the response.
+Rows: agent ``policy``, round 0, index 0..n-1; reward = the scorer's (the task's verifier, or ``--reward``)
+on the response (:meth:`AgentSystem.score`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,4 @@ class Single(AgentSystem):
     async def run(self, episode: Episode) -> list[Row]:
         messages = episode.task.messages(episode.prompt)
         calls = await asyncio.gather(*(episode.call(AGENT, 0, i, messages) for i in range(self.options.n_samples)))
-        rows = []
-        for call in calls:
-            if call is None:
-                continue
-            verdict = episode.verify(call.last_text)
-            rows.append(episode.row(call, verdict.reward, {"verdict": verdict.to_json()}))
-        return rows
+        return [episode.row(call) for call in calls if call is not None]

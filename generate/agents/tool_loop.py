@@ -15,7 +15,7 @@ last, the environment appends an observation to the same token stream:
 Observation tokens are not the policy's: loss_mask 0 and logprob 0.0 (slime's rule for
 tool output, as in its search-r1 example, which also appends tool text as plain tokens
 rather than re-applying the chat template). The loop ends early when a turn aborts or
-the context is full. Reward: the task verifier on the last model turn.
+the context is full. Reward: the scorer on the last model turn (:meth:`AgentSystem.score`).
 """
 
 from __future__ import annotations
@@ -139,5 +139,4 @@ class ToolLoop(AgentSystem):
         while call.turns < self.options.turns and call.finish_reason != "abort":
             if not await episode.extend(call, observation(call.last_text)):
                 break
-        verdict = episode.verify(call.last_text)
-        return episode.row(call, verdict.reward, {"verdict": verdict.to_json()})
+        return episode.row(call)

@@ -204,5 +204,4 @@ def preferred_sampling_differences(preferred: Any, sampling: SamplingParams) -> 
     if not isinstance(preferred, dict):
         return None
     sent = sampling.to_json()
-    out = []
     return [f"{key}={preferred[key]!r} (client sends none)" for key in sorted(preferred) if key not in sent]

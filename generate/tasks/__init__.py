@@ -14,6 +14,10 @@ Each ships a small prompt file under ``data/`` (written for this project), used 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+from rollshard.generate import plugins
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.generate.tasks.prompts import PromptSourceError, load_prompts
 from rollshard.generate.tasks.toy import DIGITS, toy_verify
@@ -46,10 +50,36 @@ TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
+    """A built-in task by name, or a user task by ``module:attr`` / ``file.py:attr`` (see tasks/base.py)."""
+    if plugins.is_spec(name):
+        return _plugin_task(name)
     try:
         return TASKS[name]
     except KeyError as e:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}") from e
+        raise ValueError(
+            f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}, or give your own as module:attr or "
+            "path/to/file.py:attr"
+        ) from e
+
+
+def _plugin_task(spec: str) -> Task:
+    plugin = plugins.load(spec, what="--task")
+    obj = plugin.obj
+    if not isinstance(obj, Task) and callable(obj):  # a Task subclass, or a function returning a Task
+        try:
+            obj = obj()
+        except Exception as e:
+            raise ValueError(f"--task {spec!r}: calling {getattr(plugin.obj, '__name__', spec)}() raised "
+                             f"{type(e).__name__}: {e}") from e
+    if not isinstance(obj, Task):
+        raise ValueError(
+            f"--task {spec!r} is a {type(obj).__name__}, not a Task (from rollshard.generate.tasks import Task)"
+        )
+    prompts = obj.prompts
+    if prompts is not None and plugin.file and not Path(prompts).is_absolute():
+        local = Path(plugin.file).parent / prompts
+        prompts = str(local) if local.exists() else prompts  # else a HF dataset name
+    return dataclasses.replace(obj, prompts=prompts, plugin=plugin.identity)
 
 
 __all__ = ["TASKS", "Prompt", "PromptSourceError", "Task", "Verdict", "get_task", "load_prompts"]

@@ -1,7 +1,15 @@
 """A task: where prompts come from, how one becomes chat messages, and how a response is scored.
 
 A :class:`Task` holds no state between calls; agent systems call :meth:`Task.messages`
-to build what an agent sees and :meth:`Task.verify` to score what it wrote.
+to build what an agent sees, and the run's scorer calls :meth:`Task.verify` to score what it
+wrote (unless ``--reward`` replaces it).
+
+A user task (``--task module:attr`` / ``file.py:attr``) is a :class:`Task` instance, a
+subclass of it, or a function returning one (called with no argument). Its verifier takes
+``(text, label)`` and returns a :class:`Verdict`, a float, or a dict ``{"reward": ...}``
+(rollshard/generate/rewards.py); ``prompts`` names its prompt source (a JSONL/Parquet file,
+relative to the task's own file, or a HF dataset), used when ``--prompts`` is not given.
+Override :meth:`Task.messages` for prompts that are not one templated user message.
 """
 
 from __future__ import annotations
@@ -42,16 +50,23 @@ class Task:
 
     name: str
     description: str
-    verifier: Callable[[str, Any], Verdict]
+    verifier: Callable[[str, Any], Verdict | float | dict]
     template: str = "{problem}"
     system_prompt: str | None = None
     label_required: bool = True
     default_label: Any = None
-    prompt_file: str | None = None  # file under rollshard.generate.tasks/data/
+    prompt_file: str | None = None  # file under rollshard.generate.tasks/data/ (built-in tasks)
+    prompts: str | None = None  # a user task's prompt source: a path (relative to its file) or HF dataset name
+    plugin: dict[str, Any] | None = None  # where a user task came from (its identity; set when it is loaded)
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """What the agent sees: the templated problem after the system prompt; chat prompts as they are (the
+        system prompt first when they have none)."""
         if not isinstance(prompt.content, str):
-            return [dict(m) for m in prompt.content]
+            messages = [dict(m) for m in prompt.content]
+            if self.system_prompt and not any(m.get("role") == "system" for m in messages):
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            return messages
         return self.chat(self.template.format(problem=prompt.content))
 
     def chat(self, user: str) -> list[dict[str, str]]:
@@ -59,11 +74,13 @@ class Task:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": "user", "content": user}]
 
-    def verify(self, text: str, label: Any) -> Verdict:
+    def verify(self, text: str, label: Any) -> Verdict | float | dict:
         return self.verifier(text, self.default_label if label is None else label)
 
-    def default_prompts(self) -> Path:
-        """The prompt file shipped with the task."""
+    def default_prompts(self) -> Path | str:
+        """The task's own prompt source: a user task's ``prompts``, or the file shipped with a built-in one."""
+        if self.prompts is not None:
+            return self.prompts
         if self.prompt_file is None:
-            raise ValueError(f"task {self.name!r} ships no prompt file; pass --prompts")
+            raise ValueError(f"task {self.name!r} names no prompts of its own; pass --prompts")
         return Path(str(resources.files("rollshard.generate.tasks") / "data" / self.prompt_file))

@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from rollshard.generate.agents import ContextFullError, Episode, derive_seed, make_agent_system
+from rollshard.generate.agents import ContextFullError, Episode, derive_seed, make_agent_system, play
 from rollshard.generate.agents.multi_agent import final_answer, parse_judgment
 from rollshard.generate.agents.tool_loop import calculate, observation
 from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
@@ -71,7 +71,7 @@ def run_episode(system, tok, script, *, task="math", label="12", problem="What i
         max_context_len=max_context_len,
         system=system.name,
     )
-    rows = asyncio.run(system.run(episode))
+    rows = asyncio.run(play(system, episode))
     table = rows_to_table(rows)
     assert check_table(table) == []
     return rows, engine

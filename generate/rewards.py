@@ -1,0 +1,300 @@
+"""Scoring rows: the task's verifier, a user reward function (``--reward``), or a remote one (``--reward-url``).
+
+A :class:`Scorer` turns one row and the text its agent system verifies (the last model
+turn; ``multi_agent``: the parsed answer) into a :class:`Verdict`. Agent systems apply their
+reward rule to whole episodes through it (:meth:`AgentSystem.score`), during generation
+and in ``rollshard-generate rescore`` alike, and the input a scorer sees is built from the
+row alone (:meth:`Sample.of`): rescoring stored rows gives what generating them gave.
+
+A user reward function takes one :class:`Sample` and returns a float, or a dict
+``{"reward": float, "correct": bool (optional), ...}`` whose other keys are kept in the
+row's ``metadata.verdict``; it may be ``async``. ``correct`` (what the multi-agent selector
+rule reads) defaults to ``reward >= 1``. Sync functions run on a thread pool, so a slow one
+does not stall the engine's requests; at most ``concurrency`` calls run at once, each
+within ``timeout`` seconds (a sync call that times out keeps its thread until it returns).
+
+A function that raises, returns a non-number, NaN or an infinity, or does not return in
+time fails its episode with :class:`RewardError` (the function's error in the message): the
+prompt goes to the failure ledger whole, never a half-scored episode, and a rerun retries it.
+
+Remote rewards (:class:`HttpScorer`): ``POST URL`` with the sample as a JSON object;
+the answer is a number or the dict above. Connection errors and 5xx answers are retried
+(3 attempts, backoff 0.5 s doubling); a 4xx answer or a malformed body fails the episode.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import inspect
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from rollshard.generate.tasks.base import Task
+from rollshard.generate.tasks.verifiers import Verdict
+from rollshard.store.schema import Row
+
+DEFAULT_CONCURRENCY = 32
+DEFAULT_TIMEOUT_S = 60.0
+HTTP_ATTEMPTS = 3
+HTTP_BACKOFF_S = 0.5
+CORRECT_AT = 1.0  # a user reward without "correct" counts as correct at this reward or above
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed for a row; its episode fails (permanent: not retried in the run)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """What a reward function sees of one row."""
+
+    sample_id: str
+    prompt_id: str
+    group_id: str
+    agent: str
+    round: int
+    prompt_text: str  # the rendered prompt (chat template applied), as sent
+    prompt_tokens: list[int]
+    response: str  # the text the agent system verifies: the last model turn (multi_agent: the parsed answer)
+    response_text: str  # the whole response (every turn and environment text)
+    response_tokens: list[int]
+    label: Any  # the prompt's label (None when the source has none)
+    metadata: dict[str, Any]  # the row's metadata (task, system, turns, agent-system fields)
+    status: str
+    finish_reason: str | None
+
+    @classmethod
+    def of(cls, row: Row, text: str) -> "Sample":
+        meta = metadata_of(row)
+        return cls(
+            sample_id=row.sample_id,
+            prompt_id=row.prompt_id,
+            group_id=row.group_id,
+            agent=row.agent,
+            round=int(row.round),
+            prompt_text=row.prompt_text or "",
+            prompt_tokens=list(row.prompt_tokens),
+            response=text,
+            response_text=row.response_text or "",
+            response_tokens=list(row.response_tokens),
+            label=meta.get("label"),
+            metadata=meta,
+            status=getattr(row.status, "value", row.status),
+            finish_reason=row.finish_reason,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def metadata_of(row: Row) -> dict[str, Any]:
+    """A row's metadata as a dict (rows read back from a shard hold it as JSON text)."""
+    meta = row.metadata
+    if meta is None:
+        return {}
+    return json.loads(meta) if isinstance(meta, str) else meta
+
+
+def to_verdict(value: Any, where: str) -> Verdict:
+    """A reward function's answer as a Verdict; :class:`RewardError` for anything else (module docstring)."""
+    if isinstance(value, Verdict):
+        reward, correct, answer, detail = value.reward, value.correct, value.answer, dict(value.detail)
+    elif isinstance(value, dict):
+        if "reward" not in value:
+            raise RewardError(f"{where} returned a dict without 'reward' (keys: {', '.join(map(str, value))})")
+        extra = {k: v for k, v in value.items() if k not in ("reward", "correct", "answer")}
+        reward, correct, answer, detail = value["reward"], value.get("correct"), value.get("answer"), extra
+    else:
+        reward, correct, answer, detail = value, None, None, {}
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise RewardError(f"{where} returned {type(reward).__name__} {reward!r} as the reward; return a float")
+    if not math.isfinite(reward):
+        raise RewardError(f"{where} returned reward {reward}; rewards must be finite")
+    reward = float(reward)
+    correct = bool(correct) if correct is not None else reward >= CORRECT_AT
+    return Verdict(reward=reward, correct=correct, answer=answer, detail=detail)
+
+
+class Scorer(abc.ABC):
+    """Verdicts for rows: see the module docstring."""
+
+    @abc.abstractmethod
+    async def verdict(self, row: Row, text: str) -> Verdict: ...
+
+    @property
+    @abc.abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What the run config (and a rescored dataset's lineage) records of this scorer."""
+
+    async def verdicts(self, items: list[tuple[Row, str]]) -> list[Verdict]:
+        return list(await asyncio.gather(*(self.verdict(row, text) for row, text in items)))
+
+    async def close(self) -> None:
+        return None
+
+
+class TaskScorer(Scorer):
+    """The task's own verifier on the row's label (the built-in and ``--task`` plugins' rewards)."""
+
+    def __init__(self, task: Task, identity: dict[str, Any] | None = None):
+        self.task = task
+        self._identity = identity or {"kind": "task", "task": task.name}
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+    async def verdicts(self, items: list[tuple[Row, str]]) -> list[Verdict]:
+        # One after the other, without yielding to the event loop: a verifier is a pure function of strings, and an
+        # episode whose calls are done then finishes in the same step (an interrupt cannot cancel it half scored).
+        return [await self.verdict(row, text) for row, text in items]
+
+    async def verdict(self, row: Row, text: str) -> Verdict:
+        where = f"task {self.task.name!r} verifier on {row.sample_id}"
+        try:
+            return to_verdict(self.task.verify(text, metadata_of(row).get("label")), where)
+        except RewardError:
+            raise
+        except Exception as e:
+            raise RewardError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from e
+
+
+class _Bounded(Scorer):
+    """A scorer whose calls are bounded in number and time."""
+
+    def __init__(self, *, concurrency: int, timeout: float, name: str):
+        if concurrency < 1 or not timeout > 0:
+            raise ValueError("reward concurrency must be >= 1 and the reward timeout > 0")
+        self.timeout, self.name = timeout, name
+        self._slots = asyncio.Semaphore(concurrency)  # binds to the running loop at its first use
+
+    async def verdict(self, row: Row, text: str) -> Verdict:
+        where = f"{self.name} on {row.sample_id}"
+        async with self._slots:
+            try:
+                value = await asyncio.wait_for(self._call(Sample.of(row, text)), self.timeout)
+            except asyncio.TimeoutError:
+                raise RewardError(f"{where} gave no answer within {self.timeout:g} s (--reward-timeout)") from None
+            except RewardError:
+                raise
+            except Exception as e:
+                raise RewardError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from e
+        return to_verdict(value, where)
+
+    @abc.abstractmethod
+    async def _call(self, sample: Sample) -> Any: ...
+
+
+class FunctionScorer(_Bounded):
+    """A user reward function (``--reward module:fn`` / ``file.py:fn``), sync or async."""
+
+    def __init__(
+        self,
+        fn: Callable[[Sample], Any],
+        *,
+        identity: dict[str, Any],
+        concurrency: int = DEFAULT_CONCURRENCY,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ):
+        if not callable(fn):
+            raise ValueError(f"--reward {identity.get('spec')!r} is a {type(fn).__name__}, not a function")
+        super().__init__(concurrency=concurrency, timeout=timeout, name=f"reward function {identity.get('spec')}")
+        self.fn, self._identity = fn, {"kind": "function", **identity}
+        self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self._pool = None if self._async else ThreadPoolExecutor(concurrency, thread_name_prefix="rollshard-reward")
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+    async def _call(self, sample: Sample) -> Any:
+        if self._async:
+            return await self.fn(sample)
+        value = await asyncio.get_running_loop().run_in_executor(self._pool, self.fn, sample)
+        if inspect.isawaitable(value):  # a sync callable that returns a coroutine
+            value = await value
+        return value
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HttpScorer(_Bounded):
+    """A remote reward model or verifier: ``POST url`` with the sample as JSON (module docstring)."""
+
+    def __init__(self, url: str, *, concurrency: int = DEFAULT_CONCURRENCY, timeout: float = DEFAULT_TIMEOUT_S):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--reward-url {url!r}: expected an http:// or https:// URL")
+        super().__init__(concurrency=concurrency, timeout=timeout, name=f"reward server {url}")
+        self.url = url
+        self._session = None
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"kind": "http", "url": self.url}
+
+    async def _call(self, sample: Sample) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        body = json.dumps(sample.to_json(), default=str)
+        for attempt in range(HTTP_ATTEMPTS):
+            last = attempt + 1 == HTTP_ATTEMPTS
+            try:
+                async with self._session.post(
+                    self.url, data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status >= 500 and not last:
+                        await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                        continue
+                    if resp.status != 200:
+                        raise RewardError(f"{self.name} answered HTTP {resp.status}: {_one_line(text)[:200]}")
+                    try:
+                        return json.loads(text)
+                    except json.JSONDecodeError:
+                        raise RewardError(f"{self.name} answered non-JSON: {_one_line(text)[:200]}") from None
+            except (aiohttp.ClientConnectionError, ConnectionError) as e:
+                if last:
+                    raise RewardError(f"{self.name} unreachable after {HTTP_ATTEMPTS} attempts: {_one_line(e)}") from e
+                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _one_line(e: Any) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def make_scorer(
+    task: Task,
+    *,
+    reward: str | None = None,
+    reward_url: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Scorer:
+    """The scorer of a run: ``--reward`` (a plugin spec), ``--reward-url``, else the task's verifier."""
+    from rollshard.generate import plugins
+
+    if reward and reward_url:
+        raise ValueError("give --reward or --reward-url, not both")
+    if reward_url:
+        return HttpScorer(reward_url, concurrency=concurrency, timeout=timeout)
+    if reward:
+        if not plugins.is_spec(reward):
+            raise ValueError(f"--reward {reward!r}: expected module:function or path/to/file.py:function")
+        plugin = plugins.load(reward, what="--reward")
+        return FunctionScorer(plugin.obj, identity=plugin.identity, concurrency=concurrency, timeout=timeout)
+    identity = {"kind": "task", "task": task.name, **({"plugin": task.plugin} if task.plugin else {})}
+    return TaskScorer(task, identity)
