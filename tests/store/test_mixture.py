@@ -1,0 +1,279 @@
+"""The weighted mixture of datasets (store/mixture.py): parsing, the allocation rule, ranks, end of data, resume."""
+
+import collections
+import json
+from fractions import Fraction
+
+import pytest
+
+from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step
+from rollshard.store.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
+from rollshard.store.synthetic import synthetic_table
+from tests.store.test_loader import SMALL, assert_steps_equal, delivered, rows_of_groups, with_columns, write
+
+A_GROUPS, B_GROUPS = 60, 40
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> tuple[str, str]:
+    """Dataset ``a``: 60 groups over several shards; ``b``: 40 groups. Group ids of the two overlap (p0/...)."""
+    root = tmp_path_factory.mktemp("mix")
+    write(root / "a", synthetic_table(A_GROUPS, 3, seed=11, uneven_groups=True, **SMALL))
+    write(root / "b", synthetic_table(B_GROUPS, 3, seed=12, uneven_groups=True, **SMALL))
+    return str(root / "a"), str(root / "b")
+
+
+def cfg(**kw) -> LoaderConfig:
+    base = dict(groups_per_step=10, micro_batch_tokens=48, shuffle_window=7, prefetch=2)
+    return LoaderConfig(**{**base, **kw})
+
+
+def mix(two, weights=("0.7", "0.3")) -> str:
+    return ",".join(f"{p}:{w}" for p, w in zip(two, weights))
+
+
+def run(data: str, config: LoaderConfig, rank: int = 0, world_size: int = 1, state: dict | None = None) -> list[Step]:
+    with MixtureLoader(data, config, rank=rank, world_size=world_size) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        return list(loader)
+
+
+def origins(steps: list[Step]) -> list[list[tuple[str, str]]]:
+    return [list(zip(s.group_sources, s.group_ids)) for s in steps]
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+
+def test_parse_sources_weights_names_and_uris(tmp_path):
+    a, b = parse_sources("a:0.7,b:0.3")
+    assert (a.name, a.path, a.weight) == ("a", "a", Fraction(7, 10)) and (b.path, b.weight) == ("b", Fraction(3, 10))
+    # the weight is the text after the last ':' only when it is a number: a URI's own ':' is part of the path
+    x, y = parse_sources("s3://bucket/x:0.3, s3://bucket/y:2")
+    assert (x.name, x.path, x.weight) == ("x", "s3://bucket/x", Fraction(3, 10))
+    assert (y.path, y.weight) == ("s3://bucket/y", 2)
+    assert parse_sources("s3://bucket/x") == [Source(name="x", path="s3://bucket/x", weight=None)]
+    assert parse_sources("run:2:1")[0].path == "run:2"
+    # names: explicit, else the folder's name, de-duplicated in order
+    m, n = parse_sources(f"math=s3://b/data:1,{tmp_path}/code/data:3")
+    assert (m.name, m.path, n.name) == ("math", "s3://b/data", "data")
+    assert [s.name for s in parse_sources(f"{tmp_path}/1/data,{tmp_path}/2/data,{tmp_path}/_x")] == [
+        "data", "data-2", "x"]
+    assert [s.weight for s in parse_sources("a,b")] == [None, None]  # equal weights
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("a:0,b:1", "weight 0 must be a positive finite number"),
+        ("a:-0.5,b:1", "weight -0.5 must be a positive"),
+        ("a:nan,b:1", "weight nan must be"),
+        ("a:inf,b:1", "weight inf must be"),
+        ("a:,b:1", "ends in ':' without a weight"),
+        ("a:0.7,b", "b has no weight"),
+        ("a:0.7,,b:0.3", "empty entry"),
+        ("a:1,./a:2", "listed twice"),
+    ],
+)
+def test_bad_data_specs_are_one_line_errors(spec, message):
+    with pytest.raises(ValueError, match=message) as e:
+        parse_sources(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_yaml_list_form():
+    assert sources_text([{"path": "s3://b/x", "weight": 0.7}, {"path": "y", "weight": 0.3, "name": "code"}]) == (
+        "s3://b/x:0.7,code=y:0.3")
+    with pytest.raises(ValueError, match="comma"):
+        sources_text([{"path": "a,b", "weight": 1}])
+
+
+# -- allocation ----------------------------------------------------------------------------------
+
+
+def test_allocation_worked_example():
+    # W = (7, 3), T = 10; slot s goes to argmax_i W_i (s+1) - 10 taken_i:
+    # s=0: 7 vs 3 -> a; s=1: 14-10=4 vs 6 -> b; s=2: 11 vs -1 -> a; s=3: 8 vs 2 -> a; s=4: 5 vs 5 (tie) -> a;
+    # s=5: 2 vs 8 -> b; s=6: 9 vs 1 -> a; s=7: 6 vs 4 -> a; s=8: 3 vs 7 -> b; s=9: 10 vs 0 -> a; then it repeats.
+    assert allocate([0.7, 0.3], 10) == [0, 1, 0, 0, 0, 1, 0, 0, 1, 0]
+    assert allocate([7, 3], 30) == allocate([0.7, 0.3], 10) * 3  # weights are normalized
+    assert allocate([0.7, 0.3], 10, start=[7, 3]) == allocate([0.7, 0.3], 10)  # only the counters matter
+    # three sources: after every prefix, each count is within 1 of its share
+    w = [Fraction(1, 2), Fraction(3, 10), Fraction(1, 5)]
+    taken = [0, 0, 0]
+    for s, i in enumerate(allocate(w, 200), start=1):
+        taken[i] += 1
+        assert all(abs(t - s * float(x)) < 1 for t, x in zip(taken, w))
+    assert taken == [100, 60, 40]
+
+
+def test_steps_hold_the_allocation_and_each_source_its_own_stream(two):
+    with MixtureLoader(mix(two), cfg()) as loader:
+        steps = list(loader)
+        stats = loader.epoch_stats
+    # a gives 7 groups a step: 60 = 8 x 7 + 4, so in step 9 a has 4 left (slots 0, 2, 3, 4) and runs out at slot 6;
+    # the 6 groups of that step (4 of a, 2 of b) are dropped. b gave 8 x 3 + 2 of its 40.
+    assert len(steps) == 8
+    for s in steps:
+        assert s.group_sources == ["a", "b", "a", "a", "a", "b", "a", "a", "b", "a"]
+        assert (s.metrics["source/a/groups"], s.metrics["source/b/groups"]) == (7, 3)
+        assert s.metrics["groups"] == 10 and s.metrics["groups_examined"] == 10
+    assert stats["tail_dropped_groups"] == 6
+    assert (stats["source/a/tail_dropped_groups"], stats["source/b/tail_dropped_groups"]) == (4, 2)
+    assert (stats["source/a/exhausted"], stats.get("source/b/exhausted", 0)) == (1, 0)
+    assert (stats["source/a/groups"], stats["source/b/groups"], stats["steps"]) == (56, 24, 8)
+    # each source's groups come in the order of that dataset's own loader (the mixture never reorders a stream)
+    for name, path in zip("ab", two):
+        with RolloutLoader(path, cfg(groups_per_step=1)) as single:
+            alone = [g for s in single for g in s.group_ids]
+        got = [g for s in steps for src, g in zip(s.group_sources, s.group_ids) if src == name]
+        assert got == alone[: len(got)]
+    # per-source sizes are those of the rows delivered
+    rows = {src: rows_of_groups(open_loader(p).dataset) for src, p in zip("ab", two)}
+    for s in steps:
+        seqs = collections.Counter()
+        for b in s.micro_batches:
+            for g in b.seq_group.tolist():
+                seqs[s.group_sources[g]] += 1
+        for src in "ab":
+            assert s.metrics[f"source/{src}/sequences"] == seqs[src] == sum(
+                len(rows[src][g]) for o, g in zip(s.group_sources, s.group_ids) if o == src)
+        assert sum(s.metrics[f"source/{x}/loss_tokens"] for x in "ab") == s.metrics["loss_tokens"]
+        assert sum(s.metrics[f"source/{x}/tokens"] for x in "ab") == s.metrics["tokens"]
+
+    partial = run(mix(two), cfg(tail="partial"))
+    assert_steps_equal(partial[:8], steps)
+    assert partial[8].group_sources == ["a", "b", "a", "a", "a", "b"]
+
+
+def test_two_loaders_give_the_same_steps_and_another_seed_others(two):
+    a = run(mix(two), cfg(num_epochs=2))
+    assert_steps_equal(a, run(mix(two), cfg(num_epochs=2)))
+    assert [s.group_sources for s in a] == [s.group_sources for s in run(mix(two), cfg(num_epochs=2))]
+    assert origins(a) != origins(run(mix(two), cfg(num_epochs=2, seed=5)))
+
+
+@pytest.mark.parametrize("world_size,groups_per_step", [(2, 5), (3, 4)])
+def test_ranks_are_disjoint_and_their_union_is_the_global_step(two, world_size, groups_per_step):
+    whole = run(mix(two), cfg(groups_per_step=groups_per_step * world_size, tail="partial"))
+    ranks = [run(mix(two), cfg(groups_per_step=groups_per_step, tail="partial"), r, world_size) for r in range(world_size)]
+    assert len({len(steps) for steps in ranks}) == 1 == len({len(whole), len(ranks[0])})
+    for k, s in enumerate(whole):
+        parts = [origins(steps)[k] for steps in ranks]
+        assert sum(parts, []) == origins([s])[0]  # consecutive slices of the one global step
+        assert len(set(sum(parts, []))) == len(s.group_ids)
+    # every group a rank trains on is whole (all its rows of its own source), and none twice
+    rows = {src: rows_of_groups(open_loader(p).dataset) for src, p in zip("ab", two)}
+    seen = set()
+    for steps in ranks:
+        for s in steps:
+            got = collections.defaultdict(set)
+            for b in s.micro_batches:
+                for k, sid in enumerate(b.sample_ids):
+                    got[int(b.seq_group[k])].add(sid)
+            for g, (src, gid) in enumerate(zip(s.group_sources, s.group_ids)):
+                assert got[g] == rows[src][gid]
+                assert (src, gid) not in seen
+                seen.add((src, gid))
+
+
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1)])
+def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank):
+    config = cfg(groups_per_step=10 // world_size, num_epochs=2, tail="partial")
+    full = run(mix(two), config, rank, world_size)
+    # b (40 groups, 3 a step) crosses its first epoch end in step 14 (index 13): resume on both sides, and at the end
+    assert len(full) == 18
+    for k in (1, 5, 13, 14, 17, 18):
+        with MixtureLoader(mix(two), config, rank=rank, world_size=world_size) as loader:
+            it = iter(loader)
+            for _ in range(k):
+                next(it)
+            state = json.loads(json.dumps(loader.state_dict()))  # JSON, no pickle
+        assert state["step"] == k
+        rest = run(mix(two), config, rank, world_size, state)
+        assert_steps_equal(rest, full[k:])
+        assert origins(rest) == origins(full[k:])
+    assert state["ended"] and [s["epoch"] for s in state["sources"]] == [2, 1]
+
+
+def test_epoch_stats_follow_the_sources_epochs(two):
+    with MixtureLoader(mix(two), cfg(num_epochs=2)) as loader:
+        seen = []
+        for _ in loader:
+            seen.append((loader.epoch_stats.get("source/a/epochs", 0), loader.epoch_stats.get("source/b/epochs", 0)))
+        stats = loader.epoch_stats
+    # a (7 a step) needs its 61st group in step 9, b (3 a step) its 41st in step 14; as for one dataset, epoch_stats
+    # takes an epoch's end when the step after the one that crossed it is asked for
+    assert seen == [(0, 0)] * 9 + [(1, 0)] * 5 + [(1, 1)] * 3
+    assert (stats["source/a/epochs"], stats["source/b/epochs"], stats["source/a/exhausted"]) == (2, 1, 1)
+    assert stats["groups_examined"] == stats["source/a/groups_examined"] + stats["source/b/groups_examined"]
+    # a's 120 groups fill 17 steps (119) and slot 0 of the 18th; its slot 2 finds none: that tail of 2 is dropped
+    assert (stats["steps"], stats["tail_dropped_groups"], stats["source/b/groups"]) == (17, 2, 51)
+
+
+def test_changed_weights_sources_or_data_refuse_to_resume(two, tmp_path):
+    with MixtureLoader(mix(two), cfg()) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with pytest.raises(LoaderStateError, match=r"weights a:0.7, b:0.3, this loader a:0.6, b:0.4: the weights changed"):
+        MixtureLoader(mix(two, ("0.6", "0.4")), cfg()).load_state_dict(state)
+    MixtureLoader(mix(two, ("7", "3")), cfg()).load_state_dict(state)  # the same weights, written otherwise
+    with pytest.raises(LoaderStateError, match="mixes sources a, b, this loader b, a: the source list changed"):
+        MixtureLoader(f"{two[1]}:0.3,{two[0]}:0.7", cfg()).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="loader state is of a mixture of sources a, b, this loader reads one"):
+        RolloutLoader(two[0], cfg()).load_state_dict(state)
+    with RolloutLoader(two[0], cfg()) as single:
+        next(iter(single))
+        with pytest.raises(LoaderStateError, match="loader state is of one dataset .*this loader mixes several"):
+            MixtureLoader(mix(two), cfg()).load_state_dict(single.state_dict())
+    with pytest.raises(LoaderStateError, match="world_size=1, this loader world_size=2"):
+        MixtureLoader(mix(two), cfg(groups_per_step=5), world_size=2).load_state_dict(state)
+    # source b changed: another writer committed a shard
+    b = tmp_path / "b"
+    write(b, synthetic_table(20, 2, seed=3, **SMALL))
+    data = f"{two[0]}:0.7,{b}:0.3"
+    with MixtureLoader(data, cfg()) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    write(b, synthetic_table(2, 2, seed=4, prefix="c", **SMALL), "w1")
+    with pytest.raises(LoaderStateError, match=r"source b \(.*\): loader state has dataset=.*shards were added"):
+        MixtureLoader(data, cfg()).load_state_dict(state)
+
+
+def test_version_change_replans_every_source(tmp_path):
+    t = lambda seed: synthetic_table(30, 2, seed=seed, weight_versions=("0", "1", "2", "3", "4"), **SMALL)  # noqa: E731
+    write(tmp_path / "a", t(1))
+    write(tmp_path / "b", t(2))
+    data = f"{tmp_path / 'a'}:0.5,{tmp_path / 'b'}:0.5"
+    config = cfg(groups_per_step=2, max_staleness=1, current_version="2", prefetch=4)
+    with MixtureLoader(data, config) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+        loader.set_current_version("4")
+        tail = list(it)
+    assert {v for s in tail for b in s.micro_batches for v in b.weight_versions} == {"3", "4"}
+    assert {v for s in head for b in s.micro_batches for v in b.weight_versions} >= {"1", "2"}
+    state["current_version"] = "4"
+    assert_steps_equal(tail, run(data, config, state=state))
+
+
+def test_a_source_without_a_passing_group_ends_or_raises(two, tmp_path):
+    t = synthetic_table(10, 2, seed=5, **SMALL)
+    write(tmp_path / "aborted", with_columns(t, status=["aborted"] * t.num_rows))
+    data = f"{two[0]}:0.5,{tmp_path / 'aborted'}:0.5"
+    with pytest.warns(UserWarning, match="the mixture yields no step: source aborted ran out after 0 groups"):
+        assert run(data, cfg()) == []
+    with pytest.raises(ValueError, match="source aborted: epoch 0 yields no group"):
+        run(data, cfg(num_epochs=None))
+
+
+def test_one_source_is_the_single_dataset_loader(two):
+    loader = open_loader(f"{two[0]}:0.7", cfg())
+    assert type(loader) is RolloutLoader
+    with loader:
+        got = list(loader)
+    with RolloutLoader(two[0], cfg()) as single:
+        assert_steps_equal(got, list(single))
+    assert delivered(got)
