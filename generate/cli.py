@@ -1,4 +1,4 @@
-"""``rollshard-generate``: batch generation (default), ``serve`` and ``init-model`` subcommands."""
+"""``rollshard-generate``: batch generation (default), ``serve``, ``rescore`` and ``init-model`` subcommands."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollshard.generate.server import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "rescore":
+        from rollshard.generate.rescore import main as rescore_main
+
+        return rescore_main(argv[1:])
     if argv and argv[0] == "init-model":
         from rollshard.generate.models import main as init_model_main
 

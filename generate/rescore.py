@@ -1,0 +1,199 @@
+"""``rollshard-generate rescore DATASET --out NEW``: new rewards for stored rows, without an engine.
+
+    rollshard-generate rescore runs/math --reward my_reward.py:score --out runs/math-rescored
+
+Every row keeps its tokens, logprobs, mask, ids, versions and texts byte for byte (the
+store's :func:`~rollshard.store.derive.derive_dataset` checks it); only ``reward`` and
+``metadata`` (the new verdict) change. The reward rule is the agent system's own
+(:meth:`AgentSystem.score`), applied to each episode's stored rows, so derived rewards stay
+consistent: a multi-agent selector takes the new reward of the rewrite it picked, and the
+episode weight follows whether that rewrite is now correct.
+
+What scores: ``--reward`` (a user function), ``--reward-url`` (a reward server), or
+``--task`` (a task's verifier); by default what scored the dataset (its ``--reward``,
+``--reward-url`` or task, from the run config), which reproduces the stored rewards
+exactly when that code is unchanged. The agent system is the dataset's (its name and options from the
+run config; a plugin system is loaded from its recorded spec unless ``--agents`` names one).
+
+The new dataset records its lineage (the parent's fingerprint, the scorer's identity:
+spec, file and sha256, or URL) and trains and inspects like any other. Rescoring is
+resumable: rerun the same command after an interrupt to continue. Rows are scored episode
+by episode within each row group (the runner writes whole episodes into one row group).
+
+Exit status: 0 done; 1 a reward failed (the message names the sample; shards scored so far
+are committed, rerun to continue) or the data is damaged; 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import pyarrow as pa
+
+from rollshard.generate.agents import AgentSystem, make_agent_system
+from rollshard.generate.rewards import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_TIMEOUT_S,
+    RewardError,
+    Scorer,
+    make_scorer,
+)
+from rollshard.generate.tasks import Task, get_task
+from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.derive import DeriveError, TransformError, derive_dataset
+from rollshard.store.errors import DataError
+from rollshard.store.schema import Row, SchemaVersionError
+
+PROG = "rollshard-generate rescore"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MUTABLE = ("reward", "metadata")
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="New rewards for a stored dataset, tokens and logprobs untouched, lineage recorded "
+        "(resumable: rerun to continue).",
+    )
+    p.add_argument("dataset", metavar="DATASET", help="the dataset to rescore (directory or pyarrow filesystem URI)")
+    p.add_argument("--out", required=True, metavar="NEW", help="the rescored dataset (a new directory)")
+    s = p.add_argument_group("what scores (default: the dataset's own task verifier)")
+    s.add_argument("--reward", metavar="FN", help="reward function: module:fn or file.py:fn (sync or async)")
+    s.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON")
+    s.add_argument("--task", metavar="TASK", help="a task's verifier: a built-in name, module:attr or file.py:attr")
+    s.add_argument(
+        "--agents", metavar="SYSTEM",
+        help="the agent system whose reward rule applies (default: the dataset's, from its run config)",
+    )
+    s.add_argument(
+        "--reward-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+        help="reward calls at once (default: %(default)s)",
+    )
+    s.add_argument(
+        "--reward-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+        help="per reward call (default: %(default)s)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.reward_concurrency < 1 or not args.reward_timeout > 0:
+            raise UsageError("--reward-concurrency must be >= 1 and --reward-timeout > 0")
+        try:
+            parent = RolloutDataset.open(args.dataset)
+        except (DatasetNotFoundError, SchemaVersionError) as e:
+            raise UsageError(str(e)) from e
+        task, system = _task_and_system(parent.config, args)
+        reward, reward_url = args.reward, args.reward_url
+        if not (reward or reward_url or args.task):  # the dataset's own scorer
+            recorded = parent.config.get("reward") or {}
+            reward = recorded.get("spec") if recorded.get("kind") == "function" else None
+            reward_url = recorded.get("url") if recorded.get("kind") == "http" else None
+        try:
+            scorer = make_scorer(
+                task,
+                reward=reward,
+                reward_url=reward_url,
+                concurrency=args.reward_concurrency,
+                timeout=args.reward_timeout,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        details = {"reward": scorer.identity, "task": task.name, "agents": system.config()}
+        with asyncio.Runner() as loop:
+            try:
+                result = derive_dataset(
+                    parent,
+                    args.out,
+                    lambda table: loop.run(rescore_table(table, system, scorer)),
+                    operation="rescore",
+                    details=details,
+                    mutable_columns=MUTABLE,
+                    command=PROG,
+                    progress=not args.no_progress,
+                )
+            finally:
+                loop.run(scorer.close())
+    except UsageError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except DeriveError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except (RewardError, TransformError, DataError, ValueError) as e:
+        _error(f"{_one_line(e)}; the shards rescored so far are committed: fix it and rerun to continue")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _error("interrupted; the shards rescored so far are committed: rerun the same command to continue")
+        return 130
+    print(f"{PROG}: {result.summary()} -> {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) -> pa.Table:
+    """``table`` with the rewards and metadata the system's rule gives its episodes' rows (module docstring)."""
+    rows = [Row.from_dict(d) for d in table.select(_ROW_FIELDS).to_pylist()]
+    episodes: dict[str, list[Row]] = {}
+    for row in rows:
+        episodes.setdefault(row.prompt_id, []).append(row)
+    await asyncio.gather(*(system.score(ep, scorer) for ep in episodes.values()))
+    reward = pa.array([r.reward for r in rows], table.schema.field("reward").type)
+    metadata = pa.array([r.metadata for r in rows], table.schema.field("metadata").type)
+    table = table.set_column(table.schema.get_field_index("reward"), "reward", reward)
+    return table.set_column(table.schema.get_field_index("metadata"), "metadata", metadata)
+
+
+_ROW_FIELDS = [
+    "sample_id", "prompt_id", "group_id", "agent", "round", "prompt_tokens", "response_tokens", "rollout_logprobs",
+    "loss_mask", "reward", "status", "finish_reason", "weight_version", "temperature", "top_p", "top_k",
+    "prompt_text", "response_text", "metadata",
+]
+
+
+def _task_and_system(config: dict[str, Any], args) -> tuple[Task, AgentSystem]:
+    """The task (for its verifier) and the agent system (for its reward rule): given, else the dataset's."""
+    recorded_task = (config.get("task_plugin") or {}).get("spec") or config.get("task")
+    task_spec = args.task or recorded_task
+    if not task_spec:
+        raise UsageError(f"{args.dataset} records no task in its run config; pass --task (or --reward)")
+    try:
+        task = get_task(task_spec)
+    except ValueError as e:
+        raise UsageError(f"{e}{'' if args.task else ' (the dataset task; pass --task to choose another)'}") from e
+    recorded = dict(config.get("agents") or {})
+    name = recorded.pop("name", None)
+    plugin = recorded.pop("plugin", None)
+    spec = args.agents or (plugin or {}).get("spec") or name
+    if not spec:
+        raise UsageError(f"{args.dataset} records no agent system in its run config; pass --agents")
+    options = recorded if spec in (name, (plugin or {}).get("spec")) else {}
+    try:
+        system = make_agent_system(spec, options=options)
+    except ValueError as e:
+        raise UsageError(f"{e}{'' if args.agents else ' (the dataset agent system; pass --agents)'}") from e
+    if plugin and system.plugin and plugin.get("sha256") != system.plugin.get("sha256"):
+        print(
+            f"{PROG}: warning: {spec} changed since the dataset was generated (sha256 "
+            f"{str(plugin.get('sha256'))[:12]} then, {str(system.plugin.get('sha256'))[:12]} now); its reward rule "
+            "is applied as it is now",
+            file=sys.stderr,
+        )
+    return task, system
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
