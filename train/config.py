@@ -48,7 +48,12 @@ def _f(default: Any, help: str, *, flag: str | None = None) -> Any:
 class DataConfig:
     """The dataset and the loader (``rollshard.store.loader.LoaderConfig``) settings."""
 
-    path: str = _f("", "rollout dataset directory (or s3:// URI) written by rollshard-generate", flag="data")
+    path: str = _f(
+        "",
+        "rollout dataset directory (or s3:// URI) written by rollshard-generate; several, mixed by weight: "
+        "a:0.7,b:0.3 (each [NAME=]PATH:WEIGHT; rollshard.store.mixture)",
+        flag="data",
+    )
     groups_per_step: int = _f(8, "GRPO groups per optimizer step (per data-parallel rank)")
     micro_batch_tokens: int = _f(8192, "token budget of one packed micro-batch (gradient accumulation unit)")
     shuffle: bool = _f(True, "shuffle groups (deterministic for --shuffle-seed and epoch)")
@@ -226,6 +231,10 @@ class TrainConfig:
             if bad:
                 raise ValueError(f"{where}: unknown key(s) {sorted(bad)} in section {name!r}; known: {sorted(hints)}")
             kw = {}
+            if name == "data" and isinstance(raw.get("path"), list):  # a YAML list of {path, weight[, name]}
+                from rollshard.store.mixture import sources_text
+
+                raw = {**raw, "path": sources_text(raw["path"])}
             for key, value in raw.items():
                 try:
                     kw[key] = _coerce(value, hints[key])
@@ -285,6 +294,10 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if data.path:
+            from rollshard.store.mixture import parse_sources
+
+            parse_sources(data.path)  # a bad --data weight is a usage error here, before anything is loaded
         return self
 
 

@@ -3,8 +3,9 @@
 ``--model`` must be a local folder (made absolute, ``checkpoints/latest`` resolved); the
 initial weight version is that of a rollshard checkpoint folder (else 0;
 ``--initial-version`` wins); ``--out`` may not be the dataset, inside it, or a model
-folder. Dr. GRPO's ``--norm-len`` defaults to a constant of the run, the most loss
-tokens a row can hold by the dataset's generation config (:func:`run_norm_len`).
+folder (with several ``--data`` sources: any of them). Dr. GRPO's ``--norm-len`` defaults
+to a constant of the run, the most loss tokens a row can hold by the dataset's generation
+config (:func:`run_norm_len`; of a mixture, the largest over its sources).
 """
 
 from __future__ import annotations
@@ -68,12 +69,19 @@ def initial_version_of(model: str) -> int:
 
 
 def check_out_dir(out: str, *, data: str) -> None:
-    """Refuse an output folder that would write into the dataset or over a model folder."""
+    """Refuse an output folder that would write into a dataset of ``--data`` (any source of a mixture) or over a
+    model folder."""
+    from rollshard.store.mixture import parse_sources
+
     o = Path(out).expanduser().resolve()
-    if "://" not in data:
-        d = Path(data).expanduser().resolve()
+    for source in parse_sources(data):
+        if "://" in source.path:
+            continue
+        d = Path(source.path).expanduser().resolve()
         if o == d or d in o.parents:
-            raise ValueError(f"--out {out} is the dataset or inside it ({data}); choose a directory outside the dataset")
+            raise ValueError(
+                f"--out {out} is the dataset or inside it ({source.path}); choose a directory outside the dataset"
+            )
     if o.exists() and not o.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
     if (o / "config.json").is_file():

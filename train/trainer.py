@@ -59,8 +59,8 @@ from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (p
 # Step.metrics of the loader that are this rank's (packing figures: summed over ranks); its filter counts are of
 # the global stream, the same on every rank (averaged).
 LOADER_PER_RANK = frozenset({"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups"})
-# The loader's warning for an epoch without a step; the trainer says it in flags instead (NoStepError).
-LOADER_NO_STEP = r"epoch \d+ yields no step"
+# The loader's warning for an epoch (or a mixture) without a step; the trainer says it in flags instead (NoStepError).
+LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
 
 
 class NonFiniteError(RuntimeError):
@@ -72,8 +72,10 @@ class NoStepError(ValueError):
 
 
 def build_loader(config: TrainConfig, env: DistEnv):
-    """The store's streaming loader for this rank, from the data section of the config."""
-    from rollshard.store.loader import LoaderConfig, RolloutLoader
+    """The store's streaming loader for this rank, from the data section of the config: one dataset, or a
+    weighted mixture of several (``--data a:0.7,b:0.3``, rollshard.store.mixture)."""
+    from rollshard.store.loader import LoaderConfig
+    from rollshard.store.mixture import open_loader
 
     d = config.data
     loader_cfg = LoaderConfig(
@@ -92,7 +94,7 @@ def build_loader(config: TrainConfig, env: DistEnv):
         tail=d.tail,
         pin_memory=torch.cuda.is_available(),
     )
-    return RolloutLoader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size)
+    return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size)
 
 
 def dummy_batch() -> PackedBatch:
@@ -229,16 +231,20 @@ class Trainer:
         return ckpt
 
     def _norm_len(self) -> float:
-        """The length constant of seq-mean-token-sum-norm: ``--norm-len``, else the dataset's (:func:`run_norm_len`)."""
+        """The length constant of seq-mean-token-sum-norm: ``--norm-len``, else the dataset's (:func:`run_norm_len`;
+        of a mixture: the largest over its sources, so that no row of any source exceeds it)."""
         loss = self.cfg.loss
         if loss.norm_len is not None or loss.agg != "seq-mean-token-sum-norm":
             return float(loss.norm_len or 0)
-        dataset = getattr(self.loader, "dataset", None)
-        if dataset is None:
+        datasets = getattr(self.loader, "datasets", None)
+        if datasets is None and getattr(self.loader, "dataset", None) is not None:
+            datasets = [self.loader.dataset]
+        if datasets is None:
             from rollshard.store.dataset import RolloutDataset
+            from rollshard.store.mixture import parse_sources
 
-            dataset = RolloutDataset.open(self.cfg.data.path)
-        configs = [m.config for m in dataset.manifests if m.config] or [dataset.config]
+            datasets = [RolloutDataset.open(s.path) for s in parse_sources(self.cfg.data.path)]
+        configs = [c for ds in datasets for c in ([m.config for m in ds.manifests if m.config] or [ds.config])]
         length = run_norm_len(configs)
         if length is None:
             raise ValueError(
@@ -256,6 +262,10 @@ class Trainer:
         if groups is None or d.num_epochs is None:
             return tr.max_steps
         full = d.groups_per_step * self.env.world_size
+        mixed = getattr(self.loader, "groups_before_end", None)  # a mixture: one run until a source runs out
+        if mixed is not None:
+            in_data = mixed // full if d.tail == "drop" else -(-mixed // full)
+            return in_data if tr.max_steps is None else min(tr.max_steps, in_data)
         per_epoch = groups // full if d.tail == "drop" else -(-groups // full)
         in_data = per_epoch * d.num_epochs
         return in_data if tr.max_steps is None else min(tr.max_steps, in_data)
@@ -480,10 +490,14 @@ class Trainer:
         return out
 
     def _data_metrics(self, step: Any, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
-        """Reward by agent, staleness counts, sizes, and the loader's own figures (as sums / means)."""
+        """Reward by agent (and by source, for a mixture), staleness counts, sizes, and the loader's own figures
+        (as sums / means; a mixture's ``source/<name>/*`` figures at the top level, not under ``loader/``)."""
+        group_sources = getattr(step, "group_sources", None)  # [G] a mixture's source of each group
         for mb in mbs:
-            for agent, r in zip(mb.agents, mb.rewards.tolist()):
-                for key in ("reward", f"reward/{agent}"):
+            origin = [f"source/{group_sources[g]}/reward" for g in mb.seq_group.tolist()] if group_sources else None
+            for s, (agent, r) in enumerate(zip(mb.agents, mb.rewards.tolist())):
+                keys = ("reward", f"reward/{agent}") + ((origin[s],) if origin else ())
+                for key in keys:
                     acc.add_sum(f"{key}/_sum", r)
                     acc.add_sum(f"{key}/_sumsq", r * r)
                     acc.add_sum(f"{key}/_n", 1.0)
@@ -498,7 +512,9 @@ class Trainer:
         acc.add_sum("data/sequences", float(sum(mb.num_sequences for mb in mbs)))
         acc.add_sum("data/micro_batches", float(len(mbs)))
         for k, v in (getattr(step, "metrics", None) or {}).items():
-            if k in LOADER_PER_RANK:
+            if k.startswith("source/"):  # source/<name>/<figure>: per rank (summed) like the packing figures
+                (acc.add_sum if k.rsplit("/", 1)[1] in LOADER_PER_RANK else acc.add_mean)(k, float(v))
+            elif k in LOADER_PER_RANK:
                 acc.add_sum(f"loader/{k}", float(v))
             else:
                 acc.add_mean(f"loader/{k}", float(v))
