@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "filter",
         help="write the rows that pass the filters into a new dataset, lineage recorded",
         description=(
-            "Write the rows of DATASET that pass every filter given into the new dataset --out. Filters are per "
-            "row: a reward range can keep part of a GRPO group (the trainer normalizes the rows left); a group is "
+            "Write the rows of DATASET that pass every filter given (at least one) into the new dataset --out. "
+            "Filters are per row: a reward range can keep part of a GRPO group (the trainer normalizes the rows left); a group is "
             "never split across shards. A shard whose rows all pass is copied byte for byte, one with some rows "
             "left is rewritten, one with none is dropped. The lineage (parent, its fingerprint, the filters) is "
             "recorded in the new dataset's manifests and shown by `inspect`. Interrupted, rerun the same command: "
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, metavar="NEW", help="new dataset directory (new or empty; not inside DATASET)")
     f.add_argument("--agent", metavar="A[,B]", help="keep rows of these agents")
     f.add_argument("--status", metavar="S[,S]", help="keep rows of these statuses (completed, truncated, aborted, failed)")
-    f.add_argument("--min-reward", type=float, metavar="X", help="keep rows with a finite reward >= X")
-    f.add_argument("--max-reward", type=float, metavar="X", help="keep rows with a finite reward <= X")
+    # numbers parsed after argparse, so that a bad value is one line (argparse would add its usage block)
+    f.add_argument("--min-reward", metavar="X", help="keep rows with a finite reward >= X (rows without one dropped)")
+    f.add_argument("--max-reward", metavar="X", help="keep rows with a finite reward <= X (rows without one dropped)")
     f.add_argument(
         "--weight-version", metavar="V[,V] | LO..HI",
         help="keep rows of these weight versions, or of an inclusive integer range (3..5, 3.., ..5)",
@@ -189,8 +190,8 @@ def _filter(args, out: Console, argv: list[str] | None) -> int:
         row_filter = RowFilter(
             agents=None if args.agent is None else parse_list(args.agent, "--agent"),
             statuses=None if args.status is None else parse_list(args.status, "--status"),
-            min_reward=args.min_reward,
-            max_reward=args.max_reward,
+            min_reward=_number(args.min_reward, "--min-reward"),
+            max_reward=_number(args.max_reward, "--max-reward"),
             weight_versions=versions,
             weight_version_range=version_range,
             sample_ids=None if args.sample_ids is None else read_sample_ids(args.sample_ids),
@@ -213,6 +214,15 @@ def _filter(args, out: Console, argv: list[str] | None) -> int:
     else:
         print(f"{PROG} filter: {args.path} -> {args.out}: {result.summary()}", file=out.file)
     return EXIT_OK
+
+
+def _number(text: str | None, flag: str) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a number") from None
 
 
 # -- stats ----------------------------------------------------------------------------------
@@ -331,15 +341,16 @@ def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
 
 def _lineage_table(lineage: list[dict[str, Any]]) -> Table:
     t = Table(title="lineage (newest first; details: the operation's settings)")
-    for c in ("step", "operation", "parent", "parent fingerprint", "details", "created"):
-        t.add_column(c, justify="right" if c == "step" else "left", overflow="fold")
+    for c in ("step", "operation", "parent", "parent fingerprint", "details"):
+        short = c in ("step", "operation", "parent fingerprint")  # kept whole; the others fold
+        t.add_column(c, justify="right" if c == "step" else "left", overflow="fold", no_wrap=short, min_width=None)
     for n, e in enumerate(lineage, 1):
         details = e.get("details")
         if isinstance(details, dict) and isinstance(details.get("expression"), str):
             shown = details["expression"]
         else:
             shown = json.dumps(details, sort_keys=True)
-        _row(t, n, e.get("operation"), e.get("parent"), e.get("parent_fingerprint"), shown, e.get("created_at"))
+        _row(t, n, e.get("operation"), e.get("parent"), e.get("parent_fingerprint"), shown)
     return t
 
 

@@ -212,3 +212,95 @@ def test_argument_errors_and_help(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and all(c in out for c in ("validate", "stats", "inspect"))
+
+
+# -- filter, and the lineage in inspect ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def solvers(worked, tmp_path_factory) -> Path:
+    """``filter --agent solver`` of the worked dataset: w0's shard keeps p0-solver-0/1 (rewritten), w1's shard is
+    all solvers (copied): 5 of 8 rows."""
+    out = tmp_path_factory.mktemp("filtered") / "solvers"
+    res = run("filter", worked, "--out", out, "--agent", "solver", script=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == (f"rollshard-store filter: {worked} -> {out}: kept 5 of 8 rows (3 dropped); shards: "
+                          "1 copied, 1 rewritten, 0 dropped\n")
+    return out
+
+
+def test_filter_subprocess_keeps_the_solvers_and_copies_the_whole_shard(worked, solvers):
+    from rollshard.store.dataset import RolloutDataset
+
+    parent, derived = RolloutDataset.open(worked), RolloutDataset.open(solvers)
+    assert sorted(derived.read().column("sample_id").to_pylist()) == [
+        "p0-solver-0", "p0-solver-1", "p1-solver-0", "p1-solver-1", "p1-solver-2"]
+    sha = {s.writer_id: s.sha256 for s in parent.shards}
+    assert [(s.writer_id, s.rows, s.sha256 == sha["w1"]) for s in derived.shards] == [
+        ("filter.w0", 2, False), ("filter.w1", 3, True)]
+    assert run("validate", solvers, "--json").returncode == 0
+
+
+def test_inspect_shows_the_lineage(worked, solvers, tokenizer_dir, capsys, monkeypatch):
+    from rollshard.store.dataset import RolloutDataset
+
+    assert main(["inspect", str(solvers), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    [entry] = doc["lineage"]
+    assert entry["operation"] == "filter" and entry["parent"] == str(worked.resolve())
+    assert entry["parent_fingerprint"] == RolloutDataset.open(worked).fingerprint
+    assert entry["details"] == {"filters": {"agent": ["solver"]}, "expression": "agent in [solver]"}
+    assert entry["command"].startswith("rollshard-store filter ") and "--agent solver" in entry["command"]
+    assert doc["config"]["agent_system"] == "multi_agent"  # the parent's generation config is still there
+    assert doc["stats"]["rows"] == 5 and set(doc["stats"]["agents"]) == {"solver"}
+    assert main(["inspect", str(worked), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lineage"] == []
+
+    monkeypatch.setenv("COLUMNS", "300")  # wide enough that no cell folds
+    assert main(["inspect", str(solvers)]) == 0
+    text = capsys.readouterr().out
+    lineage_at = text.index("lineage")
+    for needle in ("filter", str(worked.resolve()), entry["parent_fingerprint"], "agent in [solver]"):
+        assert needle in text[lineage_at:text.index("run config")], needle
+    assert "derived." not in text  # the run config table leaves the lineage to its own table
+    assert main(["inspect", str(worked)]) == 0
+    assert "lineage" not in capsys.readouterr().out
+    # decodes with the parent's tokenizer, as the parent does
+    assert main(["inspect", str(solvers), "--sample", "p0-solver-1", "--json"]) == 0
+    sample = json.loads(capsys.readouterr().out)
+    assert sample["tokenizer"] == str(tokenizer_dir) and [t["text"] for t in sample["tokens"]][:2] == ["the", "answer"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--min-reward", "abc"], "--min-reward 'abc' is not a number"),
+        (["--status", "done"], "status 'done' is not one of"),
+        (["--weight-version", "5..3"], "range 5..3 is empty"),
+        (["--agent", "slover"], "--agent 'slover': no such agent in"),
+        ([], "no filter given"),
+    ],
+)
+def test_filter_bad_value_is_one_line_exit_2(worked, tmp_path, args, message):
+    res = run("filter", worked, "--out", tmp_path / "out", *args)
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("rollshard-store: error: filter: ")
+    assert message in res.stderr and res.stdout == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_filter_refuses_an_out_with_other_filters_and_resumes_the_same(worked, solvers, capsys):
+    assert main(["filter", str(worked), "--out", str(solvers), "--agent", "rewriter"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a filter derive with other details" in err
+    assert main(["filter", str(worked), "--out", str(solvers), "--agent", "solver", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["rows_out"], doc["rows_dropped"], doc["shards_resumed"]) == (5, 3, 2)
+
+
+def test_filter_help():
+    res = run("filter", "--help")
+    assert res.returncode == 0
+    for needle in ("--agent", "--status", "--min-reward", "--max-reward", "--weight-version", "--sample-ids",
+                   "part of a GRPO", "copied byte for byte", "resumes"):
+        assert needle in " ".join(res.stdout.split()), needle
