@@ -178,13 +178,14 @@ def test_ranks_are_disjoint_and_their_union_is_the_global_step(two, world_size, 
                 seen.add((src, gid))
 
 
-@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1)])
-def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank):
-    config = cfg(groups_per_step=10 // world_size, num_epochs=2, tail="partial")
+@pytest.mark.parametrize("world_size,rank,groups_per_step", [(1, 0, 10), (2, 1, 3)])
+def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank, groups_per_step):
+    # 10 slots a step are the schedule's period (7 + 3); 6 a step (2 x 3) stop it mid-period
+    config = cfg(groups_per_step=groups_per_step, num_epochs=2, tail="partial")
     full = run(mix(two), config, rank, world_size)
-    # b (40 groups, 3 a step) crosses its first epoch end in step 14 (index 13): resume on both sides, and at the end
-    assert len(full) == 18
-    for k in (1, 5, 13, 14, 17, 18):
+    assert len(full) == (18 if groups_per_step == 10 else 29)
+    # with 10 a step, b (40 groups, 3 a step) crosses its first epoch end in step 14 (index 13): both sides of it
+    for k in sorted({1, 5, 13, 14, 20, len(full) - 1, len(full)} & set(range(len(full) + 1))):
         with MixtureLoader(mix(two), config, rank=rank, world_size=world_size) as loader:
             it = iter(loader)
             for _ in range(k):

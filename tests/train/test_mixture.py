@@ -80,6 +80,23 @@ def test_norm_len_and_out_dir_read_every_source(tiny_dataset, tiny_gpt2, tmp_pat
     check_out_dir(str(tmp_path / "elsewhere"), data=f"{tiny_dataset}:0.5,{longer}:0.5")
 
 
+def test_source_figures_are_summed_over_ranks_and_the_epoch_averaged():
+    from types import SimpleNamespace
+
+    from rollshard.train.metrics import MetricAccumulator
+
+    states = []
+    for groups in (3.0, 2.0):  # two ranks' shares of one global step
+        step = SimpleNamespace(group_sources=["a"] * int(groups), metrics={
+            "source/a/groups": groups, "source/a/loss_tokens": 10 * groups, "source/a/epoch": 1.0, "groups": groups})
+        acc = MetricAccumulator()
+        Trainer._data_metrics(SimpleNamespace(), step, [], acc)
+        states.append(acc.state())
+    merged = MetricAccumulator.merged(states).result()
+    assert (merged["source/a/groups"], merged["source/a/loss_tokens"]) == (5.0, 50.0)
+    assert merged["source/a/epoch"] == 1.0 and merged["loader/groups"] == 5.0
+
+
 def test_yaml_takes_the_string_or_a_list():
     listed = {"data": {"path": [{"path": "s3://b/x", "weight": 0.7}, {"path": "y", "weight": 0.3, "name": "code"}]}}
     assert TrainConfig.from_dict(listed).data.path == "s3://b/x:0.7,code=y:0.3"
