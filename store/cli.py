@@ -74,17 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the rows that pass the filters into a new dataset, lineage recorded",
         description=(
             "Write the rows of DATASET that pass every filter given (at least one) into the new dataset --out. "
-            "Filters are per row: a reward range can keep part of a GRPO group (the trainer normalizes the rows left); a group is "
-            "never split across shards. A shard whose rows all pass is copied byte for byte, one with some rows "
-            "left is rewritten, one with none is dropped. The lineage (parent, its fingerprint, the filters) is "
+            "Filters are per row: a reward range can keep part of a GRPO group (the trainer normalizes the rows "
+            "left); a group is never split across shards. A shard whose rows all pass is copied byte for byte, "
+            "one with some rows left is rewritten, one with none is dropped. The lineage (parent, its fingerprint, the filters) is "
             "recorded in the new dataset's manifests and shown by `inspect`. Interrupted, rerun the same command: "
             "it resumes with the shards not done."
         ),
     )
     f.add_argument("path", metavar="DATASET", help="dataset directory (or pyarrow filesystem URI)")
-    f.add_argument("--out", required=True, metavar="NEW", help="new dataset directory (new or empty; not inside DATASET)")
+    f.add_argument(
+        "--out", required=True, metavar="NEW", help="new dataset directory (new or empty; not inside DATASET)"
+    )
     f.add_argument("--agent", metavar="A[,B]", help="keep rows of these agents")
-    f.add_argument("--status", metavar="S[,S]", help="keep rows of these statuses (completed, truncated, aborted, failed)")
+    f.add_argument(
+        "--status", metavar="S[,S]", help="keep rows of these statuses (completed, truncated, aborted, failed)"
+    )
     # numbers parsed after argparse, so that a bad value is one line (argparse would add its usage block)
     f.add_argument("--min-reward", metavar="X", help="keep rows with a finite reward >= X (rows without one dropped)")
     f.add_argument("--max-reward", metavar="X", help="keep rows with a finite reward <= X (rows without one dropped)")
@@ -186,7 +190,9 @@ def _filter(args, out: Console, argv: list[str] | None) -> int:
     from rollshard.store.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
 
     try:
-        versions, version_range = (None, None) if args.weight_version is None else parse_weight_versions(args.weight_version)
+        versions, version_range = None, None
+        if args.weight_version is not None:
+            versions, version_range = parse_weight_versions(args.weight_version)
         row_filter = RowFilter(
             agents=None if args.agent is None else parse_list(args.agent, "--agent"),
             statuses=None if args.status is None else parse_list(args.status, "--status"),

@@ -71,7 +71,9 @@ MAX_WRITER_ID = 100  # leaves room for ".<parent writer id>" within the manifest
 
 Transform = Callable[[pa.Table], pa.Table]
 FLOAT_COLUMNS = frozenset(
-    f.name for f in ROW_SCHEMA if pa.types.is_floating(f.type) or (pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type))
+    f.name
+    for f in ROW_SCHEMA
+    if pa.types.is_floating(f.type) or (pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type))
 )
 
 
@@ -143,7 +145,9 @@ def derive_dataset(
     mutable = _check_mutable(mutable_columns)
     writer_id = writer_id or operation
     if not (WRITER_ID_RE.match(writer_id) and len(writer_id) <= MAX_WRITER_ID):
-        raise ValueError(f"writer id {writer_id!r} must be 1-{MAX_WRITER_ID} characters of letters, digits, '_', '.', '-'")
+        raise ValueError(
+            f"writer id {writer_id!r} must be 1-{MAX_WRITER_ID} characters of letters, digits, '_', '.', '-'"
+        )
     _refuse_unfinished_parent(ds.storage)
     out_storage = Storage(out)
     _refuse_out_in_parent(ds.storage, out_storage)
@@ -159,7 +163,8 @@ def derive_dataset(
     with _lock(out_storage), _progress_bar(progress, operation, ds.num_rows) as bar:
         for manifest in ds.manifests:
             out_wid = state.writer_for(manifest, writer_id)
-            with ShardWriter(out_storage, writer_id=out_wid, config=state.configs[out_wid], options=WRITER_OPTIONS) as w:
+            config = state.configs[out_wid]
+            with ShardWriter(out_storage, writer_id=out_wid, config=config, options=WRITER_OPTIONS) as w:
                 state.reconcile(w)
                 for shard in sorted(manifest.shards, key=lambda s: s.path):
                     if shard.path in state.done:
@@ -174,7 +179,9 @@ def derive_dataset(
 # -- one shard ------------------------------------------------------------------------------
 
 
-def _derive_shard(ds, shard: ShardInfo, w: ShardWriter, transform: Transform, mutable: frozenset[str], state, bar) -> None:
+def _derive_shard(
+    ds: RolloutDataset, shard: ShardInfo, w: ShardWriter, transform: Transform, mutable: frozenset[str], state, bar
+) -> None:
     operation = state.entry["operation"]
     f, pf = open_shard(ds.storage, shard)
     with f:
@@ -182,13 +189,13 @@ def _derive_shard(ds, shard: ShardInfo, w: ShardWriter, transform: Transform, mu
         rows_out = changed = 0
         rewriting = False
         for i in range(pf.num_row_groups):
-            old = cast_table(pf.read_row_group(i))
+            old = cast_table(_read_row_group(ds.storage, shard, pf, i))
             new, n_changed, same = _compare(old, transform(old), mutable, shard.path, operation)
             rows_out, changed = rows_out + new.num_rows, changed + n_changed
             if not same and not rewriting:  # the row groups before were unchanged: they go in as they are
                 rewriting = True
                 for j in range(i):
-                    w.write_groups(pf.read_row_group(j))
+                    w.write_groups(_read_row_group(ds.storage, shard, pf, j))
                     w.flush()
             if rewriting:
                 w.write_groups(new)
@@ -207,6 +214,16 @@ def _derive_shard(ds, shard: ShardInfo, w: ShardWriter, transform: Transform, mu
         state.begin({**record, "action": "rewritten"})
         info = w.commit()
     state.end(info.path if info else None)
+
+
+def _read_row_group(storage: Storage, shard: ShardInfo, pf, i: int) -> pa.Table:
+    """Row group ``i``; a shard that does not decode is a :class:`DataError` (a sha256 mismatch, when it is one)."""
+    try:
+        return pf.read_row_group(i)
+    except (OSError, pa.ArrowException) as e:
+        verify_sha256(storage, shard)
+        raise DataError(f"{shard.path}: row group {i} does not read ({' '.join(str(e).split())}); run "
+                        "`rollshard-store validate` on the parent") from e
 
 
 def _copy_shard(storage: Storage, shard: ShardInfo, w: ShardWriter) -> ShardInfo:
@@ -244,7 +261,9 @@ def _next_seq(manifest: Manifest) -> int:
 # -- the contract check ---------------------------------------------------------------------
 
 
-def _compare(old: pa.Table, new: Any, mutable: frozenset[str], where: str, operation: str) -> tuple[pa.Table, int, bool]:
+def _compare(
+    old: pa.Table, new: Any, mutable: frozenset[str], where: str, operation: str
+) -> tuple[pa.Table, int, bool]:
     """``(new cast to the schema, rows with a mutable column changed, new is old unchanged)``; raises
     :class:`TransformError` where ``new`` breaks the rules of the module docstring."""
     if not isinstance(new, pa.Table):
@@ -252,7 +271,9 @@ def _compare(old: pa.Table, new: Any, mutable: frozenset[str], where: str, opera
     try:
         new = cast_table(new)
     except ValueError as e:
-        raise TransformError(f"{where}: the {operation} transform returned a table that is not a rollout table: {e}") from e
+        raise TransformError(
+            f"{where}: the {operation} transform returned a table that is not a rollout table: {e}"
+        ) from e
     old_ids, new_ids = old.column("sample_id"), new.column("sample_id")
     aligned = new.num_rows == old.num_rows and new_ids.equals(old_ids)
     if not aligned:
@@ -263,8 +284,10 @@ def _compare(old: pa.Table, new: Any, mutable: frozenset[str], where: str, opera
         index = pc.index_in(new_ids, value_set=old_ids)
         if index.null_count:
             sid = new_ids[int(np.flatnonzero(index.is_null().to_numpy(zero_copy_only=False))[0])].as_py()
-            raise TransformError(f"{where}: the {operation} transform returned sample {sid!r}, which is not in this row "
-                                 "group of the parent; a derive keeps or drops rows, it never adds one")
+            raise TransformError(
+                f"{where}: the {operation} transform returned sample {sid!r}, which is not in this row group of "
+                "the parent; a derive keeps or drops rows, it never adds one"
+            )
         old = old.take(index)
     changed = np.zeros(new.num_rows, bool)
     for name in ROW_SCHEMA.names:
@@ -380,7 +403,9 @@ def _read_state(storage: Storage) -> dict[str, Any]:
         if doc.get("format") != STATE_FORMAT or not isinstance(doc.get("derived"), dict):
             raise ValueError(f"format is {doc.get('format')!r}, expected {STATE_FORMAT!r}")
         if int(doc.get("version", 0)) > STATE_VERSION:
-            raise ValueError(f"version {doc['version']} is newer than this rollshard's {STATE_VERSION}; upgrade rollshard")
+            raise ValueError(
+                f"version {doc['version']} is newer than this rollshard's {STATE_VERSION}; upgrade rollshard"
+            )
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise DeriveError(f"{storage.path(STATE_FILE)}: unreadable derive state ({e}); derive into a new out") from e
     return doc
@@ -441,9 +466,9 @@ class _State:
         for key in ("operation", "details", "mutable_columns"):
             if old[key] != new[key]:
                 raise DeriveError(
-                    f"out {where} holds a {old['operation']} derive with other {key} ({json.dumps(old[key], sort_keys=True)} "
-                    f"there, {json.dumps(new[key], sort_keys=True)} now); rerun it with the same settings to resume, "
-                    "or give a new out"
+                    f"out {where} holds a {old['operation']} derive with other {key} "
+                    f"({json.dumps(old[key], sort_keys=True)} there, {json.dumps(new[key], sort_keys=True)} now); "
+                    "rerun it with the same settings to resume, or give a new out"
                 )
 
     def writer_for(self, manifest: Manifest, writer_id: str) -> str:

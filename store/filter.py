@@ -140,9 +140,9 @@ class RowFilter:
             parts.append(f"weight_version in [{', '.join(sorted(self.weight_versions))}]")
         if self.weight_version_range is not None:
             lo, hi = self.weight_version_range
-            parts.append(" and ".join(p for p in (
-                f"weight_version >= {lo}" if lo is not None else "", f"weight_version <= {hi}" if hi is not None else "",
-            ) if p))
+            bounds = (f"weight_version >= {lo}" if lo is not None else "",
+                      f"weight_version <= {hi}" if hi is not None else "")
+            parts.append(" and ".join(b for b in bounds if b))
         if self.sample_ids is not None:
             parts.append(f"sample_id in ({len(self.sample_ids):,} ids)")
         return " and ".join(parts)

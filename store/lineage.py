@@ -56,11 +56,15 @@ def lineage_entry(
 ) -> dict[str, Any]:
     """The ``derived`` record of one derivation (module docstring); ``details`` must be plain JSON."""
     if not operation or not isinstance(operation, str):
-        raise ValueError(f"operation must be a non-empty string naming the derivation (filter, rescore); got {operation!r}")
+        raise ValueError(
+            f"operation must be a non-empty string naming the derivation (filter, rescore); got {operation!r}"
+        )
     try:
         details = json.loads(json.dumps(details, sort_keys=True, allow_nan=False))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"details of {operation!r} must be plain JSON (str, number, bool, None, list, dict): {e}") from e
+        raise ValueError(
+            f"details of {operation!r} must be plain JSON (str, number, bool, None, list, dict): {e}"
+        ) from e
     if not isinstance(details, dict):
         raise ValueError(f"details of {operation!r} must be a JSON object (a dict); got {type(details).__name__}")
     return {

@@ -14,6 +14,7 @@ import rollshard.store.derive as derive_mod
 from rollshard.store.cli import main
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.derive import STATE_FILE, DeriveError, TransformError, derive_dataset
+from rollshard.store.errors import DataError
 from rollshard.store.lineage import lineage_of
 from rollshard.store.loader import LoaderConfig, RolloutLoader
 from rollshard.store.schema import ROW_SCHEMA, RowInvariantError
@@ -219,7 +220,8 @@ def _whole(parent, tmp_path) -> Path:
 def _set_first(table: pa.Table, name: str, value) -> pa.Table:
     col = table.column(name).to_pylist()
     col[0] = value(col[0])
-    return table.set_column(table.schema.get_field_index(name), ROW_SCHEMA.field(name), pa.array(col, ROW_SCHEMA.field(name).type))
+    field = ROW_SCHEMA.field(name)
+    return table.set_column(table.schema.get_field_index(name), field, pa.array(col, field.type))
 
 
 @pytest.mark.parametrize(
@@ -370,3 +372,16 @@ def test_derived_dataset_validates_and_loads(parent, tmp_path):
     got, _ = group_ids(RolloutDataset.open(out))
     want, _ = group_ids(RolloutDataset.open(parent), agents=("solver",))
     assert got == want == ["p0/solver/0", "p1/solver/0", "p2/solver/0", "p6/solver/0"]
+
+
+@pytest.mark.parametrize("shard", ["shards/w0-00000.parquet", "shards/w0-00001.parquet"], ids=["copy", "rewrite"])
+def test_a_parent_shard_not_its_manifests_sha256_is_refused(parent, tmp_path, shard):
+    manifest = parent / "_manifests" / "w0.json"
+    doc = json.loads(manifest.read_text())
+    for s in doc["shards"]:
+        if s["path"] == shard:
+            s["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(DataError, match=f"^{shard}: sha256 .* differs from the manifest's 0000000000000000"):
+        derive_solvers(parent, tmp_path / "out")
+    assert not any(s.sha256 == "0" * 64 for s in RolloutDataset.open(tmp_path / "out").shards)

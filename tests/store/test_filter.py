@@ -57,7 +57,14 @@ def test_each_filter_keeps_exactly_its_rows(table):
     assert kept(RowFilter(sample_ids=frozenset({"b1", "a1", "zz"})), table) == ["a1", "b1"]
     # all given filters must pass
     assert kept(RowFilter(agents=("solver",), min_reward=0.5), table) == ["a0"]
-    assert kept(RowFilter(agents=("rewriter",), statuses=("completed",), weight_version_range=(0, 100)), table) == ["b1"]
+    f = RowFilter(agents=("rewriter",), statuses=("completed",), weight_version_range=(0, 100))
+    assert kept(f, table) == ["b1"]
+
+
+def test_a_reward_range_drops_an_infinite_reward(table):
+    inf = rows_to_table([row("c0", "g2", "solver", Status.FAILED, float("inf"), "1")])  # only failed may be inf
+    assert kept(RowFilter(min_reward=0.0), inf) == [] and kept(RowFilter(max_reward=1e30), inf.slice(0)) == []
+    assert kept(RowFilter(statuses=("failed",)), inf) == ["c0"]
 
 
 def test_a_filter_that_every_row_passes_returns_the_table_itself(table):
