@@ -7,26 +7,32 @@ new dataset ``out``, one output shard per parent shard, through
 
 The rules, exactly:
 
-* A transform may drop rows and may change the columns in ``mutable_columns`` (``()`` for a
-  filter; ``("reward", "metadata")`` for a rescore). It may not add rows, repeat one or
-  change any other column: for every row it returns (matched to the parent by
-  ``sample_id``) every other column must be byte-identical to the parent's (floats compared
-  bit for bit), else :class:`TransformError` names the shard, the sample and the column.
-  ``sample_id`` is never mutable.
+* ``transform`` gets one parent row group at a time, cast to
+  :data:`~rollshard.store.schema.ROW_SCHEMA` (no footer metadata), and returns a table of
+  the schema's columns (others are dropped, types cast). It may drop rows and may change
+  the columns in ``mutable_columns`` (``()`` for a filter; ``("reward", "metadata")`` for a
+  rescore). It may not add rows, repeat one or change any other column: for every row it
+  returns (matched to the parent by ``sample_id``) every other column must be
+  byte-identical to the parent's (floats compared bit for bit, so 0.0 -> -0.0 is a change),
+  else :class:`TransformError` names the shard, the sample and the column. ``sample_id`` is
+  never mutable. Returning the table it was given (or an equal one) means "unchanged".
 * Each row group of the parent becomes at most one row group of the output, so a GRPO
   group (whole in one row group, as the writer flushes whole groups) stays whole in one
   shard; a row filter may still leave part of a group.
 * A parent shard whose every row group comes back unchanged (same rows, same order, same
   values) is copied byte for byte: same sha256, no re-encode. One with no row left
-  produces no shard. Any other is rewritten (its sha256 is checked against the parent's
-  manifest first, so a damaged shard is not carried over).
-* The output has one writer per parent writer, ``<writer_id>.<parent writer id>``, whose
-  config is the parent writer's plus the lineage (:mod:`rollshard.store.lineage`).
+  produces no shard. Any other is rewritten. Either way the parent shard's sha256 is
+  checked against its manifest before the output is committed (a copy as it is copied), so
+  a damaged shard is not carried over (:class:`~rollshard.store.errors.DataError`).
+* The output has one writer per parent writer, ``<writer_id>.<parent writer id>`` (the
+  parent id hashed when that passes 128 characters), whose config is the parent writer's
+  plus the lineage (:mod:`rollshard.store.lineage`); a copied shard keeps its parent's footer.
 * Resume: progress is kept in ``out/_derive/state.json`` (written atomically): the
   derivation's identity, and for each parent shard done, its output shard. The parent
   shard in flight is recorded before its output is committed, so after a kill at any
   point a rerun of the same derivation into the same ``out`` attributes a committed
-  output to it or redoes it, never both: no row is lost or duplicated.
+  output to it or redoes it, never both: no row is lost or duplicated. Locally a lock on
+  ``out/_derive/lock`` refuses a second derive into the same ``out`` meanwhile.
 * Refused with :class:`DeriveError` (one line): ``out`` equal to or inside the parent;
   ``out`` existing and not a derive; a rerun whose parent, operation, details or mutable
   columns differ from the derive ``out`` holds; a parent that changed (fingerprint) since
