@@ -61,6 +61,10 @@ the checks off, for measuring what they cost only (tests/bench/bench_loader.py).
 independent of the dataset's size (plus one 8-byte hash per group while the dataset
 is opened, to check that no group spans two shards).
 
+**Several datasets** (``--data a:0.7,b:0.3``): store/mixture.py draws each dataset's group
+stream (:meth:`_Stream.groups`, the stream above before it is cut into steps) and fills
+each step's group slots from them by weight.
+
 HF ``datasets`` users can get the same groups through :func:`hf_groups`.
 """
 

@@ -10,7 +10,8 @@ Layout of ``OUT/checkpoints/step_00000012/``:
   pickle. In a subfolder because engines load every ``*.safetensors`` file at the
   top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
 * ``trainer_state.json``: step, optimizer updates, weight version, world size and
-  every rank's loader state (``RolloutLoader.state_dict()``).
+  every rank's loader state (``RolloutLoader.state_dict()``, or ``MixtureLoader.state_dict()``
+  for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.mixture).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
 A checkpoint is written under ``.tmp-step_...``, every file and folder of it is

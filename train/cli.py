@@ -1,6 +1,7 @@
 """``rollshard-train``: GRPO on a rollout dataset.
 
     rollshard-train --data DATASET --model PATH --out DIR [--config run.yaml] [flags]
+    rollshard-train --data a:0.7,b:0.3 ...       several datasets mixed by weight (rollshard.store.mixture)
 
 Every config field is a flag (``--help`` lists them by section); a YAML file given
 with ``--config`` sets them first and the flags given override it (``examples/train.yaml``

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64]
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
+    .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3]
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; the same loader
@@ -16,6 +17,11 @@
 3. Packing efficiency on the realistic length mix, for three micro-batch budgets.
 4. A simulated trainer: fixed compute time per step; time spent waiting in ``next()``
    over the first ``--sim-steps`` steps.
+
+``--mix`` measures only the weighted mixture (store/mixture.py): groups/s of a 0.7/0.3 mixture
+of two datasets of ``--groups`` groups each against the single-dataset loader on one of them
+(the mixture runs a reader per source and ends when the 0.7 source runs out; row groups of
+4 MB, so that what a source reads ahead is bounded as in a large dataset).
 
 Rows come from store/synthetic.py (prompts 200-1,000 tokens, responses 100-4,000,
 groups of 8). Prints markdown tables for the README's Performance section.
@@ -39,6 +45,7 @@ import pyarrow.compute as pc
 
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.loader import SMALL_COLUMNS, TOKEN_COLUMNS, LoaderConfig, RolloutLoader
+from rollshard.store.mixture import MixtureLoader
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import ShardWriter, WriterOptions
 
@@ -77,13 +84,40 @@ def scan_tokens(ds: RolloutDataset) -> int:
     return n
 
 
-def loader_run(ds: RolloutDataset, config: LoaderConfig, rank: int = 0, world_size: int = 1) -> dict:
-    tokens = capacity = 0
-    with RolloutLoader(ds, config, rank=rank, world_size=world_size) as loader:
+def loader_run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, *, mix: str | None = None) -> dict:
+    tokens = capacity = groups = 0
+    loader = MixtureLoader(mix, config) if mix else RolloutLoader(ds, config, rank=rank, world_size=world_size)
+    with loader:
         for step in loader:
             tokens += step.num_tokens
+            groups += len(step.group_ids)
             capacity += sum(max(config.micro_batch_tokens, b.num_tokens) for b in step.micro_batches)
-    return {"tokens": tokens, "efficiency": tokens / capacity if capacity else 1.0}
+    return {"tokens": tokens, "groups": groups, "efficiency": tokens / capacity if capacity else 1.0}
+
+
+def mix_bench(tmp: Path, base: pa.Table, args) -> None:
+    """Groups/s of a 0.7/0.3 mixture of two datasets vs the single-dataset loader (opening included)."""
+    # 4 MB row groups (blocks of ~25 groups): a source reads ahead one window and `prefetch` blocks, not the
+    # whole of a two-block dataset, as it would with 64 MB row groups at this size
+    opts = WriterOptions(row_group_bytes=4 << 20, shard_bytes=64 << 20)
+    a = make_dataset(tmp / "a", args.groups, base, opts)
+    b = make_dataset(tmp / "b", args.groups, base, opts)
+    scan_tokens(a), scan_tokens(b)  # warm the page cache
+    config = LoaderConfig(shuffle_window=args.window)
+    spec = f"{a.storage.root}:0.7,{b.storage.root}:0.3"
+    t_one = t_mix = float("inf")
+    for _ in range(args.repeat):  # interleaved, so that a change in machine load hits both alike
+        t, one = best_of(1, lambda: loader_run(a, config))
+        t_one = min(t_one, t)
+        t, mixed = best_of(1, lambda: loader_run(None, config, mix=spec))
+        t_mix = min(t_mix, t)
+    print(f"two datasets of {args.groups} groups (8 rows each), groups_per_step 8, window {args.window}, "
+          f"best of {args.repeat}\n")
+    print("| loader | groups | groups/s | M tokens/s |")
+    print("|---|---|---|---|")
+    print(f"| RolloutLoader, one dataset | {one['groups']} | {one['groups'] / t_one:,.0f} | {n_load(one, t_one):.1f} |")
+    print(f"| MixtureLoader a:0.7,b:0.3 | {mixed['groups']} | {mixed['groups'] / t_mix:,.0f} | "
+          f"{n_load(mixed, t_mix):.1f} |")
 
 
 def rss_child(path: str, window: int, prefetch: int) -> None:
@@ -140,6 +174,7 @@ def main() -> None:
     ap.add_argument("--compute-s", type=float, default=0.25, help="simulated compute time per step")
     ap.add_argument("--sim-steps", type=int, default=100, help="steps of the simulated trainer")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mix", action="store_true", help="measure only a two-dataset mixture against one dataset")
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -149,6 +184,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rollshard-bench-loader-"))
     try:
         base = synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0)
+        if args.mix:
+            mix_bench(tmp, base, args)
+            return
         ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
         print(f"dataset: {ds.num_rows} rows, {ds.num_tokens:,} tokens, {ds.num_bytes / 1e6:.0f} MB on disk\n")
 
