@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rollshard.generate.agents import make_agent_system
 from rollshard.generate.cli import main as cli
 from rollshard.generate.run import main as generate
 from rollshard.store.dataset import RolloutDataset
@@ -17,7 +18,6 @@ from rollshard.store.writer import ShardWriter
 from rollshard.train.advantages import grpo_advantages
 
 from .test_agents import ma_script, run_episode, tok  # noqa: F401 (tok is a fixture)
-from rollshard.generate.agents import make_agent_system
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 LETTERS = '''
@@ -183,7 +183,7 @@ def test_rescore_usage_errors_are_one_line(multi_agent, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_rescore_recomputes_the_selector_and_the_episode_weight(tok, tmp_path):
+def test_rescore_recomputes_the_selector_and_the_episode_weight(tok, tmp_path):  # noqa: F811
     """A scripted episode (test_agents.py): under math the selector picks the right rewrite (x 1.2). A reward for
     which 13 is right makes solver 1 right and the picked rewrite wrong: the episode weight drops to 0.8."""
     rows, _ = run_episode(make_agent_system("multi_agent", n_samples=3), tok, ma_script("Judgment: 2"))
