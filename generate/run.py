@@ -59,6 +59,7 @@ from rollshard.generate.runner import (
 )
 from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.lineage import lineage_of
 from rollshard.store.schema import SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 from rollshard.store.versions import resolve_model_path
@@ -449,6 +450,12 @@ def _check_existing(out: str, config: dict[str, Any]) -> None:
         return
     except (SchemaVersionError, ValueError, OSError) as e:
         raise UsageError(f"cannot resume into {out}: {e}") from e
+    lineage = lineage_of(dataset)
+    if lineage:
+        raise UsageError(
+            f"{out} is a derived dataset ({lineage[0].get('operation')} of {lineage[0].get('parent')}), not a "
+            "generation run; generate into a new --out (or into its parent)"
+        )
     try:
         check_resume_config(dataset, config)
     except ConfigMismatchError as e:

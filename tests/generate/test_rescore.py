@@ -183,6 +183,15 @@ def test_rescore_usage_errors_are_one_line(multi_agent, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_generation_into_a_rescored_dataset_is_refused(multi_agent, tiny_gpt2, tmp_path, capsys):
+    assert rescore(multi_agent, "--out", tmp_path / "new", "--task", "exact") == 0
+    capsys.readouterr()
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--agents", "multi_agent", "--task", "toy", "--n-samples", "2",
+            "--max-new-tokens", "12", "--out", str(tmp_path / "new"), "--no-progress", "--limit", "8"]
+    assert generate(args) == 2
+    assert "is a derived dataset (rescore of" in capsys.readouterr().err
+
+
 def test_rescore_recomputes_the_selector_and_the_episode_weight(tok, tmp_path):  # noqa: F811
     """A scripted episode (test_agents.py): under math the selector picks the right rewrite (x 1.2). A reward for
     which 13 is right makes solver 1 right and the picked rewrite wrong: the episode weight drops to 0.8."""
