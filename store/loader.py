@@ -1006,7 +1006,8 @@ class _StepLoader:
 
 
 def check_state_header(state: Any, expected: str) -> None:
-    """Raise :class:`LoaderStateError` unless ``state`` is a loader state of format ``expected`` this rollshard reads."""
+    """Raise :class:`LoaderStateError` unless ``state`` is a loader state of format ``expected`` that this rollshard
+    reads."""
     if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, MIXTURE_STATE_FORMAT):
         raise LoaderStateError("not a rollshard loader state (no 'format': 'rollshard-loader')")
     if state["format"] != expected:
@@ -1041,7 +1042,9 @@ def check_state_settings(state: dict, mine: dict) -> None:
         why["shuffle_window"] = "the order depends on it"
     for key, reason in why.items():
         if key in mine and state.get(key) != mine[key]:
-            raise LoaderStateError(f"loader state has {key}={state.get(key)!r}, this loader {key}={mine[key]!r}: {reason}")
+            raise LoaderStateError(
+                f"loader state has {key}={state.get(key)!r}, this loader {key}={mine[key]!r}: {reason}"
+            )
 
 
 class RolloutLoader(_StepLoader):

@@ -8,10 +8,11 @@ as a number (so ``s3://bucket/x:0.3`` is the path ``s3://bucket/x`` with weight 
 (then all weigh the same); weights need not sum to 1, they are normalized. The name of
 a source (its metrics are ``source/<name>/...``) is the text before a leading ``=``
 when that text is a plain name (a letter or digit, then letters, digits, ``_ . -``), else
-the last component of its path (other characters as ``_``), made unique with ``-2``, ``-3``... in order. A path with a ``:NUMBER`` or
-``NAME=`` of its own needs both parts spelt out (``run:2:1``, ``d=date=2024/x``); a path
-may not hold a comma. One source, weighted or not, is today's :class:`RolloutLoader`
-exactly (same order, same state); :func:`open_loader` picks.
+the last component of its path (other characters as ``_``), made unique with ``-2``,
+``-3``... in order. A path with a ``:NUMBER`` or ``NAME=`` of its own needs both parts
+spelt out (``run:2:1``, ``d=date=2024/x``); a path may not hold a comma. One source,
+weighted or not, is today's :class:`RolloutLoader` exactly (same order, same state);
+:func:`open_loader` picks.
 
 **Allocation.** Every source keeps its own group stream, the single-dataset stream of
 store/loader.py (its own block order, windows and filters, drawn from the same seed).
@@ -50,7 +51,8 @@ a mixture and the other way round.
 **Metrics.** Each :class:`Step` carries ``group_sources`` (``[G]``, the source of each
 group) and, for every source, ``source/<name>/groups``, ``/sequences``, ``/tokens``,
 ``/loss_tokens`` (this rank's, like the packing figures) and ``source/<name>/epoch``
-(global). ``epoch_stats`` (updated whenever a source finishes an epoch, and at the end)
+(global); ``Step.epoch`` is the first source's epoch. ``epoch_stats`` (taken, as for one
+dataset, when the step after the one in which a source finished an epoch is asked for, and at the end)
 holds the counts of the whole run so far, the mixture having no epochs of its own: the
 filter counts, ``steps`` and ``tail_dropped_groups``, each also per source as
 ``source/<name>/<key>``, ``source/<name>/groups`` delivered, ``source/<name>/epochs``
@@ -228,7 +230,9 @@ def next_source(weights: Sequence[int], taken: Sequence[int]) -> int:
     return arg
 
 
-def allocate(weights: Sequence[Fraction | float | int | None], slots: int, start: Sequence[int] | None = None) -> list[int]:
+def allocate(
+    weights: Sequence[Fraction | float | int | None], slots: int, start: Sequence[int] | None = None
+) -> list[int]:
     """The source index of each of the next ``slots`` slots, after ``start`` (slots taken so far per source)."""
     ints = integer_weights([None if w is None else Fraction(repr(w)) if isinstance(w, float) else w for w in weights])
     taken = list(start) if start is not None else [0] * len(ints)
@@ -388,7 +392,8 @@ class MixtureLoader(_StepLoader):
         # the thread holds the mixer and a view of the version, never the loader, so an abandoned loader is freed
         mixer = _Mixer(self._streams, self.names, self.weights, self.config, self.rank, self.world_size)
         start, counts, version = self._cursor, dict(self._epoch_counts), self._version
-        preloaded = {i: dict(h) for i, h in self._held.items()}  # copied: a producer that outlived close() cannot touch it
+        # copied: a producer that outlived close() cannot touch it
+        preloaded = {i: dict(h) for i, h in self._held.items()}
         held: dict[int, dict] = {i: {} for i in range(len(self._streams))}
         self._held = held
         return lambda stop: mixer.items(start, counts, preloaded, held, version, stop)
@@ -409,7 +414,9 @@ def open_loader(data: str, config: LoaderConfig | None = None, *, rank: int = 0,
 class _Mixer:
     """The global mixed step stream and this rank's steps, as a deterministic function of the cursor."""
 
-    def __init__(self, streams: list[_Stream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int):
+    def __init__(
+        self, streams: list[_Stream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int
+    ):
         self.streams, self.names, self.weights, self.cfg = streams, tuple(names), weights, cfg
         self.rank, self.world_size = rank, world_size
 

@@ -157,7 +157,8 @@ def test_two_loaders_give_the_same_steps_and_another_seed_others(two):
 @pytest.mark.parametrize("world_size,groups_per_step", [(2, 5), (3, 4)])
 def test_ranks_are_disjoint_and_their_union_is_the_global_step(two, world_size, groups_per_step):
     whole = run(mix(two), cfg(groups_per_step=groups_per_step * world_size, tail="partial"))
-    ranks = [run(mix(two), cfg(groups_per_step=groups_per_step, tail="partial"), r, world_size) for r in range(world_size)]
+    per_rank = cfg(groups_per_step=groups_per_step, tail="partial")
+    ranks = [run(mix(two), per_rank, r, world_size) for r in range(world_size)]
     assert len({len(steps) for steps in ranks}) == 1 == len({len(whole), len(ranks[0])})
     for k, s in enumerate(whole):
         parts = [origins(steps)[k] for steps in ranks]
