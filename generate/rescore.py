@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dataset", metavar="DATASET", help="the dataset to rescore (directory or pyarrow filesystem URI)")
     p.add_argument("--out", required=True, metavar="NEW", help="the rescored dataset (a new directory)")
-    s = p.add_argument_group("what scores (default: the dataset's own task verifier)")
+    s = p.add_argument_group("what scores (default: what scored the dataset: its --reward, --reward-url or task)")
     s.add_argument("--reward", metavar="FN", help="reward function: module:fn or file.py:fn (sync or async)")
     s.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON")
     s.add_argument("--task", metavar="TASK", help="a task's verifier: a built-in name, module:attr or file.py:attr")
