@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) -> pa.Table:
     """``table`` with the rewards and metadata the system's rule gives its episodes' rows (module docstring)."""
-    rows = [Row.from_dict(d) for d in table.select(_ROW_FIELDS).to_pylist()]
+    tokens = {name: _row_views(table.column(name)) for name in _TOKEN_FIELDS}  # numpy views, not Python lists
+    rows = [
+        Row.from_dict({**d, **{name: tokens[name][i] for name in _TOKEN_FIELDS}})
+        for i, d in enumerate(table.select(_ROW_FIELDS).to_pylist())
+    ]
     episodes: dict[str, list[Row]] = {}
     for row in rows:
         episodes.setdefault(row.prompt_id, []).append(row)
@@ -153,11 +157,18 @@ async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) ->
     return table.set_column(table.schema.get_field_index("metadata"), "metadata", metadata)
 
 
+_TOKEN_FIELDS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
 _ROW_FIELDS = [
-    "sample_id", "prompt_id", "group_id", "agent", "round", "prompt_tokens", "response_tokens", "rollout_logprobs",
-    "loss_mask", "reward", "status", "finish_reason", "weight_version", "temperature", "top_p", "top_k",
-    "prompt_text", "response_text", "metadata",
+    "sample_id", "prompt_id", "group_id", "agent", "round", "reward", "status", "finish_reason", "weight_version",
+    "temperature", "top_p", "top_k", "prompt_text", "response_text", "metadata",
 ]
+
+
+def _row_views(column: pa.ChunkedArray) -> list:
+    """Each row's list as a numpy view of the column's values (no per-element Python objects)."""
+    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    values, offsets = arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
 
 
 def _task_and_system(config: dict[str, Any], args) -> tuple[Task, AgentSystem]:

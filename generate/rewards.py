@@ -77,10 +77,10 @@ class Sample:
             agent=row.agent,
             round=int(row.round),
             prompt_text=row.prompt_text or "",
-            prompt_tokens=list(row.prompt_tokens),
+            prompt_tokens=_ints(row.prompt_tokens),
             response=text,
             response_text=row.response_text or "",
-            response_tokens=list(row.response_tokens),
+            response_tokens=_ints(row.response_tokens),
             label=meta.get("label"),
             metadata=meta,
             status=getattr(row.status, "value", row.status),
@@ -89,6 +89,11 @@ class Sample:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _ints(values) -> list[int]:
+    """Python ints (rows read back from a shard hold numpy arrays)."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def metadata_of(row: Row) -> dict[str, Any]:
