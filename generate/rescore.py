@@ -34,13 +34,7 @@ from typing import Any
 import pyarrow as pa
 
 from rollshard.generate.agents import AgentSystem, make_agent_system
-from rollshard.generate.rewards import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_TIMEOUT_S,
-    RewardError,
-    Scorer,
-    make_scorer,
-)
+from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, make_scorer
 from rollshard.generate.tasks import Task, get_task
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError, TransformError, derive_dataset
@@ -65,20 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", metavar="DATASET", help="the dataset to rescore (directory or pyarrow filesystem URI)")
     p.add_argument("--out", required=True, metavar="NEW", help="the rescored dataset (a new directory)")
     s = p.add_argument_group("what scores (default: what scored the dataset: its --reward, --reward-url or task)")
-    s.add_argument("--reward", metavar="FN", help="reward function: module:fn or file.py:fn (sync or async)")
-    s.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON")
+    add_reward_arguments(s, reward_help="reward function: module:fn or file.py:fn (sync or async)")
     s.add_argument("--task", metavar="TASK", help="a task's verifier: a built-in name, module:attr or file.py:attr")
     s.add_argument(
         "--agents", metavar="SYSTEM",
         help="the agent system whose reward rule applies (default: the dataset's, from its run config)",
-    )
-    s.add_argument(
-        "--reward-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
-        help="reward calls at once (default: %(default)s)",
-    )
-    s.add_argument(
-        "--reward-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-        help="per reward call (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -87,8 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.reward_concurrency < 1 or not args.reward_timeout > 0:
-            raise UsageError("--reward-concurrency must be >= 1 and --reward-timeout > 0")
         try:
             parent = RolloutDataset.open(args.dataset)
         except (DatasetNotFoundError, SchemaVersionError) as e:

@@ -292,6 +292,8 @@ def make_scorer(
     """The scorer of a run: ``--reward`` (a plugin spec), ``--reward-url``, else the task's verifier."""
     from rollshard.generate import plugins
 
+    if concurrency < 1 or not timeout > 0:
+        raise ValueError("--reward-concurrency must be >= 1 and --reward-timeout > 0")
     if reward and reward_url:
         raise ValueError("give --reward or --reward-url, not both")
     if reward_url:
@@ -303,3 +305,17 @@ def make_scorer(
         return FunctionScorer(plugin.obj, identity=plugin.identity, concurrency=concurrency, timeout=timeout)
     identity = {"kind": "task", "task": task.name, **({"plugin": task.plugin} if task.plugin else {})}
     return TaskScorer(task, identity)
+
+
+def add_reward_arguments(group, *, reward_help: str) -> None:
+    """``--reward``, ``--reward-url``, ``--reward-concurrency``, ``--reward-timeout`` (generate and rescore)."""
+    group.add_argument("--reward", metavar="FN", help=reward_help)
+    group.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON, the answer is the reward")
+    group.add_argument(
+        "--reward-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+        help="reward calls at once (default: %(default)s)",
+    )
+    group.add_argument(
+        "--reward-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+        help="per reward call; over it the prompt fails (default: %(default)s)",
+    )

@@ -42,7 +42,7 @@ import aiohttp
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
 from rollshard.generate.agents.base import prompt_hash
 from rollshard.generate.chat import ChatFormat
-from rollshard.generate.rewards import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, Scorer, make_scorer
+from rollshard.generate.rewards import Scorer, add_reward_arguments, make_scorer
 from rollshard.generate.engines.base import Engine, EngineError, EngineSettingsError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
@@ -97,19 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prompt format and verifier: {', '.join(sorted(TASKS))}, or your own as module:attr or file.py:attr "
         "(default: %(default)s)",
     )
-    g.add_argument(
-        "--reward", metavar="FN",
-        help="reward function instead of the task's verifier: module:fn or file.py:fn, sync or async, given a "
+    add_reward_arguments(
+        g,
+        reward_help="reward function instead of the task's verifier: module:fn or file.py:fn, sync or async, given a "
         "rollshard.generate.rewards.Sample, returning a float or {'reward': float, ...}",
-    )
-    g.add_argument("--reward-url", metavar="URL", help="reward server: each row is POSTed as JSON, the answer is the reward")
-    g.add_argument(
-        "--reward-concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
-        help="reward calls at once (default: %(default)s)",
-    )
-    g.add_argument(
-        "--reward-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-        help="per reward call; over it the prompt fails into the ledger (default: %(default)s)",
     )
     g.add_argument("--system-prompt", metavar="TEXT", help="system message before every prompt (default: the task's)")
     chat = g.add_mutually_exclusive_group()
@@ -226,13 +217,11 @@ def _quiet_model_loading() -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards); got {args.shard_index} of {args.num_shards}")
-    for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every", "reward_concurrency"):
+    for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
-    if not args.reward_timeout > 0:
-        raise UsageError("--reward-timeout must be > 0")
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, list[Prompt]]:

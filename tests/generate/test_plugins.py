@@ -322,6 +322,15 @@ def test_bad_plugins_are_one_line(tiny_gpt2, tmp_path, capsys, option, source, m
     assert not (tmp_path / "ds").exists()
 
 
+def test_bad_reward_settings_are_one_line(tiny_gpt2, tmp_path, capsys):
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward-concurrency", "0") == 2
+    assert "--reward-concurrency must be >= 1" in one_line_error(capsys)
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward", "a.py:f", "--reward-url", "http://127.0.0.1:1/") == 2
+    assert "not both" in one_line_error(capsys)
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward-url", "127.0.0.1:1") == 2
+    assert "expected an http:// or https:// URL" in one_line_error(capsys)
+
+
 def test_a_missing_module_says_how_to_name_a_file(tmp_path):
     with pytest.raises(PluginError, match="no module 'nope_pkg' on the path.*for a file write path/to/file.py:fn"):
         load("nope_pkg.sub:fn", what="--reward")

@@ -172,6 +172,7 @@ def test_rescore_usage_errors_are_one_line(multi_agent, tmp_path, capsys):
         (["--reward", "a.py:fn", "--reward-url", "http://127.0.0.1:1"], "not both"),
         (["--task", "nope"], "unknown task 'nope'"),
         (["--agents", "nope"], "unknown agent system 'nope'"),
+        (["--reward-timeout", "0"], "--reward-timeout > 0"),
     ]
     for extra, message in cases:
         assert rescore(multi_agent, "--out", tmp_path / "x", *extra) == 2
