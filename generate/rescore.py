@@ -34,11 +34,12 @@ from typing import Any
 import pyarrow as pa
 
 from rollshard.generate.agents import AgentSystem, make_agent_system
-from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, make_scorer
+from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, gather_all, make_scorer, one_line
 from rollshard.generate.tasks import Task, get_task
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError, TransformError, derive_dataset
 from rollshard.store.errors import DataError
+from rollshard.store.lineage import lineage_of
 from rollshard.store.schema import Row, SchemaVersionError
 
 PROG = "rollshard-generate rescore"
@@ -76,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             parent = RolloutDataset.open(args.dataset)
         except (DatasetNotFoundError, SchemaVersionError) as e:
             raise UsageError(str(e)) from e
-        task, system = _task_and_system(parent.config, args)
+        recorded = _recorded_scorer(parent)
+        task, system = _task_and_system(parent.config, args, recorded)
         reward, reward_url = args.reward, args.reward_url
-        if not (reward or reward_url or args.task):  # the dataset's own scorer
-            recorded = parent.config.get("reward") or {}
+        if not (reward or reward_url or args.task):  # what scored the dataset last
             reward = recorded.get("spec") if recorded.get("kind") == "function" else None
             reward_url = recorded.get("url") if recorded.get("kind") == "http" else None
         try:
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(e))
         return EXIT_USAGE
     except (RewardError, TransformError, DataError, ValueError) as e:
-        _error(f"{_one_line(e)}; the shards rescored so far are committed: fix it and rerun to continue")
+        _error(f"{one_line(e)}; the shards rescored so far are committed: fix it and rerun to continue")
         return EXIT_FAILED
     except KeyboardInterrupt:
         _error("interrupted; the shards rescored so far are committed: rerun the same command to continue")
@@ -124,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) -> pa.Table:
-    """``table`` with the rewards and metadata the system's rule gives its episodes' rows (module docstring)."""
+    """``table`` with the rewards and metadata the system's rule gives its episodes' rows (module docstring).
+
+    The rows are :class:`Row` objects as in generation, except that their token, logprob and mask fields are
+    numpy arrays (views of the read columns) rather than lists."""
     tokens = {name: _row_views(table.column(name)) for name in _TOKEN_FIELDS}  # numpy views, not Python lists
     rows = [
         Row.from_dict({**d, **{name: tokens[name][i] for name in _TOKEN_FIELDS}})
@@ -133,7 +137,7 @@ async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) ->
     episodes: dict[str, list[Row]] = {}
     for row in rows:
         episodes.setdefault(row.prompt_id, []).append(row)
-    await asyncio.gather(*(system.score(ep, scorer) for ep in episodes.values()))
+    await gather_all(system.score(ep, scorer) for ep in episodes.values())
     reward = pa.array([r.reward for r in rows], table.schema.field("reward").type)
     metadata = pa.array([r.metadata for r in rows], table.schema.field("metadata").type)
     table = table.set_column(table.schema.get_field_index("reward"), "reward", reward)
@@ -143,7 +147,7 @@ async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) ->
 _TOKEN_FIELDS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
 _ROW_FIELDS = [
     "sample_id", "prompt_id", "group_id", "agent", "round", "reward", "status", "finish_reason", "weight_version",
-    "temperature", "top_p", "top_k", "prompt_text", "response_text", "metadata",
+    "weight_versions", "temperature", "top_p", "top_k", "prompt_text", "response_text", "metadata", "created_at",
 ]
 
 
@@ -154,9 +158,19 @@ def _row_views(column: pa.ChunkedArray) -> list:
     return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
 
 
-def _task_and_system(config: dict[str, Any], args) -> tuple[Task, AgentSystem]:
+def _recorded_scorer(dataset: RolloutDataset) -> dict[str, Any]:
+    """What scored the dataset last: the newest rescore in its lineage, else the generation run's scorer."""
+    for entry in lineage_of(dataset):
+        if entry.get("operation") == "rescore" and isinstance((entry.get("details") or {}).get("reward"), dict):
+            return entry["details"]["reward"]
+    return dataset.config.get("reward") or {}
+
+
+def _task_and_system(config: dict[str, Any], args, recorded: dict[str, Any]) -> tuple[Task, AgentSystem]:
     """The task (for its verifier) and the agent system (for its reward rule): given, else the dataset's."""
-    recorded_task = (config.get("task_plugin") or {}).get("spec") or config.get("task")
+    recorded_task = (
+        ((recorded.get("plugin") or {}).get("spec") or recorded.get("task")) if recorded.get("kind") == "task" else None
+    ) or (config.get("task_plugin") or {}).get("spec") or config.get("task")
     task_spec = args.task or recorded_task
     if not task_spec:
         raise UsageError(f"{args.dataset} records no task in its run config; pass --task (or --reward)")
@@ -189,5 +203,3 @@ def _error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

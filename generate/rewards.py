@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import copy
 import dataclasses
 import inspect
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
+import numbers
+import threading
 from typing import Any, Callable
+
+import numpy as np
 
 from rollshard.generate.tasks.base import Task
 from rollshard.generate.tasks.verifiers import Verdict
@@ -42,6 +46,9 @@ DEFAULT_TIMEOUT_S = 60.0
 HTTP_ATTEMPTS = 3
 HTTP_BACKOFF_S = 0.5
 CORRECT_AT = 1.0  # a user reward without "correct" counts as correct at this reward or above
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32
+# Row metadata keys that scoring writes (rollshard.generate.agents): not part of what a reward function is given.
+SCORER_KEYS = ("verdict", "reward_raw", "episode_weight", "selector_right")
 
 
 class RewardError(RuntimeError):
@@ -69,7 +76,9 @@ class Sample:
 
     @classmethod
     def of(cls, row: Row, text: str) -> "Sample":
-        meta = metadata_of(row)
+        # A copy without what scoring writes (a verdict, the episode weight): a function sees the same metadata
+        # when it scores a row at generation and when it rescores the stored row, and cannot edit the row's.
+        meta = {k: v for k, v in copy.deepcopy(metadata_of(row)).items() if k not in SCORER_KEYS}
         return cls(
             sample_id=row.sample_id,
             prompt_id=row.prompt_id,
@@ -115,11 +124,20 @@ def to_verdict(value: Any, where: str) -> Verdict:
         reward, correct, answer, detail = value["reward"], value.get("correct"), value.get("answer"), extra
     else:
         reward, correct, answer, detail = value, None, None, {}
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
         raise RewardError(f"{where} returned {type(reward).__name__} {reward!r} as the reward; return a float")
-    if not math.isfinite(reward):
-        raise RewardError(f"{where} returned reward {reward}; rewards must be finite")
-    reward = float(reward)
+    try:
+        reward = float(reward)
+    except OverflowError:
+        reward = math.inf
+    if not math.isfinite(reward) or abs(reward) > FLOAT32_MAX:
+        raise RewardError(f"{where} returned reward {reward:g}; rewards must be finite float32 values")
+    try:
+        detail = json.loads(json.dumps(detail, allow_nan=False))
+        json.dumps(answer)
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"{where} returned details that are not plain JSON ({e}); return str, number, bool, None, "
+                          "list or dict values") from None
     correct = bool(correct) if correct is not None else reward >= CORRECT_AT
     return Verdict(reward=reward, correct=correct, answer=answer, detail=detail)
 
@@ -136,10 +154,20 @@ class Scorer(abc.ABC):
         """What the run config (and a rescored dataset's lineage) records of this scorer."""
 
     async def verdicts(self, items: list[tuple[Row, str]]) -> list[Verdict]:
-        return list(await asyncio.gather(*(self.verdict(row, text) for row, text in items)))
+        """Verdicts of many rows at once; every call ends (none is left running) before the first error is raised."""
+        return await gather_all(self.verdict(row, text) for row, text in items)
 
     async def close(self) -> None:
         return None
+
+
+async def gather_all(coroutines) -> list[Any]:
+    """``asyncio.gather`` that lets every coroutine finish, then raises the first error (in order), if any."""
+    results = await asyncio.gather(*coroutines, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 class TaskScorer(Scorer):
@@ -165,15 +193,14 @@ class TaskScorer(Scorer):
         except RewardError:
             raise
         except Exception as e:
-            raise RewardError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from e
+            raise RewardError(f"{where} raised {type(e).__name__}: {one_line(e)}") from e
 
 
 class _Bounded(Scorer):
     """A scorer whose calls are bounded in number and time."""
 
     def __init__(self, *, concurrency: int, timeout: float, name: str):
-        if concurrency < 1 or not timeout > 0:
-            raise ValueError("reward concurrency must be >= 1 and the reward timeout > 0")
+        check_bounds(concurrency, timeout)
         self.timeout, self.name = timeout, name
         self._slots = asyncio.Semaphore(concurrency)  # binds to the running loop at its first use
 
@@ -187,15 +214,19 @@ class _Bounded(Scorer):
             except RewardError:
                 raise
             except Exception as e:
-                raise RewardError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from e
-        return to_verdict(value, where)
+                raise RewardError(f"{where} raised {type(e).__name__}: {one_line(e)}") from e
+            return to_verdict(value, where)
 
     @abc.abstractmethod
     async def _call(self, sample: Sample) -> Any: ...
 
 
 class FunctionScorer(_Bounded):
-    """A user reward function (``--reward module:fn`` / ``file.py:fn``), sync or async."""
+    """A user reward function (``--reward module:fn`` / ``file.py:fn``), sync or async.
+
+    A sync call runs on a daemon thread of its own and holds one of ``concurrency`` thread slots until it
+    returns, also after it timed out: a function that hangs uses up slots (then every later call times out,
+    with the message), never unbounded threads, and never keeps the process from exiting."""
 
     def __init__(
         self,
@@ -210,7 +241,7 @@ class FunctionScorer(_Bounded):
         super().__init__(concurrency=concurrency, timeout=timeout, name=f"reward function {identity.get('spec')}")
         self.fn, self._identity = fn, {"kind": "function", **identity}
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-        self._pool = None if self._async else ThreadPoolExecutor(concurrency, thread_name_prefix="rollshard-reward")
+        self._threads = asyncio.Semaphore(concurrency)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -219,14 +250,32 @@ class FunctionScorer(_Bounded):
     async def _call(self, sample: Sample) -> Any:
         if self._async:
             return await self.fn(sample)
-        value = await asyncio.get_running_loop().run_in_executor(self._pool, self.fn, sample)
+        await self._threads.acquire()
+        loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+        threading.Thread(target=self._run, args=(sample, loop, done), name="rollshard-reward", daemon=True).start()
+        value = await done
         if inspect.isawaitable(value):  # a sync callable that returns a coroutine
             value = await value
         return value
 
-    async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+    def _run(self, sample: Sample, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            outcome = (self.fn(sample), None)
+        except BaseException as e:
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(self._finish, done, *outcome)
+        except RuntimeError:  # the loop is gone (the run ended while this call hung)
+            pass
+
+    def _finish(self, done: asyncio.Future, value: Any, error: BaseException | None) -> None:
+        self._threads.release()
+        if done.done():  # timed out or cancelled: nobody waits for it any more
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
 
 
 class HttpScorer(_Bounded):
@@ -260,14 +309,14 @@ class HttpScorer(_Bounded):
                         await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
                         continue
                     if resp.status != 200:
-                        raise RewardError(f"{self.name} answered HTTP {resp.status}: {_one_line(text)[:200]}")
+                        raise RewardError(f"{self.name} answered HTTP {resp.status}: {one_line(text)[:200]}")
                     try:
                         return json.loads(text)
                     except json.JSONDecodeError:
-                        raise RewardError(f"{self.name} answered non-JSON: {_one_line(text)[:200]}") from None
+                        raise RewardError(f"{self.name} answered non-JSON: {one_line(text)[:200]}") from None
             except (aiohttp.ClientConnectionError, ConnectionError) as e:
                 if last:
-                    raise RewardError(f"{self.name} unreachable after {HTTP_ATTEMPTS} attempts: {_one_line(e)}") from e
+                    raise RewardError(f"{self.name} unreachable after {HTTP_ATTEMPTS} attempts: {one_line(e)}") from e
                 await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")
 
@@ -277,8 +326,13 @@ class HttpScorer(_Bounded):
             self._session = None
 
 
-def _one_line(e: Any) -> str:
+def one_line(e: Any) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def check_bounds(concurrency: int, timeout: float) -> None:
+    if concurrency < 1 or not timeout > 0:
+        raise ValueError("--reward-concurrency must be >= 1 and --reward-timeout > 0")
 
 
 def make_scorer(
@@ -292,8 +346,7 @@ def make_scorer(
     """The scorer of a run: ``--reward`` (a plugin spec), ``--reward-url``, else the task's verifier."""
     from rollshard.generate import plugins
 
-    if concurrency < 1 or not timeout > 0:
-        raise ValueError("--reward-concurrency must be >= 1 and --reward-timeout > 0")
+    check_bounds(concurrency, timeout)
     if reward and reward_url:
         raise ValueError("give --reward or --reward-url, not both")
     if reward_url:

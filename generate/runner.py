@@ -79,9 +79,11 @@ GENERATION_KEYS = (
     "agents", "task", "task_plugin", "reward", "sampling", "seed", "input_key", "label_key", "id_key",
     "allow_skipped_calls",
 )
-UNRECORDED = object()  # a key a config written before it existed cannot be compared on
-# The value of a key in a config written before the key existed.
-GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "reward": UNRECORDED}
+# The value of a key in a config written before the key existed ("reward": the task's verifier, see _default).
+GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None}
+# Where a plugin's file lies differs between hosts and checkouts: in a plugin identity ({spec, file, sha256}) the
+# spec and sha256 identify it, the file is not compared.
+IDENTITY_PATH_KEY = "file"
 
 
 class ConfigMismatchError(ValueError):
@@ -514,9 +516,7 @@ def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None
         if not manifest.shards or "agents" not in old:
             continue
         for key in GENERATION_KEYS:
-            default = GENERATION_KEY_DEFAULTS.get(key)
-            if default is UNRECORDED and key not in old:
-                continue
+            default = _default(key, old)
             diff = _first_difference(old.get(key, default), config.get(key, default), key)
             if diff is not None:
                 name, there, now = diff
@@ -527,10 +527,21 @@ def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None
                 )
 
 
+def _default(key: str, old: dict[str, Any]) -> Any:
+    """What a config written before ``key`` was recorded meant by it."""
+    if key == "reward":  # every such dataset was scored by its task's verifier
+        return {"kind": "task", "task": old.get("task")}
+    return GENERATION_KEY_DEFAULTS.get(key)
+
+
 def _first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
-    """The first (dotted key, old value, new value) where two JSON-like values differ; None if equal."""
+    """The first (dotted key, old value, new value) where two JSON-like values differ; None if equal. The file of a
+    plugin identity (a dict with a ``sha256``) is not compared (:data:`IDENTITY_PATH_KEY`)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new), key=str):
+        keys = set(old) | set(new)
+        if "sha256" in old and "sha256" in new:
+            keys.discard(IDENTITY_PATH_KEY)
+        for key in sorted(keys, key=str):
             diff = _first_difference(old.get(key), new.get(key), f"{path}.{key}")
             if diff is not None:
                 return diff

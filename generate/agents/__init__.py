@@ -20,6 +20,8 @@ the class is built with no argument. An :class:`AgentSystem` instance is used as
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
 
 from rollshard.generate import plugins
@@ -46,7 +48,16 @@ SYSTEMS: dict[str, tuple[type[AgentSystem], type, tuple[str, ...]]] = {
 
 
 def _convert(value: str, kind: Any, key: str, name: str) -> Any:
+    """``value`` (text) as the option's type: int, float, bool, str, or an optional one of them (``none``)."""
     kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = typing.get_args(kind)
+        if type(None) in args and value.strip().lower() in ("none", "null"):
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 else str
+    if kind not in (int, float, bool, str):
+        raise ValueError(f"agent option {key} of {name} has type {kind}; --agent-option sets int, float, bool and str")
     if kind is bool:
         low = value.lower()
         if low not in ("1", "0", "true", "false", "yes", "no"):
@@ -81,7 +92,8 @@ def _plugin_system(spec: str, n_samples: int | None, options: dict[str, str] | N
     plugin = plugins.load(spec, what="--agents")
     obj = plugin.obj
     if isinstance(obj, AgentSystem):
-        if options:
+        own = {k: v for k, v in obj.config().items() if k not in ("name", "plugin")}
+        if options and options != own:  # a rescore passes back the recorded options: those are its own
             raise ValueError(f"--agents {spec!r} is a ready system instance; it takes no --agent-option")
         return obj, plugin
     if not (isinstance(obj, type) and issubclass(obj, AgentSystem)):
@@ -112,13 +124,17 @@ def _instantiate(spec: str, cls, *args):
 
 def _build(cls, opts_cls, n_fields, name, n_samples, options) -> AgentSystem:
     fields = {f.name: f for f in dataclasses.fields(opts_cls)}
+    try:
+        hints = typing.get_type_hints(opts_cls)
+    except Exception:  # an annotation that does not resolve: take the field's own
+        hints = {n: f.type for n, f in fields.items()}
     kwargs: dict[str, Any] = {}
     if n_samples is not None:
         kwargs.update({f: n_samples for f in n_fields})
     for key, value in (options or {}).items():
         if key not in fields:
             raise ValueError(f"{name} has no option {key!r}; its options are {', '.join(fields)}")
-        kwargs[key] = _convert(value, fields[key].type, key, name) if isinstance(value, str) else value
+        kwargs[key] = _convert(value, hints.get(key, fields[key].type), key, name) if isinstance(value, str) else value
     return _instantiate(name, cls, opts_cls(**kwargs))
 
 

@@ -282,15 +282,16 @@ class Episode:
             group_id=call.group_id,
             agent=call.agent,
             round=call.round,
-            prompt_tokens=call.prompt_ids,
-            response_tokens=call.response_ids,
-            rollout_logprobs=call.logprobs,
-            loss_mask=call.loss_mask,
+            # Copies: a row edited in place must not edit the call that check_rows holds it to.
+            prompt_tokens=list(call.prompt_ids),
+            response_tokens=list(call.response_ids),
+            rollout_logprobs=list(call.logprobs),
+            loss_mask=list(call.loss_mask),
             reward=reward,
             status=call.status,
             finish_reason=call.finish_reason,
             weight_version=call.weight_version,
-            weight_versions=call.weight_spans or None,
+            weight_versions=[dataclasses.replace(w) for w in call.weight_spans] or None,
             temperature=call.sampling.temperature,
             top_p=call.sampling.top_p,
             top_k=call.sampling.top_k,
@@ -300,8 +301,9 @@ class Episode:
         )
 
     def check_rows(self, rows: list[Row]) -> None:
-        """Raise :class:`RowProvenanceError` unless every row is a distinct call of this episode, its tokens,
-        logprobs, mask and sampling exactly as the engine returned them (module docstring)."""
+        """Raise :class:`RowProvenanceError` unless every row is a distinct call of this episode and everything
+        but its reward and system metadata is what :meth:`row` makes of that call: the engine's tokens,
+        logprobs, mask, sampling, versions, texts and ids (module docstring). Its metadata must be JSON."""
         seen: set[str] = set()
         for row in rows:
             call = self.calls.get(row.sample_id) if isinstance(row, Row) else None
@@ -313,23 +315,37 @@ class Episode:
             if row.sample_id in seen:
                 raise RowProvenanceError(f"agent system {self.system!r} returned row {row.sample_id!r} twice")
             seen.add(row.sample_id)
-            for field, mine in (
-                ("prompt_tokens", call.prompt_ids),
-                ("response_tokens", call.response_ids),
-                ("rollout_logprobs", call.logprobs),
-                ("loss_mask", call.loss_mask),
-            ):
-                if list(getattr(row, field)) != mine:
+            made = self.row(call)
+            for field in PROVENANCE_FIELDS:
+                mine, theirs = getattr(made, field), getattr(row, field)
+                if field in LIST_FIELDS:
+                    mine, theirs = list(mine), list(theirs)
+                if theirs != mine:
                     raise RowProvenanceError(
                         f"agent system {self.system!r} changed {field} of {row.sample_id!r} from what the engine "
-                        f"returned ({len(mine)} values there, {len(getattr(row, field))} in the row); rows must keep "
-                        "the engine's tokens and logprobs"
+                        f"returned and the episode recorded; rows must keep them (only reward and metadata are the "
+                        "system's to set)"
                     )
-            if row.temperature != call.sampling.temperature:
-                raise RowProvenanceError(
-                    f"agent system {self.system!r} changed the temperature of {row.sample_id!r} "
-                    f"({call.sampling.temperature} sent, {row.temperature} in the row): the trainer needs the one sent"
-                )
+            meta = metadata_of(row)
+            for key, value in metadata_of(made).items():
+                if meta.get(key) != value:
+                    raise RowProvenanceError(
+                        f"agent system {self.system!r} changed metadata.{key} of {row.sample_id!r}; the episode's "
+                        "own metadata keys are kept as recorded"
+                    )
+            try:
+                json.dumps(meta, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise RowProvenanceError(f"metadata of {row.sample_id!r} is not plain JSON: {e}") from e
+
+
+# What check_rows holds every row to: the fields row() sets from the call (reward and metadata are the system's).
+PROVENANCE_FIELDS = (
+    "prompt_id", "group_id", "agent", "round", "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask",
+    "status", "finish_reason", "weight_version", "weight_versions", "temperature", "top_p", "top_k", "prompt_text",
+    "response_text",
+)
+LIST_FIELDS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask")
 
 
 async def play(system: "AgentSystem", episode: Episode) -> list[Row]:

@@ -125,6 +125,79 @@ def test_reward_answers_are_checked():
             to_verdict(bad, "f")
 
 
+def _rows(n):
+    from rollshard.store.schema import Row, Status
+
+    return [Row(sample_id=f"p/a/0/{i}", prompt_id="p", group_id="p/a/0", agent="a", round=0, prompt_tokens=[1],
+                response_tokens=[2], rollout_logprobs=[-1.0], loss_mask=[1], reward=None, status=Status.COMPLETED,
+                metadata={"label": 1}) for i in range(n)]
+
+
+def test_reward_answers_that_do_not_fit_a_row_are_refused():
+    import numpy as np
+
+    assert to_verdict(np.float32(0.5), "f").reward == 0.5 and to_verdict(np.int64(2), "f").reward == 2.0
+    for bad, msg in [(10**400, "finite float32"), (1e39, "finite float32"), ({"reward": 1, "n": object()}, "plain JSON"),
+                     ({"reward": 1, "x": math.nan}, "plain JSON")]:
+        with pytest.raises(RewardError, match=msg):
+            to_verdict(bad, "f")
+
+
+def test_async_rewards_run_concurrently_up_to_the_bound():
+    inside, peak = [0], [0]
+
+    async def score(sample):
+        inside[0] += 1
+        peak[0] = max(peak[0], inside[0])
+        await asyncio.sleep(0)  # let every other call that can start, start
+        await asyncio.sleep(0)
+        inside[0] -= 1
+        return 1.0
+
+    scorer = FunctionScorer(score, identity={"spec": "t"}, concurrency=3, timeout=60)
+    verdicts = asyncio.run(scorer.verdicts([(r, "x") for r in _rows(8)]))
+    assert [v.reward for v in verdicts] == [1.0] * 8 and peak[0] == 3
+
+
+def test_hung_sync_calls_hold_their_slot_until_they_return():
+    release = threading.Event()
+
+    def score(sample):
+        if sample.sample_id.endswith(("/0", "/1")):
+            assert release.wait(60)  # hangs until the test lets it go
+        return 2.0
+
+    async def scenario():
+        scorer = FunctionScorer(score, identity={"spec": "t"}, concurrency=2, timeout=0.05)
+        rows = _rows(4)
+        hung = await asyncio.gather(*(scorer.verdict(r, "x") for r in rows[:2]), return_exceptions=True)
+        assert all(isinstance(e, RewardError) and "gave no answer" in str(e) for e in hung)
+        with pytest.raises(RewardError, match="gave no answer"):  # both threads still hold their slot
+            await scorer.verdict(rows[2], "x")
+        release.set()
+        for _ in range(1000):  # the hung threads return and give their slots back
+            if scorer._threads._value == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert (await scorer.verdict(rows[3], "x")).reward == 2.0
+
+    asyncio.run(scenario())
+
+
+def test_a_hung_sync_reward_does_not_keep_the_process_alive(tiny_gpt2, tmp_path):
+    import subprocess
+    import sys
+
+    fn = write(tmp_path / "hang.py", "import threading\ndef score(sample):\n    threading.Event().wait()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--out",
+         str(tmp_path / "ds"), "--n-samples", "2", "--max-new-tokens", "4", "--limit", "1", "--no-progress",
+         "--reward", f"{fn}:score", "--reward-timeout", "0.2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1 and "gave no answer within 0.2 s" in proc.stderr
+
+
 def test_sync_rewards_run_concurrently_up_to_the_bound():
     """Sync functions run on threads, at most `concurrency` at once: a gate lets them go only once 3 are in."""
     inside, peak, lock, gate = [0], [0], threading.Lock(), threading.Event()
@@ -140,11 +213,7 @@ def test_sync_rewards_run_concurrently_up_to_the_bound():
             inside[0] -= 1
         return 1.0
 
-    from rollshard.store.schema import Row, Status
-
-    rows = [Row(sample_id=f"p/a/0/{i}", prompt_id="p", group_id="p/a/0", agent="a", round=0, prompt_tokens=[1],
-                response_tokens=[2], rollout_logprobs=[-1.0], loss_mask=[1], reward=None, status=Status.COMPLETED,
-                metadata={}) for i in range(6)]
+    rows = _rows(6)
     scorer = FunctionScorer(score, identity={"spec": "t"}, concurrency=3, timeout=60)
     verdicts = asyncio.run(scorer.verdicts([(r, "x") for r in rows]))
     assert [v.reward for v in verdicts] == [1.0] * 6 and peak[0] == 3
@@ -258,6 +327,18 @@ class Cheat(AgentSystem):
             row = dataclasses.replace(row, sample_id=row.sample_id[:-1] + "9")
         elif self.how == "twice":
             return [row, row]
+        elif self.how == "inplace":  # the same list objects, edited
+            row.rollout_logprobs[:] = [0.0] * len(row.rollout_logprobs)
+        elif self.how == "regroup":  # one GRPO group across prompts
+            row.group_id = "shared"
+        elif self.how == "retext":  # a response text the engine did not write, for the verifier to read
+            row.response_text = "9999999999"
+        elif self.how == "version":
+            row.weight_version, row.weight_versions = "v999", None
+        elif self.how == "label":
+            row.metadata["label"] = "something else"
+        elif self.how == "nonjson":
+            row.metadata["when"] = object()
         return [row]
 '''
 
@@ -269,6 +350,12 @@ class Cheat(AgentSystem):
         ("zeros", "changed rollout_logprobs"),
         ("forge", "is not one of its episode's engine calls"),
         ("twice", "twice"),
+        ("inplace", "changed rollout_logprobs"),
+        ("regroup", "changed group_id"),
+        ("retext", "changed response_text"),
+        ("version", "changed weight_version"),
+        ("label", "changed metadata.label"),
+        ("nonjson", "is not plain JSON"),
     ],
 )
 def test_a_plugin_system_cannot_write_rows_without_the_engines_logprobs(tiny_gpt2, tmp_path, how, error):
@@ -299,6 +386,56 @@ def test_resume_refuses_an_edited_plugin(tiny_gpt2, tmp_path, capsys):
     assert "another reward.sha256" in one_line_error(capsys)
     assert generate(tiny_gpt2, tmp_path / "ds", limit=4) == 2  # the task's verifier instead of the function
     assert "another reward" in one_line_error(capsys)
+
+
+def test_resume_compares_a_plugins_spec_and_hash_not_where_its_file_lies(tiny_gpt2, tmp_path, monkeypatch):
+    for host in ("a", "b"):  # two checkouts of the same code
+        (tmp_path / host).mkdir()
+        write(tmp_path / host / "r.py", "def score(sample):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path / "a")
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward", "r.py:score", limit=2) == 0
+    monkeypatch.chdir(tmp_path / "b")
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward", "r.py:score", limit=3) == 0
+    assert len({r["prompt_id"] for r in rows_of(tmp_path / "ds")}) == 3
+
+
+def test_a_dataset_from_before_rewards_were_recorded_was_scored_by_its_task(tiny_gpt2, tmp_path, capsys):
+    assert generate(tiny_gpt2, tmp_path / "ds", limit=2) == 0
+    manifest = tmp_path / "ds" / "_manifests" / "gen-0-of-1.json"
+    doc = json.loads(manifest.read_text())
+    del doc["config"]["reward"], doc["config"]["task_plugin"]  # as an older rollshard wrote it
+    manifest.write_text(json.dumps(doc))
+    fn = write(tmp_path / "r.py", "def score(sample):\n    return 1.0\n")
+    capsys.readouterr()
+    assert generate(tiny_gpt2, tmp_path / "ds", "--reward", f"{fn}:score", limit=3) == 2
+    assert "another reward" in one_line_error(capsys)
+    assert generate(tiny_gpt2, tmp_path / "ds", limit=3) == 0
+
+
+def test_option_types_of_a_plugin_system(tmp_path):
+    plugin = write(tmp_path / "sys.py", (
+        "from __future__ import annotations\n"
+        "import dataclasses\n"
+        "from rollshard.generate.agents import AgentSystem\n"
+        "class S(AgentSystem):\n"
+        "    max_parallel_calls = 1\n"
+        "    @dataclasses.dataclass(kw_only=True)\n"
+        "    class Options:\n"
+        "        n_samples: int = 2\n"
+        "        scale: float | None = None\n"
+        "        tags: list = dataclasses.field(default_factory=list)\n"
+        "    def __init__(self, options):\n"
+        "        self.options = options\n"
+        "    async def run(self, episode):\n"
+        "        return []\n"
+    ))
+    system = make_agent_system(f"{plugin}:S", n_samples=5, options={"scale": "2"})
+    assert (system.options.n_samples, system.options.scale, system.name) == (5, 2.0, "S")
+    assert make_agent_system(f"{plugin}:S", options={"scale": "none"}).options.scale is None
+    with pytest.raises(ValueError, match="expected float"):
+        make_agent_system(f"{plugin}:S", options={"scale": "big"})
+    with pytest.raises(ValueError, match="sets int, float, bool and str"):
+        make_agent_system(f"{plugin}:S", options={"tags": "a"})
 
 
 @pytest.mark.parametrize(

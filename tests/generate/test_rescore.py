@@ -97,7 +97,7 @@ def test_rescore_with_another_reward_changes_rewards_and_advantages_and_nothing_
             v = raw.get(r["sample_id"], raw.get(picked, 0.0))
             assert meta["reward_raw"] == pytest.approx(v) and meta["episode_weight"] == weight
             assert meta["selector_right"] is right and r["reward"] == pytest.approx(v * weight, abs=1e-6)
-    assert len(by_prompt) == 6 and weights  # the random model's selectors rarely pick: see the scripted test below
+    assert len(by_prompt) == 6  # the random model's selectors rarely pick right: the scripted test below does
 
     entry = lineage_of(tmp_path / "new")[0]
     assert entry["operation"] == "rescore" and entry["parent_fingerprint"] == RolloutDataset.open(multi_agent).fingerprint
@@ -155,7 +155,7 @@ def test_a_failing_reward_stops_the_rescore_and_a_rerun_continues(multi_agent, t
     )
     assert rescore(multi_agent, "--out", tmp_path / "out", "--reward", f"{fn}:score") == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ValueError: the judge is down" in err[0] and f"{failing}/solver/0/0" in err[0]
+    assert len(err) == 1 and "ValueError: the judge is down" in err[0] and f"on {failing}/" in err[0]
     assert "rerun to continue" in err[0]
     assert len(RolloutDataset.open(tmp_path / "out").shards) == 1  # the first shard is committed
     flag.unlink()  # the judge is back; the function's file is unchanged, so the rerun is the same rescore
@@ -214,3 +214,26 @@ def test_rescore_recomputes_the_selector_and_the_episode_weight(tok, tmp_path): 
     assert rescore(tmp_path / "new", "--out", tmp_path / "back", "--task", "math") == 0
     back, ds = table(tmp_path / "back"), table(tmp_path / "ds")
     assert back.column("reward").equals(ds.column("reward")) and back.column("metadata").equals(ds.column("metadata"))
+
+
+def test_a_reward_sees_the_same_metadata_when_rescoring(tiny_gpt2, tmp_path, capsys):
+    """Scoring writes metadata (the verdict); a function must not see it, or rescoring would change its answers."""
+    fn = tmp_path / "meta.py"
+    fn.write_text("def score(sample):\n    return {'reward': float(len(sample.metadata)), 'keys': sorted(sample.metadata)}\n")
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "4",
+            "--limit", "2", "--out", str(tmp_path / "ds"), "--no-progress", "--reward", f"{fn}:score"]
+    assert generate(args) == 0
+    keys = json.loads(table(tmp_path / "ds").column("metadata")[0].as_py())["verdict"]["keys"]
+    assert keys == ["label", "last_turn_start", "prompt_hash", "system", "task", "turns"]
+    capsys.readouterr()
+    assert rescore(tmp_path / "ds", "--out", tmp_path / "again") == 0
+    assert "0 changed); shards: 1 copied" in capsys.readouterr().err
+
+
+def test_a_rescore_of_a_rescore_defaults_to_the_last_scorer(multi_agent, tmp_path, capsys):
+    fn = tmp_path / "letters.py"
+    fn.write_text(LETTERS)
+    assert rescore(multi_agent, "--out", tmp_path / "a", "--reward", f"{fn}:score") == 0
+    capsys.readouterr()
+    assert rescore(tmp_path / "a", "--out", tmp_path / "b") == 0  # the letters function, not the toy verifier
+    assert "0 changed); shards: 2 copied" in capsys.readouterr().err
