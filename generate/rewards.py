@@ -9,9 +9,12 @@ row alone (:meth:`Sample.of`): rescoring stored rows gives what generating them 
 A user reward function takes one :class:`Sample` and returns a float, or a dict
 ``{"reward": float, "correct": bool (optional), ...}`` whose other keys are kept in the
 row's ``metadata.verdict``; it may be ``async``. ``correct`` (what the multi-agent selector
-rule reads) defaults to ``reward >= 1``. Sync functions run on a thread pool, so a slow one
-does not stall the engine's requests; at most ``concurrency`` calls run at once, each
-within ``timeout`` seconds (a sync call that times out keeps its thread until it returns).
+rule reads) defaults to ``reward >= 1``. A function sees the row's metadata without what
+scoring writes there (:data:`SCORER_KEYS`), as a copy. Sync functions run on daemon threads,
+so a slow one does not stall the engine's requests; at most ``concurrency`` calls run at
+once, each within ``timeout`` seconds (a sync call that times out keeps its thread, and its
+slot, until it returns). A task's verifier runs inline: it is meant to be a cheap function of
+strings; put anything slow behind ``--reward``.
 
 A function that raises, returns a non-number, NaN or an infinity, or does not return in
 time fails its episode with :class:`RewardError` (the function's error in the message): the
