@@ -11,6 +11,8 @@ Modules, in the order a step uses them:
 * :mod:`~rollshard.train.logprobs` packed forward, chunked fp32 log softmax of
   ``logits / temperature`` gathered at the response tokens.
 * :mod:`~rollshard.train.losses` policy loss variants, KL, entropy (pure).
+* :mod:`~rollshard.train.support` sampling-aware ratios: which logprobs the ratio takes where a
+  token has a stored top-p/top-k sampling support, and their metrics (pure).
 * :mod:`~rollshard.train.backends` the model, optimizer and parallelism (``hf``).
 * :mod:`~rollshard.train.trainer` the loop; :mod:`~rollshard.train.checkpoint`,
   :mod:`~rollshard.train.metrics`, :mod:`~rollshard.train.config`,

@@ -157,6 +157,12 @@ class LossConfig:
     kl_coef: float = _f(0.0, "coefficient of the KL to the frozen reference model (the --model weights)")
     kl_type: KLType = _f("k3", "KL estimator: k1, k2 or k3")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    renormalize_support: bool = _f(
+        True,
+        "where a token has a stored sampling support (top-p/top-k, schema 1.1), take the ratio between the "
+        "trainer's logprob renormalized over that support and the stored sampling logprob; "
+        "--no-renormalize-support: the full-softmax ratio against rollout_logprobs everywhere",
+    )
 
     def clip_range(self) -> tuple[float, float]:
         """``(eps_low, eps_high)``: the values set, else the default of the ratio level (:data:`CLIP_EPS_DEFAULTS`)."""

@@ -28,6 +28,24 @@ the head, embeddings and final norm out of the bf16 parameter policy), so a bf16
 changes the hidden states but the head and log softmax add no bf16 rounding (a bf16 head
 is ~0.025 mean / 0.08 max nats off, as large as the engine/trainer mismatch itself).
 
+Sampling support (schema 1.1, "sampling-aware ratios"): where the engine truncated
+(top-p / top-k) it sampled from the renormalized distribution over a support ``S``, and
+the row stores ``S``. Given the supports (:class:`Support`), the same chunks also give,
+per position with one,
+
+* ``support_logp = logits[token] / T - logsumexp(logits[S] / T)``: the trainer's logprob
+  renormalized over ``S`` (the policy the engine actually sampled from), and
+* ``support_mass = exp(logsumexp(logits[S] / T) - logsumexp(logits / T))``: the
+  trainer's probability mass on ``S``.
+
+The support's logits are gathered from the ``[chunk, V]`` block that already exists and
+reduced per position with segment ops (a max for stability, an ``index_add`` of the
+exponentials), so beyond that block only the chunk's support elements are held, however
+uneven the support sizes; gradients flow through both. Logits outside ``S`` get no
+gradient from ``support_logp``. The entropy stays that of the full distribution (the
+regularized quantity is the model, on which the engine truncates afresh every step).
+Without supports nothing of this runs: the path, its results and its cost are unchanged.
+
 The model is checked, not trusted: :func:`check_model` runs once at start-up and refuses
 a model whose packed logprobs differ from its own forward's (position ids not honoured,
 logits transformed after the head other than by ``final_logit_softcapping``, which this
@@ -36,6 +54,7 @@ path applies as Gemma 2 does).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -85,7 +104,11 @@ class PackedPolicy(nn.Module):
         targets_at: torch.Tensor,  # [K] positions t whose token input_ids[t] is scored (t >= 1)
         temperature: torch.Tensor,  # [K]
         with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [K], [K] or None
+        support_rows: torch.Tensor | None = None,  # [M] row k in [0, K) of each support element, non-decreasing
+        support_ids: torch.Tensor | None = None,  # [M] token id of each support element
+    ) -> tuple[torch.Tensor, ...]:
+        """``(logp [K], entropy [K] | None)``; given a support, also ``(support_logp [K], support_mass [K])``
+        (0 at rows without a support element)."""
         out = self.model.base_model(
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
         )
@@ -95,18 +118,24 @@ class PackedPolicy(nn.Module):
         head = self.model.get_output_embeddings()
         K = targets.numel()
         opts = (self.softcap, self.fp32_head, with_entropy)
+        with_support = support_rows is not None
         if K <= self.chunk_tokens:
-            return _chunk(head, h, targets, temperature, *opts)
-        logps, ents = [], []
-        for s in range(0, K, self.chunk_tokens):
+            sup = (support_rows, support_ids) if with_support else ()
+            return _chunk(head, h, targets, temperature, *opts, *sup)
+        if with_support:
+            # Support elements of chunk c are the contiguous run whose rows fall in [c * chunk, (c + 1) * chunk).
+            bounds = torch.arange(0, K + self.chunk_tokens, self.chunk_tokens, device=support_rows.device)
+            cuts = torch.searchsorted(support_rows, bounds.clamp(max=K)).tolist()  # [chunks + 1]
+        parts = []
+        for c, s in enumerate(range(0, K, self.chunk_tokens)):
             sl = slice(s, s + self.chunk_tokens)
+            sup = (support_rows[cuts[c] : cuts[c + 1]] - s, support_ids[cuts[c] : cuts[c + 1]]) if with_support else ()
+            args = (head, h[sl], targets[sl], temperature[sl], *opts, *sup)
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(_chunk, head, h[sl], targets[sl], temperature[sl], *opts, use_reentrant=False)
+                parts.append(checkpoint(_chunk, *args, use_reentrant=False))
             else:
-                lp, ent = _chunk(head, h[sl], targets[sl], temperature[sl], *opts)
-            logps.append(lp)
-            ents.append(ent)
-        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+                parts.append(_chunk(*args))
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
 
 
 def _chunk(
@@ -117,18 +146,36 @@ def _chunk(
     softcap: float | None,
     fp32_head: bool,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [C], [C] or None
-    """fp32 log softmax of head(h) / temperature at the targets (and the entropy of that distribution)."""
+    support_rows: torch.Tensor | None = None,  # [M_c] row in [0, C) of each support element
+    support_ids: torch.Tensor | None = None,  # [M_c]
+) -> tuple[torch.Tensor, ...]:  # [C], [C] or None[, [C], [C]]
+    """fp32 log softmax of head(h) / temperature at the targets (and the entropy of that distribution); with a
+    support, the log softmax over the support at the targets and the probability mass on the support."""
     logits = head_logits(head, h, fp32=fp32_head)  # [C, V] fp32
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature.unsqueeze(-1)
     lse = torch.logsumexp(logits, dim=-1)  # [C]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [C]
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [C]
+    logp = picked - lse  # [C]
     entropy = None
     if with_entropy:
         entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C] H = lse - E_p[logit]
-    return logp, entropy
+    if support_rows is None:
+        return logp, entropy
+    C = targets.numel()
+    vals = logits[support_rows, support_ids]  # [M_c] the support's logits / T, gathered from the block
+    # Segment logsumexp: subtract the per-row max (detached: any constant gives the same value and gradient).
+    peak = torch.full((C,), -torch.inf, device=vals.device).scatter_reduce(0, support_rows, vals.detach(), "amax")
+    has = torch.isfinite(peak)  # [C] rows with a support element
+    peak = torch.where(has, peak, torch.zeros_like(peak))
+    total = torch.zeros(C, device=vals.device).index_add(0, support_rows, torch.exp(vals - peak[support_rows]))  # [C]
+    # log(1) = 0 on rows without a support: a log(0) there would put 0 * inf = NaN into the backward.
+    support_lse = torch.log(torch.where(has, total, torch.ones_like(total))) + peak  # [C]
+    zero = torch.zeros_like(logp)
+    support_logp = torch.where(has, picked - support_lse, zero)  # [C]
+    support_mass = torch.where(has, torch.exp(support_lse - lse), zero)  # [C]
+    return logp, entropy, support_logp, support_mass
 
 
 def head_logits(head: nn.Module, h: torch.Tensor, *, fp32: bool) -> torch.Tensor:  # [C, V] fp32
@@ -159,6 +206,57 @@ def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:  # [K]
     return at
 
 
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """The sampling supports of a micro-batch (``PackedBatch`` fields of schema 1.1)."""
+
+    has_support: torch.Tensor  # [T] bool, positions (loss_mask 1) whose row has a support
+    ids: torch.Tensor  # [N] int64, the supports of positions t, flat
+    offsets: torch.Tensor  # [T+1] int64: position t's support is ids[offsets[t]:offsets[t+1]]
+
+    @classmethod
+    def of(cls, batch) -> "Support | None":
+        """The batch's supports, or None when no row of it has one."""
+        if batch.has_support is None:
+            return None
+        return cls(has_support=batch.has_support, ids=batch.support_ids, offsets=batch.support_offsets)
+
+
+@dataclasses.dataclass(frozen=True)
+class SupportLogprobs:
+    """The trainer's view of the sampling supports, per packed position (0 where ``has_support`` is False)."""
+
+    logp: torch.Tensor  # [T] logprob renormalized over the support: logits[token]/T - logsumexp(logits[S]/T)
+    mass: torch.Tensor  # [T] probability mass on the support: exp(logsumexp(logits[S]/T) - logsumexp(logits/T))
+    has_support: torch.Tensor  # [T] bool
+
+
+def support_elements(
+    support: Support,
+    at: torch.Tensor,  # [K] loss positions
+    targets: torch.Tensor,  # [K] token input_ids[at]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [M], [M]
+    """Row in ``[0, K)`` and token id of every support element of the positions ``at`` (rows non-decreasing);
+    ValueError when a supported position's own token is not in its support (a corrupt support: the
+    renormalized logprob would be meaningless)."""
+    has = support.has_support.index_select(0, at)  # [K]
+    start = support.offsets.index_select(0, at)  # [K]
+    lengths = torch.where(has, support.offsets.index_select(0, at + 1) - start, torch.zeros_like(start))  # [K]
+    rows = torch.repeat_interleave(torch.arange(at.numel(), device=at.device), lengths)  # [M]
+    first = torch.cumsum(lengths, 0) - lengths  # [K] index of each row's first element in the [M] list
+    flat = start.index_select(0, rows) + torch.arange(rows.numel(), device=at.device) - first.index_select(0, rows)
+    ids = support.ids.index_select(0, flat)  # [M]
+    found = torch.zeros_like(lengths).index_add(0, rows, (ids == targets.index_select(0, rows)).long())  # [K]
+    missing = has & (found == 0)  # [K]
+    if bool(missing.any()):
+        k = int(missing.nonzero()[0, 0])
+        raise ValueError(
+            f"packed position {int(at[k])}: token {int(targets[k])} is not in its stored sampling support; the "
+            "dataset's sampling_support is corrupt (check it with rollshard-store validate)"
+        )
+    return rows, ids
+
+
 def packed_logprobs(
     policy: nn.Module,
     *,
@@ -167,15 +265,26 @@ def packed_logprobs(
     loss_mask: torch.Tensor,  # [T]
     temperature: torch.Tensor,  # [T]
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T], [T] or None
-    """Logprob (and entropy) of ``input_ids[t]`` at every position with ``loss_mask[t] > 0``; 0 elsewhere."""
+    support: Support | None = None,
+) -> tuple:  # [T], [T] or None[, SupportLogprobs]
+    """Logprob (and entropy) of ``input_ids[t]`` at every position with ``loss_mask[t] > 0``; 0 elsewhere.
+
+    Given ``support``, a third element: the :class:`SupportLogprobs` of the same forward."""
     at = loss_positions(loss_mask)  # [K]
     temp = sampling_temperature(temperature.float()).index_select(0, at)  # [K]
-    lp, ent = policy(input_ids, position_ids, at, temp, with_entropy)  # [K]
     T = input_ids.numel()
-    logp = torch.zeros(T, dtype=lp.dtype, device=lp.device).index_copy(0, at, lp)  # [T]
-    entropy = None if ent is None else torch.zeros(T, dtype=ent.dtype, device=ent.device).index_copy(0, at, ent)
-    return logp, entropy
+
+    def scatter(v: torch.Tensor) -> torch.Tensor:  # [K] -> [T]
+        return torch.zeros(T, dtype=v.dtype, device=v.device).index_copy(0, at, v)
+
+    if support is None:
+        lp, ent = policy(input_ids, position_ids, at, temp, with_entropy)  # [K]
+        return scatter(lp), (None if ent is None else scatter(ent))
+    rows, ids = support_elements(support, at, input_ids.index_select(0, at))  # [M]
+    lp, ent, sup_lp, mass = policy(input_ids, position_ids, at, temp, with_entropy, rows, ids)  # [K]
+    has = support.has_support & (loss_mask > 0)  # [T]
+    sup = SupportLogprobs(logp=scatter(sup_lp), mass=scatter(mass), has_support=has)
+    return scatter(lp), (None if ent is None else scatter(ent)), sup
 
 
 # -- the start-up check of the model -------------------------------------------------------------

@@ -33,6 +33,10 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
 * Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
   k2 ``lr^2 / 2``, k3 ``min(exp(-lr) - 1 + lr, KL_K3_CLAMP)`` (verl's clamp at 10); and an
   entropy bonus.
+* Sampling supports (:mod:`rollshard.train.support`): the caller passes as ``logp`` /
+  ``rollout_logp`` / ``prox_logp`` the logprobs renormalized over the engine's sampling
+  support where a token has one, and the full-softmax policy logprob as ``kl_logp``, which
+  the KL term uses (the KL is on the full distributions).
 
 Metrics are local to the micro-batch; means are over its valid tokens (combine them
 weighted by ``tokens``), ``*_min`` / ``*_max`` by min / max, ``loss/*`` by sum.
@@ -173,6 +177,7 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,  # [T] decoupled mode: proximal policy, no grad
     ref_logp: torch.Tensor | None = None,  # [T] reference policy, for kl_coef > 0
     entropy: torch.Tensor | None = None,  # [T] policy entropy, for entropy_coef > 0
+    kl_logp: torch.Tensor | None = None,  # [T] the policy logprob the KL compares to ref_logp; default logp
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch (its share of the global batch's loss) and its metrics."""
     cfg = config
@@ -227,7 +232,8 @@ def policy_loss(
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp (the reference policy's logprobs)")
-        kl = aggregate(kl_penalty(logp, ref_logp, cfg.kl_type), mask, cu_seqlens, agg=cfg.agg, norm=norm)
+        kl_lp = logp if kl_logp is None else kl_logp
+        kl = aggregate(kl_penalty(kl_lp, ref_logp, cfg.kl_type), mask, cu_seqlens, agg=cfg.agg, norm=norm)
         loss = loss + cfg.kl_coef * kl
         metrics["loss/kl"] = kl.detach()
     if cfg.entropy_coef > 0:

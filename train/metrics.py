@@ -4,7 +4,9 @@
 meaning needs: sums (loss terms, already normalized by the global batch of their
 mini-batch and weighted by that mini-batch's share of the step, so a step's ``loss/*``
 is its loss as one batch whatever ``--mini-batches`` says; counts),
-weighted means (per-token statistics, weighted by valid tokens), minima and maxima.
+weighted means (per-token statistics, weighted by valid tokens; the ``support/*`` means
+of :mod:`rollshard.train.support` by the tokens with a sampling support, ``support/tokens``
+times the valid tokens), minima and maxima.
 Its state is plain JSON, so data-parallel ranks exchange it without pickle and rank 0
 merges them. :func:`loss_metric_kind` maps the names returned by
 :func:`rollshard.train.losses.policy_loss` onto these kinds.
@@ -24,6 +26,14 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+
+def loss_metric_weight(name: str, metrics: dict[str, Any], weight: float) -> float:
+    """The weight of a mean metric of one micro-batch whose valid tokens are ``weight``: the ``support/*`` means
+    (other than ``support/tokens``, the fraction itself) are over its tokens with a sampling support."""
+    if name.startswith("support/") and name != "support/tokens":
+        return weight * float(metrics.get("support/tokens", 0.0))
+    return weight
 
 
 def loss_metric_kind(name: str) -> str:
@@ -75,7 +85,7 @@ class MetricAccumulator:
             elif kind == "max":
                 self.add_max(name, v)
             else:
-                self.add_mean(name, v, weight)
+                self.add_mean(name, v, loss_metric_weight(name, metrics, weight))
 
     def state(self) -> dict[str, Any]:
         return {"sums": self.sums, "means": self.means, "mins": self.mins, "maxs": self.maxs}

@@ -18,6 +18,11 @@ One step, on every data-parallel rank:
    stops);
 4. metrics of all micro-batches and ranks merged, logged, and a checkpoint when due.
 
+Where a micro-batch carries sampling supports (schema 1.1: top-p/top-k rows), the ratio is
+taken over the support the engine sampled from (``--renormalize-support``, the default):
+the policy's and the proximal policy's logprobs renormalized over it against the stored
+``sampling_logprobs``; the KL stays on the full distributions (rollshard.train.support).
+
 A non-finite loss or gradient stops the run (:class:`NonFiniteError`) before that
 update; the failed step is neither logged nor saved, so the latest checkpoint and
 ``metrics.jsonl`` end at the last finished step. SIGINT/SIGTERM stop the run at the
@@ -54,6 +59,7 @@ from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, la
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
+from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
 # Step.metrics of the loader that are this rank's (packing figures: summed over ranks); its filter counts are of
@@ -414,14 +420,17 @@ class Trainer:
                     continue
                 i = int(part[j])
                 mb = mbs[i]
-                logp, ent = self.backend.logprobs(mb, grad=True, entropy=cfg.loss.entropy_coef > 0)
+                logp, ent, sup = self.backend.logprobs(mb, grad=True, entropy=cfg.loss.entropy_coef > 0, support=True)
+                renorm = cfg.loss.renormalize_support
+                logp_used = policy_logprobs(logp, sup, renormalize=renorm)  # [T] (rollshard.train.support)
+                old = rollout_logprobs(mb.rollout_logprobs, mb.sampling_logprobs, sup, renormalize=renorm)  # [T]
                 if prox is not None:
                     prox_i = prox[i]
                 else:
-                    prox_i = logp.detach() if cfg.loss.mode == "decoupled" else None
+                    prox_i = logp_used.detach() if cfg.loss.mode == "decoupled" else None
                 loss, m = policy_loss(
-                    logp,
-                    rollout_logp=mb.rollout_logprobs,
+                    logp_used,
+                    rollout_logp=old,
                     advantages=adv_tok[i],
                     loss_mask=mb.loss_mask,
                     cu_seqlens=mb.cu_seqlens,
@@ -430,7 +439,12 @@ class Trainer:
                     prox_logp=prox_i,
                     ref_logp=ref[i] if ref is not None else None,
                     entropy=ent,
+                    kl_logp=logp,  # the KL is on the full distributions
                 )
+                m.update(support_metrics(
+                    logp, old_logp=old, rollout_logp=mb.rollout_logprobs, sampling_logp=mb.sampling_logprobs,
+                    support=sup, loss_mask=mb.loss_mask,
+                ))
                 self.backend.backward(loss)
                 acc.add_loss_metrics(m, weight=float(m["tokens"]), loss_share=share)
                 bad.update({n: float(v) for n, v in m.items() if n.startswith("loss/") and not math.isfinite(float(v))})
@@ -483,8 +497,17 @@ class Trainer:
 
     @torch.no_grad()
     def _frozen_logprobs(self, mbs: list[PackedBatch], n_passes: int, *, reference: bool) -> list[torch.Tensor]:
-        """Logprobs under the proximal (current, before any update) or the reference policy; no grad."""
-        out = [self.backend.logprobs(mb, grad=False, reference=reference)[0] for mb in mbs]
+        """Logprobs under the proximal (current, before any update) or the reference policy; no grad. The
+        proximal ones are renormalized over the sampling supports as the policy's are (rollshard.train.support);
+        the reference's are of the full distribution (the KL's definition)."""
+        renorm = self.cfg.loss.renormalize_support
+        if reference or not renorm:
+            out = [self.backend.logprobs(mb, grad=False, reference=reference)[0] for mb in mbs]
+        else:
+            out = []
+            for mb in mbs:
+                logp, _, sup = self.backend.logprobs(mb, grad=False, support=True)
+                out.append(policy_logprobs(logp, sup, renormalize=True))
         for _ in range(n_passes - len(mbs)):
             self.backend.logprobs(dummy_batch().to(self.backend.device), grad=False, reference=reference)
         return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollshard.train.logprobs import PackedPolicy, packed_logprobs, sampling_temperature
+from rollshard.train.logprobs import PackedPolicy, Support, packed_logprobs, sampling_temperature
 
 # fp32 CPU: packed and unpacked forwards differ only in summation order.
 TOL = 1e-5
@@ -174,3 +174,127 @@ def test_head_and_log_softmax_in_fp32_under_bf16_autocast(model, fp32_head):
         # The old path: a bf16 head, upcast after; measured 0.03 mean / 0.09 max nats here, as on real models.
         assert out_dtype == torch.bfloat16
         assert err.mean() > 1e-2 and err.max() > 3e-2, (err.mean(), err.max())
+
+
+# -- sampling supports (schema 1.1): the logprob renormalized over the engine's support -------------------
+
+
+class _LogitsModel(torch.nn.Module):
+    """A stand-in causal LM whose "hidden state" at position t is a free [V] row and whose head is the identity:
+    PackedPolicy's logits at t are exactly ``rows[t]``, so its support path can be checked on random logits."""
+
+    def __init__(self, rows: torch.Tensor):  # [T, V]
+        super().__init__()
+        self.rows = torch.nn.Parameter(rows)
+        self.config = type("Config", (), {})()
+        self.head = torch.nn.Identity()
+
+    def base_model(self, input_ids, position_ids, use_cache):
+        return type("Out", (), {"last_hidden_state": self.rows.unsqueeze(0)})()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def _random_supports(T=23, V=17, seed=0):
+    """Packed positions 1..T-1 carry loss except a few; supports of sizes 1..V (the target among them; one token,
+    as top_k=1 or greedy, and the whole vocabulary among them), a few loss positions without one; a temperature
+    per token."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, V, generator=g) * 3  # [T, V]
+    ids = torch.randint(0, V, (T,), generator=g)  # [T]
+    mask = torch.ones(T)
+    mask[[0, 7, 8]] = 0  # position 0 never carries loss; 7, 8: a prompt / tool span
+    temp = torch.rand(T, generator=g) * 1.5 + 0.3  # [T]
+    has = (mask > 0) & (torch.rand(T, generator=g) > 0.2)
+    supports = []
+    for t in range(T):
+        if not has[t]:
+            supports.append([])
+            continue
+        size = 1 if t % 5 == 0 else V if t % 6 == 0 else int(torch.randint(1, V + 1, (), generator=g))
+        others = [int(v) for v in torch.randperm(V, generator=g) if int(v) != int(ids[t])][: size - 1]
+        supports.append(sorted(others + [int(ids[t])]) if t % 2 else others + [int(ids[t])])
+    offsets = torch.tensor([0] + [len(s) for s in supports]).cumsum(0)  # [T+1]
+    flat = torch.tensor([v for s in supports for v in s], dtype=torch.int64)  # [N]
+    return logits, ids, mask, temp, has, supports, Support(has_support=has, ids=flat, offsets=offsets)
+
+
+def _direct(logits, ids, mask, temp, supports):
+    """The definition, position by position: logits[y]/T - logsumexp(logits[S]/T), and the mass on S."""
+    T = len(ids)
+    logp, sup_lp, mass = torch.zeros(T), torch.zeros(T), torch.zeros(T)
+    for t in range(1, T):
+        if mask[t] == 0:
+            continue
+        row = logits[t - 1] / temp[t]  # logits at t-1 predict token t
+        logp = logp.index_put((torch.tensor(t),), row[ids[t]] - torch.logsumexp(row, 0))
+        if supports[t]:
+            s_lse = torch.logsumexp(row[supports[t]], 0)
+            sup_lp = sup_lp.index_put((torch.tensor(t),), row[ids[t]] - s_lse)
+            mass = mass.index_put((torch.tensor(t),), torch.exp(s_lse - torch.logsumexp(row, 0)))
+    return logp, sup_lp, mass
+
+
+@pytest.mark.parametrize("chunk", [1024, 4])
+def test_support_logprobs_equal_the_definition_values_and_gradients(chunk):
+    logits, ids, mask, temp, has, supports, support = _random_supports()
+    T = len(ids)
+    w = torch.linspace(-1, 2, T)  # weights that make every output's gradient matter
+    u = torch.linspace(1, -0.5, T)
+    model = _LogitsModel(logits.clone())
+    logp, _, sup = packed_logprobs(
+        PackedPolicy(model, chunk_tokens=chunk), input_ids=ids, position_ids=torch.arange(T), loss_mask=mask,
+        temperature=temp, support=support,
+    )
+    ((sup.logp * w).sum() + (sup.mass * u).sum() + logp.sum()).backward()
+
+    leaf = logits.clone().requires_grad_(True)
+    e_logp, e_sup, e_mass = _direct(leaf, ids, mask, temp, supports)
+    ((e_sup * w).sum() + (e_mass * u).sum() + e_logp.sum()).backward()
+    assert (sup.has_support == has).all() and int((mask > 0).sum()) > 4 * 4  # several chunks when chunk = 4
+    sizes = {len(s) for s in supports if s}
+    assert {1, logits.shape[1]} <= sizes and len(sizes) > 5  # many sizes, one token and the whole vocabulary
+    torch.testing.assert_close(sup.logp, e_sup.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sup.mass, e_mass.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp, e_logp.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(model.rows.grad, leaf.grad, atol=1e-6, rtol=1e-5)
+    one = [t for t, s in enumerate(supports) if len(s) == 1]
+    assert (sup.logp[one] == 0).all() and (sup.mass[has] < 1 + 1e-6).all()  # log(1) and a mass <= 1
+    assert (sup.logp[~has] == 0).all() and (sup.mass[~has] == 0).all()
+
+
+def test_support_leaves_the_full_logprobs_bit_identical():
+    """The support path computes the full logprob and entropy exactly as the path without supports, and a batch
+    whose supports are all empty gets the full path's values and gradients bit for bit."""
+    logits, ids, mask, temp, has, supports, support = _random_supports(seed=1)
+    T = len(ids)
+    results = []
+    for sup in (None, support, Support(has_support=torch.zeros(T, dtype=torch.bool), ids=support.ids[:0],
+                                       offsets=torch.zeros(T + 1, dtype=torch.int64))):
+        model = _LogitsModel(logits.clone())
+        out = packed_logprobs(
+            PackedPolicy(model, chunk_tokens=4), input_ids=ids, position_ids=torch.arange(T), loss_mask=mask,
+            temperature=temp, with_entropy=True, support=sup,
+        )
+        (out[0].sum() + out[1].sum()).backward()
+        results.append((out[0].detach(), out[1].detach(), model.rows.grad))
+    # The path before supports, written out: fp32 logits / T, gather - logsumexp.
+    at = torch.nonzero(mask).flatten()
+    rows = logits[at - 1] / sampling_temperature(temp)[at].unsqueeze(-1)
+    before = torch.zeros(T).index_copy(0, at, rows.gather(-1, ids[at].unsqueeze(-1)).squeeze(-1) - rows.logsumexp(-1))
+    for lp, ent, grad in results:
+        assert torch.equal(lp, results[0][0]) and torch.equal(ent, results[0][1]) and torch.equal(grad, results[0][2])
+    assert torch.equal(results[0][0], before)
+
+
+def test_a_token_outside_its_support_is_refused():
+    logits, ids, mask, temp, has, supports, support = _random_supports(seed=2)
+    t = int(torch.nonzero(has)[0])
+    bad_ids = support.ids.clone()
+    bad_ids[support.offsets[t] : support.offsets[t + 1]] = (ids[t] + 1) % logits.shape[1]
+    with pytest.raises(ValueError, match=f"packed position {t}: token {int(ids[t])} is not in its stored sampling"):
+        packed_logprobs(
+            PackedPolicy(_LogitsModel(logits)), input_ids=ids, position_ids=torch.arange(len(ids)), loss_mask=mask,
+            temperature=temp, support=Support(has_support=has, ids=bad_ids, offsets=support.offsets),
+        )

@@ -1,6 +1,6 @@
 """Model backends: where the policy lives, how it is sharded, and how it is updated.
 
-A backend gives the trainer: ``logprobs(batch, grad=, entropy=, reference=)``,
+A backend gives the trainer: ``logprobs(batch, grad=, entropy=, reference=, support=)``,
 ``set_gradient_sync``, ``backward``, ``optimizer_step``, ``lr``, and the state for
 checkpoints (``model_state``, ``optimizer_state``, ``load_optimizer_state``,
 ``save_model``). ``hf`` (transformers, one device or FSDP2 under torchrun) is the one

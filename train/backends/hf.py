@@ -42,7 +42,7 @@ from torch import nn
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
-from rollshard.train.logprobs import PackedPolicy, check_model, chunk_rows, packed_logprobs
+from rollshard.train.logprobs import PackedPolicy, Support, check_model, chunk_rows, packed_logprobs
 
 # Files of a model folder that are weights (rewritten by a checkpoint); everything else
 # (tokenizer, chat template, generation config) is copied from the source folder verbatim.
@@ -154,21 +154,29 @@ class HFBackend:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def logprobs(self, batch: Any, *, grad: bool, entropy: bool = False, reference: bool = False):
-        """``(logp [T], entropy [T] | None)`` of one packed micro-batch under the policy (or the reference)."""
+    def logprobs(
+        self, batch: Any, *, grad: bool, entropy: bool = False, reference: bool = False, support: bool = False
+    ):
+        """``(logp [T], entropy [T] | None)`` of one packed micro-batch under the policy (or the reference); with
+        ``support``, a third element: the batch's ``SupportLogprobs``, or None when it has no sampling supports."""
         module = self.reference if reference else self.policy
         if module is None:
             raise RuntimeError("no reference model: it is built only when kl_coef > 0")
         dev = self.device
+        sup = Support.of(batch) if support else None
+        if sup is not None:
+            sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
         with torch.set_grad_enabled(grad), self._autocast():
-            return packed_logprobs(
+            out = packed_logprobs(
                 module,
                 input_ids=batch.input_ids.to(dev),
                 position_ids=batch.position_ids.to(dev),
                 loss_mask=batch.loss_mask.to(dev),
                 temperature=batch.temperature.to(dev),
                 with_entropy=entropy,
+                support=sup,
             )
+        return (*out, None) if support and sup is None else out
 
     def set_gradient_sync(self, sync: bool) -> None:
         """Under FSDP, reduce gradients only on the last micro-batch of an update."""
