@@ -11,6 +11,10 @@ newer schema major is refused then (:class:`rollshard.store.errors.DataError`,
 :class:`rollshard.store.schema.SchemaVersionError`), naming the shard, so no count or
 scan mixes it in silently. Checksums and row invariants are ``rollshard-store
 validate``'s and the loader's (store/integrity.py).
+
+Every reader here has the columns of the current schema: a shard of schema 1.0 (without the
+1.1 sampling columns) reads as rows whose ``sampling_logprobs`` and ``sampling_support``
+are null, alone or mixed with 1.1 shards.
 """
 
 from __future__ import annotations
@@ -147,7 +151,9 @@ class RolloutDataset:
             return pl.scan_pyarrow_dataset(self.to_arrow())
         if not self.files:
             return pl.LazyFrame(schema=pl.from_arrow(ROW_SCHEMA.empty_table()).schema)
-        return pl.scan_parquet(self.files)
+        # Shards of schema 1.0 lack the 1.1 sampling columns: scan with the whole schema, inserting them as nulls.
+        schema = pl.from_arrow(ROW_SCHEMA.empty_table()).schema
+        return pl.scan_parquet(self.files, schema=schema, missing_columns="insert")
 
     def to_hf(self, streaming: bool = True):
         """A HF ``datasets`` dataset (``IterableDataset`` when streaming) over the committed shards."""
@@ -155,7 +161,11 @@ class RolloutDataset:
 
         if not self.storage.local:
             raise ValueError("to_hf reads local datasets; for remote ones pass the shard URIs to datasets yourself")
-        return datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=streaming)
+        # The schema's features: HF takes the columns of the first file otherwise, and a 1.1 shard after a 1.0 one
+        # would not match them (with the features, a 1.0 shard's sampling columns read as None).
+        features = datasets.Features.from_arrow_schema(ROW_SCHEMA)
+        return datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=streaming,
+                                     features=features)
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,8 @@ relative to the dataset), the row (sample id) where there is one, and the proble
 * :func:`check_column_types`: the columns a reader uses have exactly the schema's types.
   A reader that cast would turn int64 ids or float64 logprobs into the schema's types
   silently; a file that does not match was not written by rollshard's writer, whose
-  other promises then do not hold either.
+  other promises then do not hold either. The schema 1.1 sampling columns may be absent
+  (a 1.0 shard), both together.
 * :func:`check_rows`: the row invariants of :func:`rollshard.store.schema.check_projection`
   on the block of columns just read.
 * :func:`verify_sha256`: the file's sha256 against the manifest's. It reads the whole
@@ -29,10 +30,10 @@ import pyarrow.parquet as pq
 
 from rollshard.store.errors import DataError
 from rollshard.store.manifest import ShardInfo
-from rollshard.store.schema import ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
+from rollshard.store.schema import OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
 from rollshard.store.storage import Storage
 
-__all__ = ["Checksums", "DataError", "check_column_types", "check_rows", "open_shard", "verify_sha256"]
+__all__ = ["Checksums", "DataError", "check_column_types", "check_rows", "open_shard", "sampling_columns", "verify_sha256"]
 
 READ_CHUNK = 8 << 20  # bytes hashed per read: large enough that hashlib releases the GIL and reads stream
 VALIDATE = "run `rollshard-store validate` on the dataset for every problem"
@@ -71,10 +72,19 @@ def _size_error(shard: ShardInfo, size: int) -> DataError:
 
 
 def check_column_types(schema: pa.Schema, columns: Iterable[str], where: str) -> None:
-    """Every column in ``columns`` is in ``schema`` with exactly the type :data:`ROW_SCHEMA` declares."""
+    """Every column in ``columns`` is in ``schema`` with exactly the type :data:`ROW_SCHEMA` declares.
+
+    An optional column (:data:`~rollshard.store.schema.OPTIONAL_COLUMNS`, absent from shards of an older 1.x
+    schema) may be absent; present, its type must be exact too. The sampling columns come as a pair.
+    """
+    columns = list(columns)
+    if any(n in OPTIONAL_COLUMNS for n in columns):
+        sampling_columns(schema, where)
     for name in columns:
         expected = ROW_SCHEMA.field(name).type
         i = schema.get_field_index(name)
+        if i < 0 and name in OPTIONAL_COLUMNS:
+            continue
         if i < 0:
             raise DataError(
                 f"{where}: lacks column {name!r} ({_type(expected)}) of rollshard schema v{SCHEMA_VERSION}; {VALIDATE}"
@@ -86,6 +96,16 @@ def check_column_types(schema: pa.Schema, columns: Iterable[str], where: str) ->
                 f"(rollshard schema v{SCHEMA_VERSION}); readers do not cast: rewrite the shard with rollshard's "
                 "ShardWriter, which casts to the schema"
             )
+
+
+def sampling_columns(schema: pa.Schema, where: str) -> list[str]:
+    """The schema 1.1 sampling columns a shard has: both, or none (a 1.0 shard); one alone is a :class:`DataError`."""
+    present = [n for n in OPTIONAL_COLUMNS if schema.get_field_index(n) >= 0]
+    if len(present) == 1:
+        missing = next(n for n in OPTIONAL_COLUMNS if n not in present)
+        raise DataError(f"{where}: has column {present[0]!r} but not {missing!r}; a shard carries both sampling "
+                        f"columns (schema 1.1) or neither (1.0); {VALIDATE}")
+    return present
 
 
 def _type(t: pa.DataType) -> str:

@@ -92,7 +92,7 @@ from rollshard.store.errors import DataError
 from rollshard.store.integrity import Checksums, check_column_types, check_rows, open_shard, verify_sha256
 from rollshard.store.manifest import ShardInfo
 from rollshard.store.packing import PackedBatch, Sequences, pack
-from rollshard.store.schema import STATUS_VALUES
+from rollshard.store.schema import OPTIONAL_COLUMNS, STATUS_VALUES
 from rollshard.store.storage import Storage
 
 __all__ = ["DataError", "LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
@@ -102,6 +102,7 @@ MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/mixture.py
 STATE_VERSION = 1
 SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
 TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
+SAMPLING_COLUMNS = list(OPTIONAL_COLUMNS)  # schema 1.1, read with the token columns when a shard has them
 NO_VERSION = np.iinfo(np.int64).min  # a row without weight_version: its staleness is unknown
 POLL_S = 0.1  # how often a blocked background thread checks whether it was told to stop
 JOIN_S = 10.0  # how long close() waits for a thread to finish the read it is in
@@ -236,7 +237,7 @@ def _scan_blocks(dataset: RolloutDataset, check_types: bool = True) -> list[_Blo
         f, pf = _open(dataset, i)
         with f:
             if check_types:
-                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS, where)
+                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS + SAMPLING_COLUMNS, where)
             try:
                 blocks, ids = _shard_blocks(pf)
             except (OSError, pa.ArrowException) as e:
@@ -1185,7 +1186,7 @@ def _hf_generate(shards: list[dict], root: str, config: dict) -> Iterator[dict]:
         f, pf = open_shard(storage, info)
         with f:
             if cfg.verify_data:
-                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS, info.path)
+                check_column_types(pf.schema_arrow, SMALL_COLUMNS + TOKEN_COLUMNS + SAMPLING_COLUMNS, info.path)
                 verify_sha256(storage, info)  # whole before its first group: HF has no step to hold back
             yield from _hf_shard_groups(pf, info.path, filters, threshold, cfg.verify_data)
 

@@ -56,6 +56,11 @@ class PackedBatch:
     weight_versions: list[str | None]  # [S]
     num_tokens: int  # T
     num_loss_tokens: int  # tokens with loss_mask 1
+    # Schema 1.1 sampling support; None when no row of the micro-batch has one (no cost for 1.0 data).
+    sampling_logprobs: torch.Tensor | None = None  # [T] float32, stored sampling logprob where has_support, else 0
+    has_support: torch.Tensor | None = None  # [T] bool, response positions (loss_mask 1) whose row has a support
+    support_ids: torch.Tensor | None = None  # [N] int64, the supports of positions t, flat
+    support_offsets: torch.Tensor | None = None  # [T+1] int64: position t's support is support_ids[o[t]:o[t+1]]
 
     @property
     def num_sequences(self) -> int:

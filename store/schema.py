@@ -16,6 +16,33 @@ Invariants (DESIGN.md "The row"):
 * ``status`` is a :class:`Status`; ``reward`` is present and finite unless the
   row failed;
 * ``sample_id`` and ``group_id`` are non-empty and sample ids are unique.
+
+Schema 1.1 adds the **sampling support** of each response token, for importance ratios
+that know the engine sampled from a top-p/top-k truncated, renormalized distribution
+(SGLang's ``meta_info.output_token_sampling_logprobs`` and ``output_token_sampling_mask``):
+
+* ``sampling_logprobs[i]``: the logprob of ``response_tokens[i]`` under the truncated,
+  renormalized distribution; ``sampling_support[i]``: the token ids of that distribution
+  (kept in the order the engine gave them). Both null (an engine that did not truncate or
+  was not asked; every 1.0 shard, which lacks the columns: readers see nulls), or both
+  present with one entry per response token. A row with only one of them is refused.
+* under ``loss_mask == 1``: the support is non-empty, holds ``response_tokens[i]``, has
+  non-negative ids and no id twice; ``sampling_logprobs[i]`` is finite, at most
+  :data:`SAMPLING_LOGPROB_MAX` (0 plus the rounding of an engine's fp32 log-softmax over a
+  support of one dominant token) and at least ``rollout_logprobs[i] -``
+  :data:`SAMPLING_LOGPROB_TOL` (truncation only removes mass, so it can only raise the
+  sampled token's probability; the tolerance is the engine's fp32 rounding of two
+  log-softmaxes, 5x the 2e-5 measured between SGLang and a transformers recomputation);
+* under ``loss_mask == 0`` (tool/environment tokens): ``0.0`` and an empty support.
+
+Cost: every check is a whole-array numpy pass over the support ids (membership by
+comparing each id with its token's sampled id). Duplicates are found by one comparison of
+neighbours for supports in ascending id order (SGLang's mask order); only tokens whose
+support is not ascending are sorted.
+
+On disk the support is a nested ``list<list<int32>>`` (measured against flat ids plus
+per-token sizes in tests/bench/bench_store.py ``--supports``: the same bytes within 0.1%,
+and Arrow hands the loader the flat ids and offsets of a nested list without a copy).
 """
 
 from __future__ import annotations
@@ -32,11 +59,15 @@ import pyarrow.compute as pc
 
 from rollshard.store.errors import DataError
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS): the logprob is then
 # log softmax(logits), not of logits / temperature. Engines and trainer share it.
 GREEDY_TEMPERATURE_EPS = 1e-6
 SCHEMA_MAJOR = 1
+# Schema 1.1 sampling logprobs: how far above 0 (fp32 rounding of a log-softmax over a support of one dominant
+# token) and below the full-softmax rollout logprob (engine rounding of two log-softmaxes) a stored one may be.
+SAMPLING_LOGPROB_MAX = 1e-6
+SAMPLING_LOGPROB_TOL = 1e-4
 META_SCHEMA_VERSION = b"rollshard.schema_version"
 META_CONFIG = b"rollshard.config"
 
@@ -86,9 +117,17 @@ ROW_SCHEMA = pa.schema(
         pa.field("response_text", pa.string()),
         pa.field("metadata", pa.string()),
         pa.field("created_at", pa.timestamp("ms", tz="UTC")),
+        # Schema 1.1: the sampling support of each response token (null when the engine did not truncate, or was
+        # not asked; both columns are absent from 1.0 shards). Under loss_mask 0: 0.0 and an empty support.
+        pa.field("sampling_logprobs", pa.list_(pa.float32())),  # logprob under the truncated, renormalized distribution
+        pa.field("sampling_support", pa.list_(pa.list_(pa.int32()))),  # the token ids the engine sampled from
     ]
 )
-LIST_COLUMNS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "weight_versions")
+# Columns a shard of an older 1.x schema may lack (read as nulls).
+OPTIONAL_COLUMNS = ("sampling_logprobs", "sampling_support")
+LIST_COLUMNS = (
+    "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "weight_versions", *OPTIONAL_COLUMNS,
+)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -125,6 +164,8 @@ class Row:
     response_text: str | None = None
     metadata: dict[str, Any] | str | None = None
     created_at: dt.datetime | None = None
+    sampling_logprobs: Sequence[float] | None = None  # schema 1.1, see ROW_SCHEMA
+    sampling_support: Sequence[Sequence[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict in the schema's column types (shallow: token lists are not copied)."""
@@ -188,7 +229,14 @@ def rows_to_table(rows: Iterable[Row | dict[str, Any]]) -> pa.Table:
 
 
 def cast_table(table: pa.Table) -> pa.Table:
-    """Cast any table with the schema's columns to :data:`ROW_SCHEMA` (column order, types)."""
+    """Cast any table with the schema's columns to :data:`ROW_SCHEMA` (column order, types).
+
+    :data:`OPTIONAL_COLUMNS` a table lacks (one of an older 1.x schema) are filled with nulls.
+    """
+    names = set(table.column_names)
+    for name in OPTIONAL_COLUMNS:
+        if name not in names:
+            table = table.append_column(ROW_SCHEMA.field(name), pa.nulls(table.num_rows, ROW_SCHEMA.field(name).type))
     names = set(table.column_names)
     missing = [n for n in ROW_SCHEMA.names if n not in names]
     if missing:
@@ -200,6 +248,13 @@ def cast_table(table: pa.Table) -> pa.Table:
         return table.cast(ROW_SCHEMA)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise ValueError(f"table does not cast to schema v{SCHEMA_VERSION}: {e}") from e
+
+
+def data_bytes(table: pa.Table) -> int:
+    """Arrow bytes of ``table`` without its all-null optional columns: the writer cuts a row group of rows
+    without a sampling support where a schema 1.0 writer cut it."""
+    unused = [n for n in OPTIONAL_COLUMNS if n in table.column_names and table.column(n).null_count == table.num_rows]
+    return table.nbytes - sum(table.column(n).nbytes for n in unused)
 
 
 def _flat(list_array: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
@@ -305,6 +360,9 @@ def _check(table: pa.Table, limit: int, has: set[str]) -> list[Problem]:
                         ),
                     )
 
+    if tokens and not bad_len.size and has.issuperset(OPTIONAL_COLUMNS):
+        _check_sampling(table, resp, resp_off, lp, mask, add)
+
     for col in ("prompt_tokens", "response_tokens"):
         if col not in has:
             continue
@@ -358,6 +416,124 @@ def _check(table: pa.Table, limit: int, has: set[str]) -> list[Problem]:
 
 
 _STATUS_SET = pa.array(STATUS_VALUES)
+
+
+def _present(col: pa.ChunkedArray) -> np.ndarray:
+    return ~col.is_null().to_numpy(zero_copy_only=False)  # [rows]
+
+
+def _check_sampling(table: pa.Table, resp: np.ndarray, resp_off: np.ndarray, lp: np.ndarray, mask: np.ndarray,
+                    add) -> None:
+    """The schema 1.1 invariants of ``sampling_logprobs`` and ``sampling_support`` (module docstring).
+
+    ``resp``, ``lp``, ``mask``: the flat response columns of every row (lengths already checked equal)."""
+    slp_col, sup_col = table.column("sampling_logprobs"), table.column("sampling_support")
+    if slp_col.null_count == table.num_rows and sup_col.null_count == table.num_rows:
+        return  # no row has a support (every 1.0 row): nothing to check
+    has_slp, has_sup = _present(slp_col), _present(sup_col)
+    for name, other, alone in (("sampling_support", "sampling_logprobs", has_slp & ~has_sup),
+                               ("sampling_logprobs", "sampling_support", has_sup & ~has_slp)):
+        add(np.flatnonzero(alone), name, lambda i, name=name, other=other: (
+            f"is null while {other} is present; store both (one entry per response token) or neither"))
+    both = has_slp & has_sup  # [rows]
+    n_resp = np.diff(resp_off)
+    slp, slp_off = _flat(slp_col)
+    sup = _single_chunk(sup_col)
+    sup_off = sup.offsets.to_numpy()
+    sup_off = (sup_off - sup_off[0]).astype(np.int64)  # [rows + 1] row -> its tokens' supports
+    n_slp, n_sup = np.diff(slp_off), np.diff(sup_off)
+    for name, n in (("sampling_logprobs", n_slp), ("sampling_support", n_sup)):
+        add(np.flatnonzero(both & (n != n_resp)), name, lambda i, n=n, name=name: (
+            f"length {n[i]} must equal response_tokens length {n_resp[i]}; one entry per response token"))
+    ok = both & (n_slp == n_resp) & (n_sup == n_resp)  # [rows] the rows checked token by token
+    if not ok.any():
+        return
+    inner = sup.values.slice(sup.offsets[0].as_py(), int(sup_off[-1]))  # [tokens of every row] one support each
+    ids_arr = inner.values.slice(inner.offsets[0].as_py(), inner.offsets[len(inner)].as_py() - inner.offsets[0].as_py())
+    if inner.null_count or ids_arr.null_count:
+        bad_tok = (~inner.is_valid().to_numpy(zero_copy_only=False)) if inner.null_count else np.zeros(len(inner), bool)
+        if ids_arr.null_count:
+            id_null = ids_arr.is_null().to_numpy(zero_copy_only=False)
+            in_off = inner.offsets.to_numpy() - inner.offsets[0].as_py()
+            bad_tok |= np.add.reduceat(np.append(id_null, False), in_off[:-1]) * (np.diff(in_off) > 0) > 0
+        bad_row = np.add.reduceat(np.append(bad_tok, False), sup_off[:-1]) * (n_sup > 0) > 0
+        add(np.flatnonzero(ok & bad_row), "sampling_support", lambda i: "holds a null; a support is a list of ids")
+        ok &= ~bad_row
+        if not ok.any():
+            return
+    # Token level, over the rows in ``ok`` only (flat positions of their response tokens).
+    keep_resp = np.repeat(ok, n_resp)  # [flat response tokens]
+    all_rows = bool(ok.all())
+    tok = resp if all_rows else resp[keep_resp]  # [T'] sampled ids
+    on = (mask if all_rows else mask[keep_resp]) == 1  # [T']
+    rlp = lp if all_rows else lp[keep_resp]  # [T']
+    s_lp = slp if all_rows else slp[np.repeat(ok, n_slp)]  # [T']
+    in_off = inner.offsets.to_numpy().astype(np.int64)
+    in_off -= in_off[0]  # [all tokens + 1]
+    size_all = np.diff(in_off)
+    keep_sup = np.repeat(ok, n_sup)  # [all tokens]
+    size = size_all if all_rows else size_all[keep_sup]  # [T']
+    ids = ids_arr.to_numpy(zero_copy_only=False)
+    if not all_rows:
+        ids = ids[np.repeat(keep_sup, size_all)]
+    tok_of = np.repeat(np.arange(len(tok)), size)  # [N] token of each support id
+    member = np.zeros(len(tok), bool)
+    member[tok_of[ids == tok[tok_of]]] = True  # [T'] the sampled id is in its support
+    # Duplicates: neighbours of an ascending support differ; a support that is not ascending is sorted first.
+    same_tok = tok_of[1:] == tok_of[:-1]  # [N-1]
+    step = np.diff(ids.astype(np.int64))
+    unsorted_tok = np.unique(tok_of[1:][same_tok & (step < 0)])
+    dup = np.zeros(len(tok), bool)
+    dup[tok_of[1:][same_tok & (step == 0)]] = True
+    if unsorted_tok.size:
+        sel = np.isin(tok_of, unsorted_tok)
+        key = np.sort(tok_of[sel].astype(np.int64) << 32 | (ids[sel].astype(np.int64) & 0xFFFFFFFF))
+        dup[(key[1:] >> 32)[key[1:] == key[:-1]]] = True
+    with np.errstate(invalid="ignore"):
+        lp_ok = np.isfinite(s_lp) & (s_lp <= SAMPLING_LOGPROB_MAX) & (s_lp >= rlp - SAMPLING_LOGPROB_TOL)
+    neg = np.zeros(len(tok), bool)
+    if ids.size and ids.min() < 0:
+        neg[tok_of[ids < 0]] = True
+    bad_on = on & ((size == 0) | ~member | dup | neg | ~lp_ok)
+    bad_off = ~on & ((size != 0) | (s_lp != 0.0))
+    if not (bad_on.any() or bad_off.any()):
+        return
+    rows = np.flatnonzero(ok)  # [rows checked] row index of each
+    starts = np.concatenate([[0], np.cumsum(n_resp[ok])])  # [rows checked + 1] into the T' positions
+    sup_start = np.concatenate([[0], np.cumsum(size)])  # [T' + 1] into ids
+
+    def support(t: int) -> list[int]:
+        s = ids[sup_start[t] : sup_start[t + 1]].tolist()
+        return s if len(s) <= 8 else s[:8] + ["..."]
+
+    cases = (  # (bad tokens, field, detail of token t at position i of its row)
+        (on & (size == 0), "sampling_support", lambda t, i: f"token {i} has an empty support under loss_mask 1; "
+         "the engine sampled it from a non-empty set"),
+        (on & (size > 0) & ~member, "sampling_support", lambda t, i: f"token {i} (id {tok[t]}) is not in its "
+         f"support {support(t)}; the sampled token must be in the set it was sampled from"),
+        (on & neg, "sampling_support", lambda t, i: f"token {i} has a negative id in its support {support(t)}"),
+        (on & dup, "sampling_support", lambda t, i: f"token {i} has an id twice in its support {support(t)}"),
+        (on & ~lp_ok, "sampling_logprobs", lambda t, i: f"token {i} has sampling logprob {float(s_lp[t]):.6g} under "
+         f"loss_mask 1 (rollout logprob {float(rlp[t]):.6g}); it must be finite, <= {SAMPLING_LOGPROB_MAX:g} and >= "
+         f"the rollout logprob - {SAMPLING_LOGPROB_TOL:g} (truncation only raises the sampled token's probability)"),
+        (~on & (size != 0), "sampling_support", lambda t, i: f"token {i} has a support of {size[t]} ids under "
+         "loss_mask 0; tool/environment tokens carry an empty support"),
+        (~on & (s_lp != 0.0), "sampling_logprobs", lambda t, i: f"token {i} has sampling logprob "
+         f"{float(s_lp[t]):.6g} under loss_mask 0; tool/environment tokens carry 0.0"),
+    )
+    for bad, field, detail in cases:
+        if not bad.any():
+            continue
+        first: dict[int, int] = {}
+        for t in np.flatnonzero(bad)[:1000]:
+            first.setdefault(int(np.searchsorted(starts, t, side="right") - 1), int(t))
+        add([rows[k] for k in sorted(first)], field,
+            lambda i, first={int(rows[k]): t for k, t in first.items()}, detail=detail:
+            detail(first[i], first[i] - int(starts[np.searchsorted(rows, i)])))
+
+
+def _single_chunk(col: pa.ChunkedArray) -> pa.Array:
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 def file_metadata(config: dict[str, Any] | None) -> dict[bytes, bytes]:

@@ -48,7 +48,7 @@ def _reward_aggs() -> list[pl.Expr]:
 def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
     """Totals from the manifests; rows by status; rows, tokens and reward by agent."""
     lf = ds.scan()
-    status, by_agent = pl.collect_all(
+    status, by_agent, supports = pl.collect_all(
         [
             lf.group_by("status").agg(pl.len().alias("rows")),
             lf.group_by("agent")
@@ -59,8 +59,10 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
                 TRAINABLE.sum().alias("trainable_tokens"),
             )
             .sort("agent"),
+            lf.select(pl.col("sampling_support").is_not_null().sum().cast(pl.Int64).alias("rows")),
         ]
     )
+    with_support = int(supports["rows"][0]) if supports.height else 0
     status_counts = {s: 0 for s in STATUS_VALUES}
     status_counts.update({r["status"]: r["rows"] for r in status.iter_rows(named=True)})
     agents = {}
@@ -81,6 +83,9 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
         "bytes": ds.num_bytes,
         "status": status_counts,
         "agents": agents,
+        # schema 1.1: rows that carry the sampling support of their tokens (none in a 1.0 dataset)
+        "rows_with_support": with_support,
+        "support_fraction": with_support / ds.num_rows if ds.num_rows else None,
     }
 
 

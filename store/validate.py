@@ -5,7 +5,9 @@ shard it checks, in order of cost:
 
 * the file exists, and its size and sha256 equal the manifest entry;
 * the file is readable Parquet of a schema major this rollshard reads (a newer major
-  is refused with the version it needs) whose columns and types are those of schema v1;
+  is refused with the version it needs) whose columns and types are those of schema v1
+  (a 1.0 shard lacks the two sampling columns of 1.1: read as nulls; one of them alone is a
+  problem);
 * row group by row group (memory stays bounded by one row group): every row invariant
   of :func:`rollshard.store.schema.check_table`, and the row, group, prompt-token and
   response-token counts against the manifest.
@@ -34,7 +36,14 @@ import pyarrow.parquet as pq
 
 from rollshard.store.dataset import DatasetNotFoundError
 from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo
-from rollshard.store.schema import ROW_SCHEMA, SchemaVersionError, cast_table, check_schema_version, check_table
+from rollshard.store.schema import (
+    OPTIONAL_COLUMNS,
+    ROW_SCHEMA,
+    SchemaVersionError,
+    cast_table,
+    check_schema_version,
+    check_table,
+)
 from rollshard.store.storage import Storage
 
 HASH_SEED = 0x5EED  # any fixed seed: hashes are compared within one run only
@@ -178,7 +187,11 @@ class Validator:
         check_schema_version(pf.schema_arrow.metadata, shard.path)
         expected = {f.name: f.type for f in ROW_SCHEMA}
         got = {f.name: f.type for f in pf.schema_arrow}
-        missing = [n for n in expected if n not in got]
+        # A shard of an older 1.x schema lacks the optional columns (read as nulls); the sampling pair comes whole.
+        missing = [n for n in expected if n not in got and n not in OPTIONAL_COLUMNS]
+        alone = [n for n in OPTIONAL_COLUMNS if n in got]
+        if len(alone) == 1:
+            missing.append(next(n for n in OPTIONAL_COLUMNS if n not in got))
         wrong = [f"{n} is {got[n]}, not {t}" for n, t in expected.items() if n in got and got[n] != t]
         if missing or wrong:
             problem("schema", "; ".join(([f"lacks columns {missing}"] if missing else []) + wrong))

@@ -14,6 +14,10 @@ the manifest (the rename happens after fsync, so such a shard is complete).
 Settings (measured in tests/bench/bench_store.py, see the README): zstd level 1 and
 no dictionary encoding on the list columns (token ids are high-cardinality; the
 dictionary pages are dead weight) while the short string columns keep it.
+
+Every shard is written with the current schema (1.1): the sampling columns are always
+there, null for rows without a support. A row group is cut by the bytes of the data, not
+counting an all-null sampling column, so rows without supports are grouped as before.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from rollshard.store.schema import (
     cast_table,
     check_table,
     check_schema_version,
+    data_bytes,
     file_metadata,
     rows_to_table,
 )
@@ -221,7 +226,7 @@ class ShardWriter:
         self._groups_written.update(group_ids)
         self._shard_stats.add(table, len(group_ids))
         self._buffer.append(table)
-        self._buffer_bytes += table.nbytes
+        self._buffer_bytes += data_bytes(table)
         if self._buffer_bytes >= self.options.row_group_bytes:
             self.flush()
 

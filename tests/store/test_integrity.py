@@ -143,14 +143,14 @@ def test_wrong_column_types_are_refused_not_cast(tmp_path, column, cast_to, foun
     i = table.schema.get_field_index(column)
     table = table.set_column(i, column, table.column(column).cast(cast_to))
     root = dataset(tmp_path, table=table)
-    assert_refused(root, f"{BAD}: column {column!r} is {found}, expected {expected} (rollshard schema v1.0); readers "
+    assert_refused(root, f"{BAD}: column {column!r} is {found}, expected {expected} (rollshard schema v{SCHEMA_VERSION}); readers "
                          "do not cast: rewrite the shard with rollshard's ShardWriter, which casts to the schema",
                    clean_steps=0)
 
 
 def test_missing_column(tmp_path):
     root = dataset(tmp_path, table=rows_to_table([row("b-0"), row("b-1")]).drop(["rollout_logprobs"]))
-    assert_refused(root, f"{BAD}: lacks column 'rollout_logprobs' (list<float>) of rollshard schema v1.0; "
+    assert_refused(root, f"{BAD}: lacks column 'rollout_logprobs' (list<float>) of rollshard schema v{SCHEMA_VERSION}; "
                          f"{VALIDATE}", clean_steps=0)
 
 
