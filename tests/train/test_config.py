@@ -144,3 +144,9 @@ def test_example_config_lists_every_field_and_loads(capsys):
     assert example.data.path and example.model.path and example.trainer.out  # a runnable starting point
     assert main(["--config", str(EXAMPLE), "--print-config"]) == 0
     assert TrainConfig.from_dict(yaml.safe_load(capsys.readouterr().out)) == example.validate()
+
+
+def test_renormalize_support_is_on_by_default_and_has_a_no_flag():
+    assert parse().loss.renormalize_support is True
+    assert parse("--no-renormalize-support").loss.renormalize_support is False
+    assert TrainConfig.from_dict({"loss": {"renormalize_support": "false"}}).loss.renormalize_support is False
