@@ -256,6 +256,8 @@ def _totals_table(st: dict[str, Any]) -> Table:
         _row(t, key, _fmt(st[key]))
     for key in ("prompt_tokens", "response_tokens", "tokens", "bytes"):
         _row(t, key, _fmt(st[key]))
+    if st["rows_with_support"]:
+        _row(t, "rows with a sampling support", f"{st['rows_with_support']:,} ({st['support_fraction']:.1%})")
     return t
 
 
@@ -384,7 +386,12 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
         for i, (t, lp, m) in enumerate(zip(ids, row["rollout_logprobs"], row["loss_mask"]))
     ]
-    scalars = {k: v for k, v in row.items() if k not in ("response_tokens", "rollout_logprobs", "loss_mask")}
+    support = row.get("sampling_support")  # schema 1.1: per token, its sampling logprob and support size
+    if support is not None:
+        for t, slp, sup in zip(tokens, row["sampling_logprobs"], support):
+            t["sampling_logprob"], t["support_size"] = slp, len(sup)
+    per_token = ("response_tokens", "rollout_logprobs", "loss_mask", "sampling_logprobs", "sampling_support")
+    scalars = {k: v for k, v in row.items() if k not in per_token}
     scalars["prompt_tokens"] = list(row["prompt_tokens"])
     if args.json:
         _print_json(out, {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens})
@@ -403,16 +410,23 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     _row(head, "response", f"{len(tokens):,} tokens, {len(on):,} under loss_mask 1")
     if on:
         _row(head, "mean logprob (mask 1)", f"{sum(on) / len(on):.4f}")
+    sizes = [t["support_size"] for t in tokens if t["mask"] == 1 and "support_size" in t]
+    if support is None:
+        _row(head, "sampling support", "none (not truncated, or not recorded)")
+    elif sizes:
+        _row(head, "sampling support", f"{min(sizes):,}-{max(sizes):,} ids per token (mask 1)")
     out.print(head)
     limit = args.max_tokens if args.max_tokens > 0 else len(tokens)
     source = f"decoded with {decoded_with}" if decoded_with else "ids; no tokenizer"
     tt = Table(title=escape(f"response tokens ({source})"))
-    for c in ("pos", "id", "text", "logprob", "mask"):
-        tt.add_column(c, justify="right" if c in ("pos", "id", "logprob", "mask") else "left")
+    columns = ("pos", "id", "text", "logprob", "mask") + (("sampling logprob", "support") if support is not None else ())
+    for c in columns:
+        tt.add_column(c, justify="left" if c == "text" else "right")
     for t in tokens[:limit]:
         style = "dim" if t["mask"] == 0 else None
         text = repr(t["text"])[1:-1] if t["text"] is not None else ""
-        _row(tt, t["pos"], t["id"], text, _logprob_cell(t["logprob"], t["mask"]), t["mask"], style=style)
+        extra = (f"{t['sampling_logprob']:.4f}", t["support_size"]) if support is not None else ()
+        _row(tt, t["pos"], t["id"], text, _logprob_cell(t["logprob"], t["mask"]), t["mask"], *extra, style=style)
     out.print(tt)
     if limit < len(tokens):
         out.print(f"... {len(tokens) - limit:,} more tokens (--max-tokens 0 shows all)")

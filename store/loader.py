@@ -89,7 +89,14 @@ import torch
 from rollshard.store.groups import is_zero_variance
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.errors import DataError
-from rollshard.store.integrity import Checksums, check_column_types, check_rows, open_shard, verify_sha256
+from rollshard.store.integrity import (
+    Checksums,
+    check_column_types,
+    check_rows,
+    open_shard,
+    sampling_columns,
+    verify_sha256,
+)
 from rollshard.store.manifest import ShardInfo
 from rollshard.store.packing import PackedBatch, Sequences, pack
 from rollshard.store.schema import OPTIONAL_COLUMNS, STATUS_VALUES
@@ -319,16 +326,40 @@ class _BlockData:
         passing = self.pass_status if self.pass_agent is None else self.pass_status & self.pass_agent
         self.needs_tokens = bool(passing.any())
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+        self.support: tuple[np.ndarray, ...] | None = None
 
     def set_tokens(self, table: pa.Table) -> None:
         self.tokens = {}
         for name in TOKEN_COLUMNS:
             arr = _single(table.column(name))
             self.tokens[name] = (arr.values.to_numpy(), arr.offsets.to_numpy())
+        self.support = None  # (has [rows], ids [n], id offsets [tokens + 1], token offsets [rows + 1]) of 1.1 shards
+        if "sampling_support" in table.column_names and table.column("sampling_support").null_count < table.num_rows:
+            sup, lp = _single(table.column("sampling_support")), _single(table.column("sampling_logprobs"))
+            self.tokens["sampling_logprobs"] = (lp.values.to_numpy(zero_copy_only=False), lp.offsets.to_numpy())
+            inner = sup.values  # [tokens] one support per token (the offsets below index it as they are)
+            self.support = (sup.is_valid().to_numpy(zero_copy_only=False), inner.values.to_numpy(),
+                            inner.offsets.to_numpy(), sup.offsets.to_numpy())
 
     def row_tokens(self, name: str, row: int) -> np.ndarray:
         values, offsets = self.tokens[name]
         return values[offsets[row] : offsets[row + 1]]
+
+    def row_support(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The row's support as (ids [n] int32, size of each token's support [R] int64), or None without one."""
+        if self.support is None or not self.support[0][row]:
+            return None
+        _, ids, id_off, tok_off = self.support
+        bounds = id_off[tok_off[row] : tok_off[row + 1] + 1]  # [R + 1]
+        return ids[bounds[0] : bounds[-1]], np.diff(bounds).astype(np.int64)
+
+    def row_support_lists(self, row: int) -> list[list[int]] | None:
+        """The row's support as one list of ids per token (HF examples), or None."""
+        sup = self.row_support(row)
+        if sup is None:
+            return None
+        ids, sizes = sup
+        return [a.tolist() for a in np.split(ids, np.cumsum(sizes)[:-1])] if len(sizes) else []
 
 
 def _versions(col: pa.ChunkedArray) -> np.ndarray:
@@ -360,13 +391,14 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
     try:
         small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS))
         tokens = None
-        if _passes(small, filters).any():
-            tokens = _one_chunk(pf.read_row_groups(rgs, columns=TOKEN_COLUMNS))
+        if _passes(small, filters).any():  # the sampling columns only from a shard that has them (not a 1.0 one)
+            token_columns = TOKEN_COLUMNS + sampling_columns(pf.schema_arrow, shard)
+            tokens = _one_chunk(pf.read_row_groups(rgs, columns=token_columns))
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{where}: not readable: {_one_line(e)}") from e
     if check:  # one check of the columns read (a block none of whose rows passes reaches no step)
         columns = {**{n: small.column(n) for n in SMALL_COLUMNS}, **({} if tokens is None else
-                   {n: tokens.column(n) for n in TOKEN_COLUMNS})}
+                   {n: tokens.column(n) for n in tokens.column_names})}
         check_rows(pa.table(columns), where)
     try:
         data = _BlockData(small, filters)
@@ -886,6 +918,10 @@ def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequen
             cols["agent"].append(bd.agent[row])
             cols["sample_id"].append(bd.sample_id[row])
             cols["weight_version"].append(bd.weight_version[row])
+            support = bd.row_support(row)
+            cols["support"].append(support)
+            cols["sampling_logprobs"].append(None if support is None else bd.row_tokens("sampling_logprobs", row))
+    any_support = any(s is not None for s in cols["support"])
     seqs = Sequences(
         prompt=cols["prompt"],
         response=cols["response"],
@@ -897,6 +933,8 @@ def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequen
         agent=cols["agent"],
         sample_id=cols["sample_id"],
         weight_version=cols["weight_version"],
+        sampling_logprobs=cols["sampling_logprobs"] if any_support else None,
+        support=cols["support"] if any_support else None,
     )
     return seqs, zero_var
 
@@ -1144,6 +1182,9 @@ HF_GROUP_SCHEMA = pa.schema(
         ("response_tokens", pa.list_(pa.list_(pa.int32()))),
         ("rollout_logprobs", pa.list_(pa.list_(pa.float32()))),
         ("loss_mask", pa.list_(pa.list_(pa.uint8()))),
+        # schema 1.1, per row (None for a row without a support, every row of a 1.0 shard)
+        ("sampling_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("sampling_support", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ]
 )
 
@@ -1212,4 +1253,7 @@ def _hf_shard_groups(pf: pq.ParquetFile, shard: str, filters: _Filters, threshol
                 "reward": bd.reward[rows].tolist(),
                 "temperature": bd.temperature[rows].tolist(),
                 **{name: [bd.row_tokens(name, r).tolist() for r in rows] for name in TOKEN_COLUMNS},
+                "sampling_logprobs": [None if bd.row_support(r) is None else bd.row_tokens("sampling_logprobs", r).tolist()
+                                      for r in rows],
+                "sampling_support": [bd.row_support_lists(r) for r in rows],
             }

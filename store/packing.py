@@ -14,6 +14,16 @@ never shifts across a ``cu_seqlens`` boundary. Prompt positions carry mask 0 and
 logprob 0. A row with an empty prompt has no position that predicts its first
 response token; that token's mask is set to 0.
 
+Sampling supports (schema 1.1) follow the same convention: ``has_support[t]`` is True where
+the position is trained on (packed ``loss_mask[t] == 1``) and its row has a support;
+there ``sampling_logprobs[t]`` is the stored sampling logprob of ``input_ids[t]`` and
+``support_ids[support_offsets[t]:support_offsets[t + 1]]`` the ids it was sampled from
+(``input_ids[t]`` among them). Everywhere else (prompt positions, mask-0 tokens, rows
+without a support, the masked first token of a row without prompt) the range is empty
+and the sampling logprob 0. The four fields are None for a micro-batch none of whose rows
+has a support, so 1.0 data costs nothing. They are built per micro-batch (``support_ids``
+counts from 0 in each).
+
 Sequences are assigned to micro-batches by first-fit-decreasing bin packing on
 their lengths, within one optimizer step. A sequence longer than the budget gets a
 micro-batch of its own (it is never cut: cutting would lose the context of its
@@ -99,6 +109,9 @@ class Sequences:
     agent: list[str]
     sample_id: list[str]
     weight_version: list[str | None]
+    # Schema 1.1, None when no sequence has a support; else per sequence None (no support) or its arrays.
+    sampling_logprobs: list[np.ndarray | None] | None = None  # S arrays of float32, one per response token
+    support: list[tuple[np.ndarray, np.ndarray] | None] | None = None  # S (ids int32 [n], sizes [R] per token)
 
     def __len__(self) -> int:
         return len(self.prompt)
@@ -186,6 +199,7 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
         batches.append(
             PackedBatch(
                 **{name: t[lo:hi] for name, t in flat.items()},
+                **_supports(seqs, ids, (cu[first:last] - lo + p_len[first:last]).tolist(), loss_mask[lo:hi]),
                 cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
                 response_start=torch.from_numpy(response_start[first:last] - lo),
                 seq_group=torch.from_numpy(group[first:last]),
@@ -200,6 +214,41 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
         first = last
     capacity = sum(max(budget, b.num_tokens) for b in batches)
     return batches, total / capacity
+
+
+def _supports(seqs: Sequences, ids: list[int], starts: list[int], loss_mask: np.ndarray) -> dict[str, torch.Tensor]:
+    """The four schema 1.1 fields of one micro-batch (PackedBatch), or none when no sequence of it has a support.
+
+    ``ids``: its sequences, ``starts``: the position of each one's first response token, ``loss_mask``: the
+    packed mask ``[T]`` (a token masked at packing, the first of a row without prompt, gets no support).
+    """
+    if seqs.support is None or all(seqs.support[i] is None for i in ids):
+        return {}
+    T = len(loss_mask)
+    on = loss_mask == 1  # [T]
+    has = np.zeros(T, bool)  # [T]
+    sampling = np.zeros(T, np.float32)  # [T]
+    sizes = np.zeros(T, np.int64)  # [T] support size of each position
+    chunks = []
+    for i, start in zip(ids, starts):
+        if seqs.support[i] is None:
+            continue
+        values, size = seqs.support[i]
+        end = start + len(size)
+        keep = on[start:end]  # [R] positions trained on: loss_mask 1 (a row's mask 0 tokens have empty supports)
+        has[start:end] = keep
+        sampling[start:end] = np.where(keep, seqs.sampling_logprobs[i], 0.0)
+        sizes[start:end] = np.where(keep, size, 0)
+        chunks.append(values if keep.all() else values[np.repeat(keep, size)])
+    offsets = np.zeros(T + 1, np.int64)  # [T+1]
+    np.cumsum(sizes, out=offsets[1:])
+    support_ids = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, np.int64)  # [N]
+    return {
+        "sampling_logprobs": torch.from_numpy(sampling),
+        "has_support": torch.from_numpy(has),
+        "support_ids": torch.from_numpy(support_ids),
+        "support_offsets": torch.from_numpy(offsets),
+    }
 
 
 def _pooled(n: int, dtype) -> np.ndarray:
@@ -237,6 +286,10 @@ def unpack(batch: PackedBatch) -> list[dict]:
                 "loss_mask": [int(m) for m in batch.loss_mask[mid:end].tolist()],
             }
         )
+        if batch.has_support is not None:  # the supports of the positions trained on ([] elsewhere)
+            o = batch.support_offsets.tolist()
+            out[-1]["sampling_logprobs"] = batch.sampling_logprobs[mid:end].tolist()
+            out[-1]["sampling_support"] = [batch.support_ids[o[t] : o[t + 1]].tolist() for t in range(mid, end)]
     return out
 
 

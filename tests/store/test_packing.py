@@ -96,3 +96,56 @@ def test_rows_without_tokens_pack_to_empty_sequences():
     (b,), eff = pack(seqs_of(rows), budget=8)
     assert b.num_tokens == 0 and b.cu_seqlens.tolist() == [0, 0, 0] and b.num_loss_tokens == 0
     assert eff == 0.0
+
+
+def with_supports(rows: list[dict]) -> Sequences:
+    seqs = seqs_of(rows)
+    sup = [r.get("support") for r in rows]
+    seqs.sampling_logprobs = [None if s is None else np.asarray(r["sampling"], np.float32) for r, s in zip(rows, sup)]
+    seqs.support = [None if s is None else (np.asarray([i for t in s for i in t], np.int32),
+                                            np.asarray([len(t) for t in s], np.int64)) for s in sup]
+    return seqs
+
+
+SUPPORTED = [
+    # "s" was sampled from top-k supports (tokens 1 and 3; token 2 is a tool result), "n" without truncation.
+    dict(prompt=[7, 8], response=[1, 2, 3], logprobs=[-0.5, 0.0, -1.5], mask=[1, 0, 1], temperature=1.0,
+         reward=1.0, group=0, agent="solver", sample_id="s", version="0",
+         sampling=[-0.25, 0.0, -1.0], support=[[1, 5], [], [0, 3, 9]]),
+    dict(prompt=[9], response=[4], logprobs=[-0.25], mask=[1], temperature=1.0,
+         reward=0.0, group=0, agent="solver", sample_id="n", version="0"),
+]
+
+
+def test_pack_supports_worked_example():
+    (b,), _ = pack(with_supports(SUPPORTED), budget=16)
+    # positions: 0-1 prompt of s, 2-4 response of s (targets 1, 2, 3), 5 prompt of n, 6 response of n.
+    assert b.input_ids.tolist() == [7, 8, 1, 2, 3, 9, 4]
+    assert b.has_support.tolist() == [False, False, True, False, True, False, False]  # s's mask-1 tokens only
+    assert b.sampling_logprobs.tolist() == [0.0, 0.0, -0.25, 0.0, -1.0, 0.0, 0.0]
+    # support sizes per position [0, 0, 2, 0, 3, 0, 0]
+    assert b.support_offsets.tolist() == [0, 0, 0, 2, 2, 5, 5, 5]
+    assert b.support_ids.tolist() == [1, 5, 0, 3, 9]
+    assert (b.sampling_logprobs.dtype, b.has_support.dtype, b.support_ids.dtype, b.support_offsets.dtype) == (
+        torch.float32, torch.bool, torch.int64, torch.int64)
+    assert [r.get("sampling_support") for r in unpack(b)] == [[[1, 5], [], [0, 3, 9]], [[]]]
+
+
+def test_a_micro_batch_without_a_supported_row_has_none():
+    # budget 5: s (5 tokens) and n (2) go to two micro-batches; n's has no support at all.
+    batches, _ = pack(with_supports(SUPPORTED), budget=5)
+    assert [b.sample_ids for b in batches] == [["s"], ["n"]]
+    assert batches[0].support_offsets.tolist() == [0, 0, 0, 2, 2, 5] and batches[0].support_ids.tolist() == [1, 5, 0, 3, 9]
+    n = batches[1]
+    assert (n.sampling_logprobs, n.has_support, n.support_ids, n.support_offsets) == (None, None, None, None)
+    (plain,), _ = pack(seqs_of(SUPPORTED), budget=16)  # no support field at all (1.0 data)
+    assert plain.has_support is None and plain.support_ids is None
+
+
+def test_the_masked_first_token_of_a_row_without_prompt_has_no_support():
+    rows = [dict(prompt=[], response=[4, 5], logprobs=[-0.5, -0.5], mask=[1, 1], temperature=1.0, reward=1.0,
+                 group=0, agent="policy", sample_id="e", version="0", sampling=[-0.1, -0.2], support=[[4], [5, 6]])]
+    (b,), _ = pack(with_supports(rows), budget=8)
+    assert b.loss_mask.tolist() == [0.0, 1.0]  # nothing predicts the first token
+    assert b.has_support.tolist() == [False, True] and b.sampling_logprobs.tolist() == [0.0, pytest.approx(-0.2)]
+    assert b.support_offsets.tolist() == [0, 0, 2] and b.support_ids.tolist() == [5, 6]

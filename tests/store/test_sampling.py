@@ -227,3 +227,129 @@ def test_synthetic_supports_hold_the_sampled_token_once_each():
     sup = np.asarray(pc.list_flatten(pc.list_flatten(t.column("sampling_support")))).reshape(-1, 20)
     assert (sup == resp[:, None]).sum(axis=1).tolist() == [1] * len(resp)
     assert (np.diff(sup, axis=1) > 0).all()  # ascending, so distinct
+
+
+# -- the loader -------------------------------------------------------------------------------
+
+
+def loader_config(**kw):
+    from rollshard.store.loader import LoaderConfig
+
+    return LoaderConfig(**{"groups_per_step": 2, "micro_batch_tokens": 24, "seed": 3, **kw})
+
+
+def check_against_stored(steps, stored: dict[str, dict]) -> tuple[int, int]:
+    """Every packed position's support fields against the stored rows; (micro-batches with, without supports)."""
+    import torch
+
+    with_sup = without = 0
+    for step in steps:
+        for b in step.micro_batches:
+            if b.has_support is None:
+                without += 1
+                assert b.sampling_logprobs is None and b.support_ids is None and b.support_offsets is None
+                assert all(stored[sid]["sampling_support"] is None for sid in b.sample_ids)
+                continue
+            with_sup += 1
+            cu, off = b.cu_seqlens.tolist(), b.support_offsets.tolist()
+            assert off[0] == 0 and off[-1] == len(b.support_ids) and len(off) == b.num_tokens + 1
+            for k, sid in enumerate(b.sample_ids):
+                row, start = stored[sid], int(b.response_start[k])
+                for t in range(cu[k], cu[k + 1]):
+                    i = t - start  # response position, negative in the prompt
+                    on = i >= 0 and bool(b.loss_mask[t] == 1) and row["sampling_support"] is not None
+                    assert bool(b.has_support[t]) == on, (sid, t)
+                    want = row["sampling_support"][i] if on else []
+                    assert b.support_ids[off[t] : off[t + 1]].tolist() == want, (sid, t)
+                    assert b.sampling_logprobs[t].item() == (row["sampling_logprobs"][i] if on else 0.0)
+                    if on:
+                        assert int(b.input_ids[t]) in want  # the target of position t is in its support
+            assert b.sampling_logprobs.dtype == torch.float32 and b.support_ids.dtype == torch.int64
+    return with_sup, without
+
+
+def test_loader_steps_carry_the_stored_supports_over_a_mix(mixed):
+    from rollshard.store.loader import RolloutLoader
+
+    ds = RolloutDataset.open(mixed)
+    with RolloutLoader(ds, loader_config(num_epochs=2)) as loader:
+        steps = list(loader)
+    with_sup, without = check_against_stored(steps, by_id(ds.read().to_pylist()))
+    assert with_sup and without  # micro-batches of the 1.1 rows with supports, and of the 1.0 / plain rows
+    assert sum(s.num_sequences for s in steps) == 2 * 32
+
+
+def test_loader_resume_is_exact_with_supports(mixed):
+    from tests.store.test_loader import assert_steps_equal, run
+
+    ds = RolloutDataset.open(mixed)
+    cfg = loader_config(num_epochs=2)
+    full = run(ds, cfg)
+    from rollshard.store.loader import RolloutLoader
+
+    with RolloutLoader(ds, cfg) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(5)]
+        state = loader.state_dict()
+    assert_steps_equal(head + run(ds, cfg, state=state), full)  # every field, the four support tensors included
+    assert any(b.has_support is not None for s in full for b in s.micro_batches)
+
+
+def test_a_1_0_dataset_loads_with_none_support_fields(tmp_path):
+    from rollshard.store.loader import RolloutLoader
+
+    register_v10_shard(tmp_path, "a10", old_table())
+    with RolloutLoader(tmp_path, loader_config()) as loader:
+        batches = [b for s in loader for b in s.micro_batches]
+    assert batches and all(
+        (b.sampling_logprobs, b.has_support, b.support_ids, b.support_offsets) == (None,) * 4 for b in batches)
+
+
+def test_the_loader_refuses_a_bad_support_naming_shard_sample_and_field(tmp_path):
+    from rollshard.store.loader import RolloutLoader
+
+    t = new_table()
+    lp = t.column("sampling_logprobs").to_pylist()
+    lp[5][0] = 0.5  # above 0: no probability is > 1
+    t = t.set_column(t.schema.get_field_index("sampling_logprobs"), ROW_SCHEMA.field("sampling_logprobs"),
+                     pa.array(lp, ROW_SCHEMA.field("sampling_logprobs").type))
+    with ShardWriter(tmp_path, writer_id="w", options=WriterOptions(validate=False)) as w:
+        w.write_groups(t)
+    sid = t.column("sample_id")[5].as_py()
+    with pytest.raises(DataError, match=rf"^shards/w-00000.parquet \(row group 0\): sample {sid!r}: sampling_logprobs: "
+                                        r"token 0 has sampling logprob 0.5 under loss_mask 1"):
+        with RolloutLoader(tmp_path, loader_config()) as loader:
+            list(loader)
+
+
+def test_hf_groups_carry_the_supports(mixed):
+    from rollshard.store.loader import hf_groups
+
+    stored = expected()
+    n = 0
+    for g in hf_groups(mixed, loader_config()):
+        for sid, lp, sup in zip(g["sample_id"], g["sampling_logprobs"], g["sampling_support"]):
+            assert sup == stored[sid]["sampling_support"] and lp == stored[sid]["sampling_logprobs"]
+            n += 1
+    assert n == 32
+
+
+def test_inspect_sample_shows_sampling_logprob_and_support_size_per_token(mixed, capsys):
+    import json
+
+    from rollshard.store.cli import main
+
+    row = new_table().slice(0, 1).to_pylist()[0]
+    assert main(["inspect", str(mixed), "--sample", row["sample_id"], "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(t["sampling_logprob"], t["support_size"]) for t in doc["tokens"]] == [
+        (lp, 5) for lp in row["sampling_logprobs"]]
+    assert "sampling_support" not in doc["sample"] and "sampling_logprobs" not in doc["sample"]
+    old = old_table().slice(0, 1).to_pylist()[0]["sample_id"]
+    assert main(["inspect", str(mixed), "--sample", old, "--json"]) == 0
+    assert all("support_size" not in t for t in json.loads(capsys.readouterr().out)["tokens"])
+    assert main(["inspect", str(mixed), "--sample", row["sample_id"]]) == 0
+    text = capsys.readouterr().out
+    assert "sampling logprob" in text and "5-5 ids per token (mask 1)" in text
+    assert main(["stats", str(mixed)]) == 0
+    assert "rows with a sampling support" in capsys.readouterr().out
