@@ -57,6 +57,13 @@ bytes changed can cost a planned step, never a delivered one. Each shard is hash
 per loader (a later epoch does not hash again). ``LoaderConfig.verify_data=False`` turns
 the checks off, for measuring what they cost only (tests/bench/bench_loader.py).
 
+**Sampling supports** (schema 1.1): a shard that has the two sampling columns has them read
+with the token columns (only for blocks with a row that passes the filters, and checked with
+them); a 1.0 shard is read as before. :class:`PackedBatch` then carries ``sampling_logprobs``,
+``has_support``, ``support_ids`` and ``support_offsets`` for each micro-batch with a supported
+row (store/packing.py gives their exact meaning), None otherwise. :func:`hf_groups` adds the
+two columns per row (None for a row without a support).
+
 **Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps,
 independent of the dataset's size (plus one 8-byte hash per group while the dataset
 is opened, to check that no group spans two shards).

@@ -476,34 +476,44 @@ def _check_sampling(table: pa.Table, resp: np.ndarray, resp_off: np.ndarray, lp:
     ids = ids_arr.to_numpy(zero_copy_only=False)
     if not all_rows:
         ids = ids[np.repeat(keep_sup, size_all)]
-    tok_of = np.repeat(np.arange(len(tok)), size)  # [N] token of each support id
-    member = np.zeros(len(tok), bool)
-    member[tok_of[ids == tok[tok_of]]] = True  # [T'] the sampled id is in its support
-    # Duplicates: neighbours of an ascending support differ; a support that is not ascending is sorted first.
-    same_tok = tok_of[1:] == tok_of[:-1]  # [N-1]
-    step = np.diff(ids.astype(np.int64))
-    unsorted_tok = np.unique(tok_of[1:][same_tok & (step < 0)])
+    # Whole-array passes over the N support ids (int32, no [N] int64 temporaries); per-token detail only where
+    # something fails.
+    id_start = np.zeros(len(tok) + 1, np.int64)  # [T' + 1] each token's first id in ``ids``
+    np.cumsum(size, out=id_start[1:])
+
+    def token_of(pos: np.ndarray) -> np.ndarray:  # [n] positions in ids -> their token
+        return np.searchsorted(id_start, pos, side="right") - 1
+
+    member = np.zeros(len(tok), bool)  # [T'] the sampled id is in its support
+    member[token_of(np.flatnonzero(ids == np.repeat(tok, size)))] = True
+    # Duplicates: neighbours of an ascending support differ; only a support that is not ascending is sorted.
+    step = np.diff(ids)  # [N-1] int32: ids are < 2^31 (a negative one is reported below anyway)
+    inside = np.ones(len(step), bool)  # [N-1] both neighbours in one token's support
+    bounds = id_start[1:-1]
+    inside[bounds[(bounds > 0) & (bounds < len(ids))] - 1] = False
     dup = np.zeros(len(tok), bool)
-    dup[tok_of[1:][same_tok & (step == 0)]] = True
-    if unsorted_tok.size:
-        sel = np.isin(tok_of, unsorted_tok)
-        key = np.sort(tok_of[sel].astype(np.int64) << 32 | (ids[sel].astype(np.int64) & 0xFFFFFFFF))
-        dup[(key[1:] >> 32)[key[1:] == key[:-1]]] = True
-    with np.errstate(invalid="ignore"):
-        lp_ok = np.isfinite(s_lp) & (s_lp <= SAMPLING_LOGPROB_MAX) & (s_lp >= rlp - SAMPLING_LOGPROB_TOL)
+    if (step[inside] <= 0).any():
+        dup[token_of(np.flatnonzero(inside & (step == 0)))] = True
+        unsorted_tok = np.unique(token_of(np.flatnonzero(inside & (step < 0))))
+        if unsorted_tok.size:
+            sel = np.repeat(np.isin(np.arange(len(tok)), unsorted_tok), size)
+            tok_of = np.repeat(np.arange(len(tok), dtype=np.int64), size)[sel]
+            key = np.sort(tok_of << 32 | (ids[sel].astype(np.int64) & 0xFFFFFFFF))
+            dup[(key[1:] >> 32)[key[1:] == key[:-1]]] = True
     neg = np.zeros(len(tok), bool)
     if ids.size and ids.min() < 0:
-        neg[tok_of[ids < 0]] = True
+        neg[token_of(np.flatnonzero(ids < 0))] = True
+    with np.errstate(invalid="ignore"):
+        lp_ok = np.isfinite(s_lp) & (s_lp <= SAMPLING_LOGPROB_MAX) & (s_lp >= rlp - SAMPLING_LOGPROB_TOL)
     bad_on = on & ((size == 0) | ~member | dup | neg | ~lp_ok)
     bad_off = ~on & ((size != 0) | (s_lp != 0.0))
     if not (bad_on.any() or bad_off.any()):
         return
     rows = np.flatnonzero(ok)  # [rows checked] row index of each
     starts = np.concatenate([[0], np.cumsum(n_resp[ok])])  # [rows checked + 1] into the T' positions
-    sup_start = np.concatenate([[0], np.cumsum(size)])  # [T' + 1] into ids
 
     def support(t: int) -> list[int]:
-        s = ids[sup_start[t] : sup_start[t + 1]].tolist()
+        s = ids[id_start[t] : id_start[t + 1]].tolist()
         return s if len(s) <= 8 else s[:8] + ["..."]
 
     cases = (  # (bad tokens, field, detail of token t at position i of its row)

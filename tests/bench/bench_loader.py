@@ -3,6 +3,7 @@
     .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64]
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3]
+    .venv/bin/python tests/bench/bench_loader.py --supports [--groups 400] [--top-k 20] [--repeat 3] [--json]
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; the same loader
@@ -22,6 +23,10 @@
 of two datasets of ``--groups`` groups each against the single-dataset loader on one of them
 (the mixture runs a reader per source and ends when the 0.7 source runs out; row groups of
 4 MB, so that what a source reads ahead is bounded as in a large dataset).
+
+``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
+epoch, opening included, data checks on and off) over the same rows with a top-k support
+(``--top-k``, default 20) and without, and the support tensors' share of a step.
 
 Rows come from store/synthetic.py (prompts 200-1,000 tokens, responses 100-4,000,
 groups of 8). Prints markdown tables for the README's Performance section.
@@ -120,6 +125,50 @@ def mix_bench(tmp: Path, base: pa.Table, args) -> None:
           f"{n_load(mixed, t_mix):.1f} |")
 
 
+def supports_bench(tmp: Path, args) -> None:
+    """Loader tokens/s over the same rows with a top-k sampling support and without (module docstring)."""
+    results: dict = {"groups": args.groups, "top_k": args.top_k, "window": args.window, "runs": {}}
+    opts = WriterOptions(row_group_bytes=16 << 20, shard_bytes=256 << 20)
+    datasets = {
+        "without support": make_dataset(tmp / "plain", args.groups, synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0), opts),
+        f"top_k={args.top_k} support": make_dataset(
+            tmp / "sup", args.groups, synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0, top_k=args.top_k), opts),
+    }
+    for ds in datasets.values():
+        scan_tokens(ds)  # warm the page cache
+    configs = {"checks on": LoaderConfig(tail="partial", shuffle_window=args.window)}
+    configs["checks off"] = dataclasses.replace(configs["checks on"], verify_data=False)
+    best = {(d, c): float("inf") for d in datasets for c in configs}
+    runs = {}
+    for _ in range(args.repeat):  # interleaved, so that a change in machine load hits all alike
+        for d, ds in datasets.items():
+            for c, cfg in configs.items():
+                t, runs[d, c] = best_of(1, lambda: loader_run(ds, cfg))
+                best[d, c] = min(best[d, c], t)
+    for (d, c), t in best.items():
+        r = runs[d, c]
+        results["runs"][f"{d}, {c}"] = {"tokens": r["tokens"], "seconds": t, "m_tokens_per_s": r["tokens"] / t / 1e6,
+                                        "bytes_on_disk": datasets[d].num_bytes}
+    with RolloutLoader(datasets[f"top_k={args.top_k} support"], configs["checks on"]) as loader:
+        b = next(iter(loader)).micro_batches[0]
+        core = sum(getattr(b, n).nbytes for n in ("input_ids", "position_ids", "loss_mask", "rollout_logprobs",
+                                                   "temperature"))
+        extra = sum(getattr(b, n).nbytes for n in ("sampling_logprobs", "has_support", "support_ids", "support_offsets"))
+    results["micro_batch_bytes"] = {"token_tensors": core, "support_tensors": extra}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"{args.groups} groups of 8 rows, window {args.window}, best of {args.repeat}\n")
+    print("| dataset, loader | on disk | M tokens/s | vs without support |")
+    print("|---|---:|---:|---:|")
+    for (d, c), t in best.items():
+        r = results["runs"][f"{d}, {c}"]
+        ref = results["runs"][f"without support, {c}"]["m_tokens_per_s"]
+        print(f"| {d}, {c} | {r['bytes_on_disk'] / 1e6:.0f} MB | {r['m_tokens_per_s']:.2f} | "
+              f"{r['m_tokens_per_s'] / ref:.2f} |")
+    print(f"\nfirst micro-batch: {core / 1e6:.1f} MB of token tensors, {extra / 1e6:.1f} MB of support tensors")
+
+
 def rss_child(path: str, window: int, prefetch: int) -> None:
     """Run in a child process: stream a dataset, print peak RSS before and after."""
     ds = RolloutDataset.open(path)
@@ -175,6 +224,9 @@ def main() -> None:
     ap.add_argument("--sim-steps", type=int, default=100, help="steps of the simulated trainer")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mix", action="store_true", help="measure only a two-dataset mixture against one dataset")
+    ap.add_argument("--supports", action="store_true", help="measure only the loader with sampling supports vs without")
+    ap.add_argument("--top-k", type=int, default=20, help="with --supports: ids per token's support")
+    ap.add_argument("--json", action="store_true", help="with --supports: print the figures as JSON")
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -183,6 +235,9 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="rollshard-bench-loader-"))
     try:
+        if args.supports:
+            supports_bench(tmp, args)
+            return
         base = synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0)
         if args.mix:
             mix_bench(tmp, base, args)

@@ -1,10 +1,18 @@
 """Store benchmark: shard writer vs bare pyarrow, Parquet vs JSON lines and pickle, scan speed.
 
     .venv/bin/python tests/bench/bench_store.py [--groups 250] [--group-size 8] [--repeat 3]
+    .venv/bin/python tests/bench/bench_store.py --supports [--groups 60] [--repeat 3] [--json]
 
 Synthetic rows with realistic shapes (store/synthetic.py): prompts 200-1,000 tokens,
 responses 100-4,000, Zipf token ids over a 150k vocabulary, policy-like logprobs.
 Prints markdown tables (the README's Performance section).
+
+``--supports`` measures the schema 1.1 sampling support instead: bytes per response token
+on disk without a support and with top_k = 20 and 50 (store/synthetic.py: the sampled
+token plus k-1 other distinct Zipf ids, ascending), for the stored layout (nested
+``list<list<int32>>``) against flat ids plus per-token sizes (two ``list<int32>`` columns);
+the time to read the support into flat numpy ids and offsets for each; and the shard
+writer's throughput (validation included) against a bare ParquetWriter.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
@@ -41,12 +50,110 @@ def groups(table: pa.Table, group_size: int) -> list[pa.Table]:
     return [table.slice(i, group_size) for i in range(0, table.num_rows, group_size)]
 
 
+SETTINGS = dict(compression="zstd", compression_level=1, use_dictionary=DICTIONARY_COLUMNS)  # the writer's
+
+
+def flat_layout(table: pa.Table) -> pa.Table:
+    """The support as flat ids per row plus the size of each token's support (the alternative layout)."""
+    sup = table.column("sampling_support").combine_chunks()
+    inner = sup.values
+    row_off = sup.offsets.to_numpy()
+    in_off = inner.offsets.to_numpy()
+    ids = pa.ListArray.from_arrays(pa.array(in_off[row_off]), inner.values)
+    sizes = pa.ListArray.from_arrays(sup.offsets, pa.array(np.diff(in_off).astype(np.int32)))
+    return table.drop_columns(["sampling_support"]).append_column("support_ids", ids).append_column("support_sizes", sizes)
+
+
+def read_nested(path: str) -> int:
+    """Flat ids and per-token offsets of every row group's support, as the loader reads them."""
+    n = 0
+    pf = pq.ParquetFile(path)
+    for i in range(pf.num_row_groups):
+        col = pf.read_row_group(i, columns=["sampling_support"]).column(0).combine_chunks()
+        ids, offsets = col.values.values.to_numpy(), col.values.offsets.to_numpy()
+        n += len(ids) + len(offsets)
+    return n
+
+
+def read_flat(path: str) -> int:
+    n = 0
+    pf = pq.ParquetFile(path)
+    for i in range(pf.num_row_groups):
+        t = pf.read_row_group(i, columns=["support_ids", "support_sizes"])
+        ids = t.column(0).combine_chunks().values.to_numpy()
+        offsets = np.concatenate([[0], np.cumsum(t.column(1).combine_chunks().values.to_numpy())])
+        n += len(ids) + len(offsets)
+    return n
+
+
+def supports_bench(args) -> None:
+    tmp = tempfile.mkdtemp(prefix="rollshard-bench-supports-")
+    out: dict = {"groups": args.groups, "group_size": args.group_size, "layouts": {}}
+    try:
+        for k in (None, 20, 50):
+            table = synthetic_table(args.groups, args.group_size, seed=0, top_k=k)
+            resp = pc.sum(pc.list_value_length(table["response_tokens"])).as_py()
+            layouts = {"nested list<list<int32>> (stored)": table}
+            if k is not None:
+                layouts["flat ids + per-token sizes"] = flat_layout(table)
+            for name, t in layouts.items():
+                path = os.path.join(tmp, "s.parquet")
+                write = best_of(args.repeat, lambda: pq.write_table(t, path, row_group_size=1 << 30, **SETTINGS))
+                size = os.path.getsize(path)
+                read = None
+                if k is not None:
+                    reader = read_nested if name.startswith("nested") else read_flat
+                    read = best_of(args.repeat, lambda: reader(path))
+                key = "none" if k is None else f"top_k={k}, {name}"
+                out["layouts"][key] = {"response_tokens": resp, "bytes": size, "bytes_per_response_token": size / resp,
+                                       "write_s": write, "read_support_s": read, "arrow_mb": t.nbytes / 1e6}
+            if k == 20:
+                def shard_writer() -> None:
+                    d = os.path.join(tmp, "ds")
+                    shutil.rmtree(d, ignore_errors=True)
+                    with ShardWriter(d, writer_id="bench", options=WriterOptions(shard_bytes=1 << 40)) as w:
+                        for i in range(0, table.num_rows, 32 * args.group_size):
+                            w.write_groups(table.slice(i, 32 * args.group_size))
+
+                def bare() -> None:
+                    with pq.ParquetWriter(os.path.join(tmp, "bare.parquet"), ROW_SCHEMA, **SETTINGS) as w:
+                        for i in range(0, table.num_rows, 32 * args.group_size):
+                            w.write_table(table.slice(i, 32 * args.group_size))
+
+                t_writer, t_bare = best_of(args.repeat, shard_writer), best_of(args.repeat, bare)
+                out["writer_top_k_20"] = {"writer_s": t_writer, "bare_s": t_bare, "ratio": t_bare / t_writer,
+                                          "arrow_mb": table.nbytes / 1e6}
+    finally:
+        shutil.rmtree(tmp)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    base = out["layouts"]["none"]["bytes_per_response_token"]
+    print(f"{args.groups} groups of {args.group_size}, zstd-1, dictionary off on lists, best of {args.repeat}\n")
+    print("| support | bytes / response token | vs none | write s | read support s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in out["layouts"].items():
+        read = "-" if r["read_support_s"] is None else f"{r['read_support_s']:.3f}"
+        print(f"| {name} | {r['bytes_per_response_token']:.2f} | {r['bytes_per_response_token'] / base:.2f}x | "
+              f"{r['write_s']:.3f} | {read} |")
+    w = out["writer_top_k_20"]
+    print(f"\nShardWriter (validated) vs bare ParquetWriter, top_k=20: {w['writer_s']:.2f} s vs {w['bare_s']:.2f} s "
+          f"(throughput ratio {w['ratio']:.2f}; {w['arrow_mb']:.0f} MB of Arrow data)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=1000)
+    ap.add_argument("--groups", type=int, default=None, help="groups (default 1000; 60 with --supports)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--supports", action="store_true", help="measure the schema 1.1 sampling support only")
+    ap.add_argument("--json", action="store_true", help="with --supports: print the figures as JSON")
     args = ap.parse_args()
+    if args.supports:
+        args.groups = args.groups or 60
+        supports_bench(args)
+        return
+    args.groups = args.groups or 1000
 
     table = synthetic_table(args.groups, args.group_size, seed=0)
     resp_tokens = pc.sum(pc.list_value_length(table["response_tokens"])).as_py()
