@@ -128,9 +128,10 @@ def sample_truncated(model, prompt_ids: list[int], n: int, *, temperature, top_k
     return rows
 
 
-def write_truncated_dataset(model_path, out):
+def write_truncated_dataset(model_path, out, *, store_supports: bool = False):
     """Four groups of three rows (TRUNCATION), one row with a tool span (mask 0); returns the dataset and
-    ``{sample_id: (supports or None, sampling logprobs or None, loss mask, rollout logprobs)}``."""
+    ``{sample_id: (supports or None, sampling logprobs or None, loss mask, rollout logprobs)}``. With
+    ``store_supports`` the rows carry them in the schema 1.1 columns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollshard.store.schema import Row, Status
@@ -157,6 +158,8 @@ def write_truncated_dataset(model_path, out):
                     prompt_tokens=prompt, response_tokens=toks, rollout_logprobs=lps, loss_mask=mask,
                     reward=float(i), status=Status.COMPLETED, finish_reason="stop", weight_version="0",
                     temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                    sampling_logprobs=slps if truncated and store_supports else None,
+                    sampling_support=sups if truncated and store_supports else None,
                 ))
             w.write_group(rows)
     return out, table
@@ -202,8 +205,9 @@ def truncated_data(tiny_gpt2, tmp_path_factory):
     return write_truncated_dataset(tiny_gpt2, tmp_path_factory.mktemp("data") / "truncated")
 
 
-def step0(data, model_path, out, *, micro_batch_tokens=4096, mini_batches=1, **loss):
-    """The metrics of one step on ``data`` (all four groups), with the loss settings given."""
+def step0(data, model_path, out, *, micro_batch_tokens=4096, mini_batches=1, shim=True, **loss):
+    """The metrics of one step on ``data`` (all four groups), with the loss settings given; ``shim``: the
+    supports filled in by :class:`SupportLoader`, else read by the store's loader from the rows."""
     from rollshard.train.backends.distributed import DistEnv
     from rollshard.train.config import TrainConfig
     from rollshard.train.trainer import Trainer, build_loader
@@ -215,7 +219,7 @@ def step0(data, model_path, out, *, micro_batch_tokens=4096, mini_batches=1, **l
         "trainer": {"out": str(out), "max_steps": 1, "mini_batches": mini_batches, "progress": False,
                     "tensorboard": False},
     }).validate()
-    trainer = Trainer(config, loader=SupportLoader(build_loader(config, DistEnv()), table))
+    trainer = Trainer(config, loader=SupportLoader(build_loader(config, DistEnv()), table) if shim else None)
     try:
         return trainer.run()[0]
     finally:
@@ -307,3 +311,37 @@ def test_data_without_supports_takes_the_path_of_before(tiny_dataset, tiny_gpt2,
     same = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in runs]
     assert same[0] == same[1] and same[0]["support/tokens"] == 0.0 and "support/mass_mean" not in same[0]
     assert same[0]["ratio/unrenormalized_mean"] == same[0]["ratio/mean"]
+
+
+def test_step0_on_supports_read_by_the_store_loader(tiny_gpt2, tmp_path):
+    """The same rows with their supports in the schema 1.1 columns, through the store's loader: the
+    micro-batches carry what the trainer expects, and step 0 shows the same figures."""
+    from rollshard.store.loader import LoaderConfig, RolloutLoader
+
+    data = write_truncated_dataset(tiny_gpt2, tmp_path / "data", store_supports=True)
+    table = data[1]
+    (step,) = list(RolloutLoader(data[0], LoaderConfig(groups_per_step=4, micro_batch_tokens=40, shuffle=False)))
+    assert len(step.micro_batches) >= 3
+    for mb in step.micro_batches:
+        expected = with_supports(dataclasses.replace(mb, sampling_logprobs=None, has_support=None, support_ids=None,
+                                                     support_offsets=None), table)
+        if expected.has_support is None:
+            assert mb.has_support is None
+            continue
+        assert torch.equal(mb.has_support, expected.has_support)
+        assert torch.equal(mb.support_offsets, expected.support_offsets)
+        assert torch.equal(mb.support_ids, expected.support_ids)
+        assert torch.equal(mb.sampling_logprobs, expected.sampling_logprobs)
+
+    frac, masses = stored_figures(table)
+    m = step0(data, tiny_gpt2, tmp_path / "on", shim=False)
+    assert m["support/tokens"] == pytest.approx(frac, abs=1e-6)
+    assert abs(m["ratio/mean"] - 1) < FP32_LOGPROB_TOL and m["support/abs_diff_max"] <= FP32_LOGPROB_TOL
+    mass = sum(masses) / len(masses)
+    assert m["support/ratio_unrenormalized_mean"] == pytest.approx(mass, abs=1e-5) and mass < 0.9
+    print(f"step 0, store loader: support/tokens {m['support/tokens']:.4f} ratio/mean {m['ratio/mean']:.7f} "
+          f"support/abs_diff_max {m['support/abs_diff_max']:.2e} support/mass_mean {m['support/mass_mean']:.4f} "
+          f"ratio/unrenormalized_mean {m['ratio/unrenormalized_mean']:.4f}")
+    off = step0(data, tiny_gpt2, tmp_path / "off", shim=False, renormalize_support=False)
+    assert off["ratio/mean"] == off["ratio/unrenormalized_mean"]
+    assert abs(off["optim/grad_norm"] - m["optim/grad_norm"]) > 1e-3 * m["optim/grad_norm"]
