@@ -10,6 +10,11 @@ where a boolean is. SGLang parameters the engine does not implement are accepted
 at their neutral value (:data:`NEUTRAL_SAMPLING`). Departures from SGLang, to keep the
 worker cheap for everyone: at most :data:`MAX_STOP_STRINGS` stop strings of at most
 :data:`MAX_STOP_CHARS` characters, and sampling_seed in [0, 2**63).
+
+``return_sampling_mask`` (top level, as SGLang's): SGLang's rule, measured on 0.5.23: the request must be
+greedy (temperature 0, which SGLang runs as top_k 1) or have a finite ``1 <= top_k <=``
+:data:`SAMPLING_MASK_MAX_TOKENS`; a top-p alone is a 400. Only ``sampling_logprobs_mode`` ``"selected"``
+(the default) is supported.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ MAX_STOP_STRINGS = 64  # each is checked against the decoded tail at every step 
 MAX_STOP_CHARS = 256  # the tail decoded for a stop string grows with its length (4 tokens a character)
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 MAX_SEED = 2**63  # torch generators take a 64-bit seed; the runner's seeds are 31-bit
+# SGLang's default --sampling-mask-max-tokens: the largest top_k a return_sampling_mask request may use.
+SAMPLING_MASK_MAX_TOKENS = 4096
+GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is greedy (top_k 1)
 
 
 class RequestError(ValueError):
@@ -50,6 +58,7 @@ class GenerateRequest:
     sampling: SamplingParams
     rid: str | None
     return_logprob: bool
+    return_sampling_mask: bool = False
 
 
 def _is_int(v: Any) -> bool:
@@ -84,7 +93,8 @@ def parse_sampling(raw: Any) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be a JSON object, got {type(raw).__name__}")
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    # return_sampling_mask is a request-level key in SGLang, unknown inside sampling_params (400 there too).
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"return_sampling_mask"}
     unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING)
     if unsupported:
         names = ", ".join(f"sampling_params.{k}" for k in unsupported)
@@ -174,13 +184,33 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
     lp_start = body.get("logprob_start_len", -1)
     if not _is_int(lp_start):
         raise RequestError(f"logprob_start_len must be an integer, got {lp_start!r}")
+    sampling = parse_sampling(body.get("sampling_params"))
+    mask = _bool(body, "return_sampling_mask", False)
+    mode = body.get("sampling_logprobs_mode")
+    if mode is not None and (mode != "selected" or not mask):
+        raise RequestError(
+            f"sampling_logprobs_mode {mode!r}: only 'selected' is supported, and only with return_sampling_mask"
+        )
+    if mask:
+        _check_sampling_mask(sampling)
     return GenerateRequest(
         input_ids=input_ids,
         text=text,
-        sampling=parse_sampling(body.get("sampling_params")),
+        sampling=dataclasses.replace(sampling, return_sampling_mask=mask),
         rid=rid,
         return_logprob=_bool(body, "return_logprob", False),
+        return_sampling_mask=mask,
     )
+
+
+def _check_sampling_mask(sampling: SamplingParams) -> None:
+    """SGLang's condition for return_sampling_mask (scheduler ``handle_generate_request``), its message."""
+    top_k = 1 if sampling.temperature < GREEDY_EPS else (TOP_K_ALL if sampling.top_k == -1 else sampling.top_k)
+    if not 1 <= top_k <= SAMPLING_MASK_MAX_TOKENS:
+        raise RequestError(
+            "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+            f"{SAMPLING_MASK_MAX_TOKENS}; got top_k={top_k}. Lower top_k"
+        )
 
 
 def parse_abort(body: dict[str, Any]) -> tuple[str | None, bool]:

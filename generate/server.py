@@ -9,7 +9,12 @@ real one:
 * ``POST /abort_request`` ``{"rid", "abort_all"}`` -> 200 with an empty body, as SGLang
   (also for a rid not in flight); the aborted ``/generate`` answers 200 with finish
   reason ``abort`` and the tokens generated so far with their logprobs;
-* ``GET /health``, ``GET /get_model_info``;
+* ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (the SGLang settings a client checks:
+  ``sampling_mask_max_tokens``);
+* ``return_sampling_mask: true`` (top level) adds ``meta_info.output_token_sampling_mask`` (per output
+  token, the ids it was sampled from) and ``output_token_sampling_logprobs`` (its logprob under that
+  renormalized support), refused as SGLang refuses it without a finite top_k (see
+  :mod:`rollshard.generate.serve_requests`);
 * ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` ->
   ``{"success", "message", "num_paused_requests"}``;
 * ``POST /update_weight_version`` ``{"new_version"}``; ``/flush_cache``.
@@ -39,7 +44,7 @@ from aiohttp import web
 
 from rollshard.generate.engines.base import EngineError
 from rollshard.generate.engines.embedded import EmbeddedEngine
-from rollshard.generate.serve_requests import RequestError, parse_abort, parse_generate
+from rollshard.generate.serve_requests import SAMPLING_MASK_MAX_TOKENS, RequestError, parse_abort, parse_generate
 from rollshard.store.tokenizer import TokenizerError, encode
 
 # A JSON string escapes a byte into at most 6 characters (\u00XX); the rest of a body (sampling
@@ -111,6 +116,7 @@ class Server:
                 web.get("/health", self.health),
                 web.get("/health_generate", self.health),
                 web.get("/get_model_info", self.model_info),
+                web.get("/get_server_info", self.server_info),
                 web.post("/update_weights_from_disk", self.update_weights_from_disk),
                 web.post("/update_weight_version", self.update_weight_version),
                 web.post("/flush_cache", self.flush_cache),
@@ -145,6 +151,10 @@ class Server:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
             meta["input_token_logprobs"] = []
+        if req.return_sampling_mask:  # SGLang's names and shapes: one id list and one float per output token
+            meta["output_token_sampling_mask"] = result.sampling_support or []
+            meta["output_token_sampling_logprobs"] = result.sampling_logprobs or []
+            meta["output_token_sampling_mask_length"] = len(result.sampling_support or [])
         return web.json_response({"text": result.text, "output_ids": result.output_ids, "meta_info": meta})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -163,6 +173,10 @@ class Server:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(await self.engine.model_info())
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = await self.engine.model_info()
+        return web.json_response({**info, "sampling_mask_max_tokens": SAMPLING_MASK_MAX_TOKENS})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -45,6 +45,9 @@ class SamplingParams:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    # Not a sampling parameter: ask the engine for each output token's sampling support (SGLang's request-level
+    # ``return_sampling_mask``); the result then carries sampling_logprobs and sampling_support.
+    return_sampling_mask: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The ``sampling_params`` of a request: the set fields, plus :data:`NEUTRAL_SAMPLING` spelled out."""
@@ -58,7 +61,7 @@ class SamplingParams:
         return out
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "return_sampling_mask")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -75,9 +78,16 @@ class GenerateResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # anything else the engine reported
+    # With SamplingParams.return_sampling_mask: per output token, the logprob of the sampled token under the
+    # truncated, renormalized distribution, and the ids of that distribution's support (the token among them).
+    sampling_logprobs: list[float] | None = None
+    sampling_support: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.logprobs) == len(self.output_ids), "engine result must have one logprob per output token"
+        for name in ("sampling_logprobs", "sampling_support"):
+            value = getattr(self, name)
+            assert value is None or len(value) == len(self.output_ids), f"engine result must have one {name} per token"
 
 
 class EngineError(RuntimeError):

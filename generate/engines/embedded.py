@@ -11,6 +11,13 @@ sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T < 1e-6
 the argmax and reports log softmax(logits). Top-k and top-p decide the kept tokens
 exactly as SGLang's torch sampler does (:mod:`.sampler`).
 
+Sampling support (``SamplingParams.return_sampling_mask``, SGLang's ``return_sampling_mask``): each output
+token's kept ids (descending probability) and its logprob under the kept, renormalized distribution, in
+``GenerateResult.sampling_support`` / ``sampling_logprobs``; greedy tokens report ``[token]`` and 0.0. A
+request asking for it must truncate (top_k >= 1 or top_p < 1) or be greedy: an untruncated row's support
+is the vocabulary, refused. Unlike SGLang, a top-p without a top-k is accepted here (the serve API refuses
+it, as SGLang does); its supports can be long.
+
 Each request draws its random numbers from its own generator, seeded by
 ``sampling_seed`` or, when absent, by the engine seed and the request's arrival
 order, and the sampler draws in vocabulary order, so a seeded request's tokens do not
@@ -51,8 +58,8 @@ import torch
 from rollshard.generate.engines import kv_cache
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.engines.kv_cache import Batch
-from rollshard.generate.engines.sampler import sample_tokens
-from rollshard.store.schema import WeightSpan
+from rollshard.generate.engines.sampler import sample_tokens, sample_tokens_with_support
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
 from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 
@@ -89,6 +96,8 @@ class _Request:
     max_new_tokens: int
     out_ids: list[int] = dataclasses.field(default_factory=list)
     out_lps: list[float] = dataclasses.field(default_factory=list)
+    out_support: list[list[int]] = dataclasses.field(default_factory=list)  # with sampling.return_sampling_mask
+    out_sampling_lps: list[float] = dataclasses.field(default_factory=list)
     finish: dict[str, Any] | None = None
     cancelled: bool = False
     abort_requested: bool = False  # set by abort() on the event loop, acted on by the worker
@@ -156,6 +165,12 @@ class EmbeddedEngine(Engine):
             raise EngineError(f"request {rid}: input_ids must lie in [0, {vocab})")
         if sampling.max_new_tokens < 0:
             raise EngineError(f"request {rid}: max_new_tokens must be >= 0")
+        if sampling.return_sampling_mask and not _truncates_or_greedy(sampling):
+            # The support of an untruncated sampled row is the whole vocabulary, per token: refused, as SGLang does.
+            raise EngineError(
+                f"request {rid}: return_sampling_mask needs top_k >= 1 or top_p < 1 (or temperature 0); "
+                f"got top_k {sampling.top_k}, top_p {sampling.top_p}, temperature {sampling.temperature}"
+            )
         loop = asyncio.get_running_loop()
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._seeds.getrandbits(62)
         try:  # here rather than in the worker, where a failure would fail the whole batch
@@ -395,7 +410,7 @@ class EmbeddedEngine(Engine):
         """Sample one token per row, append it and its logprob to the row, check the stop rules."""
         dev, vocab = logits.device, logits.shape[-1]
         s = [r.sampling for r in rows]
-        tokens, logprobs = sample_tokens(
+        args = (
             logits.float(),
             torch.tensor([p.temperature for p in s], dtype=torch.float32, device=dev),
             torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
@@ -404,9 +419,17 @@ class EmbeddedEngine(Engine):
             # on the CPU: the sampler moves it to where its float64 CDF is
             torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]),
         )
-        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        want = [p.return_sampling_mask for p in s]
+        if any(want):
+            tokens, logprobs, supports = sample_tokens_with_support(*args, want)
+        else:
+            (tokens, logprobs), supports = sample_tokens(*args), [None] * len(rows)
+        for req, tok, lp, support in zip(rows, tokens.tolist(), logprobs.tolist(), supports):
             req.out_ids.append(tok)
             req.out_lps.append(lp)
+            if support is not None:
+                req.out_support.append(support[0])
+                req.out_sampling_lps.append(support[1])
             self._check_stop(req, tok)
         return tokens
 
@@ -455,6 +478,7 @@ class EmbeddedEngine(Engine):
         if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
             text = text[: text.index(matched)]
         n = len(ids)
+        asked = sp.return_sampling_mask
         return GenerateResult(
             output_ids=list(ids),
             logprobs=list(req.out_lps),
@@ -466,7 +490,14 @@ class EmbeddedEngine(Engine):
             prompt_tokens=len(req.input_ids),
             completion_tokens=n,
             meta={"id": req.rid, "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.start},
+            sampling_logprobs=list(req.out_sampling_lps) if asked else None,
+            sampling_support=[list(x) for x in req.out_support] if asked else None,
         )
+
+
+def _truncates_or_greedy(sp: SamplingParams) -> bool:
+    """Whether a request's sampling support is bounded: greedy (one token), a top-k, or a top-p below 1."""
+    return sp.temperature < GREEDY_TEMPERATURE_EPS or sp.top_k >= 1 or sp.top_p < 1.0
 
 
 def _version_of(path: str | Path, given: str | None) -> str | None:

@@ -24,6 +24,10 @@ logits differ by up to 3.6e-7, the float64 CDFs by 4e-8 per row on average (1.6e
 most), so a draw changes its token with probability about 1e-7; 0 of 51,200 draws did
 here, against 8 of 51,200 with the sorted-order draw (tests/generate/test_sampler.py
 runs 256 seeded requests x 32 tokens at batch 16, 1 and 8: identical tokens).
+
+Sampling support (:func:`sample_tokens_with_support`, SGLang's ``return_sampling_mask``): the kept ids of
+a row and the sampled token's logprob under the kept, renormalized distribution, read off the kept set
+the draw used. Computed only for the rows that ask; the draw is the same with or without it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ def sample_tokens(
     uniform: torch.Tensor,  # [B] in [0, 1); float64 keeps the draw as fine as the float64 CDF
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (see the module docstring). Returns ``(tokens [B], logprobs [B])``."""
+    tokens, logprobs, _ = _sample(logits, temperature, top_p, top_k, uniform, want_support=None)
+    return tokens, logprobs
+
+
+def sample_tokens_with_support(
+    logits: torch.Tensor,  # [B, V] fp32
+    temperature: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B] long
+    uniform: torch.Tensor,  # [B] float64
+    want_support: list[bool],  # [B] which rows report their sampling support
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], float] | None]]:
+    """:func:`sample_tokens` plus, for each row in ``want_support``, ``(support, sampling_logprob)``: the kept
+    token ids in descending probability (SGLang's order) and the sampled token's logprob under the kept,
+    renormalized distribution (see :func:`_support`); None for the other rows. The tokens are the ones
+    :func:`sample_tokens` draws: the support is read off the same kept set, not recomputed."""
+    return _sample(logits, temperature, top_p, top_k, uniform, want_support=want_support)
+
+
+def _sample(logits, temperature, top_p, top_k, uniform, *, want_support):
     greedy = temperature < GREEDY_TEMPERATURE_EPS  # [B]
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
@@ -50,6 +74,7 @@ def sample_tokens(
     use_k = (top_k > 0) & (top_k < vocab)  # [B]
     use_p = top_p < 1.0  # [B]
     kept = probs  # [B, V]; rows that truncate nothing keep every token, in whatever batch they are
+    drop = None  # [B, V] bool in vocabulary order, when some row truncates
     if bool(((use_k | use_p) & ~greedy).any()):  # the sort is most of the sampler's cost: only when needed
         # Decided in sorted order exactly as SGLang does; a stable sort breaks exact ties by vocabulary index,
         # so the kept set does not depend on the sort kernel's choice among equal values.
@@ -72,4 +97,41 @@ def sample_tokens(
     sampled = torch.minimum(pos, last).squeeze(-1).to(logits.device)  # [B]
 
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+    supports = None
+    if want_support is not None:
+        supports = _support(logp, probs, drop, tokens, greedy, want_support)
+    return tokens, token_logp, supports
+
+
+def _support(
+    logp: torch.Tensor,  # [B, V] fp32 log softmax(logits / T)
+    probs: torch.Tensor,  # [B, V] its exp
+    drop: torch.Tensor | None,  # [B, V] bool, vocabulary order; None when no row truncates
+    tokens: torch.Tensor,  # [B]
+    greedy: torch.Tensor,  # [B] bool
+    want: list[bool],  # [B]
+) -> list[tuple[list[int], float] | None]:
+    """Per wanted row: (kept ids by descending probability, log(p_token / kept mass)).
+
+    Greedy rows report ``([token], 0.0)``, as SGLang does (its greedy sampler is top_k 1). The sampling
+    logprob is ``logp[token] - logsumexp(logp[kept])`` in fp32, from the same log softmax as the full
+    logprob, so the two share their rounding and ``sampling >= full`` holds to float32 epsilon. A sampled row
+    that truncates nothing is not asked for (its support is the vocabulary; see :mod:`.embedded`), and
+    would get every id with the full logprob. Only wanted rows are gathered: the other rows cost nothing."""
+    out: list[tuple[list[int], float] | None] = []
+    for b, wanted in enumerate(want):
+        if not wanted:
+            out.append(None)
+            continue
+        tok = int(tokens[b])
+        if bool(greedy[b]):
+            out.append(([tok], 0.0))
+            continue
+        # A kept token whose probability underflowed to 0 cannot be drawn: not in the support (SGLang: weights > 0).
+        keep = probs[b] > 0 if drop is None else ~drop[b] & (probs[b] > 0)  # [V]
+        ids = keep.nonzero().squeeze(-1)  # [K] vocabulary order
+        order = probs[b, ids].sort(descending=True, stable=True).indices  # [K]
+        mass = torch.logsumexp(logp[b, ids], dim=0)  # log of the kept probability mass
+        out.append((ids[order].tolist(), min(float(logp[b, tok] - mass), 0.0)))
+    return out

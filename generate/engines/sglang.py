@@ -55,6 +55,19 @@ the kept tokens' texts from the logprob items when the server sent them
 (``return_text_in_logprobs``), else empty: the server's text covers tokens that are
 not kept. ``meta["weight_versions_sent"]`` keeps the spans as the server sent them
 (None when it sent none and the single span was made from ``weight_version``).
+
+Sampling support. With ``SamplingParams.return_sampling_mask`` the request carries
+``return_sampling_mask: true`` at its top level (SGLang refuses the key inside
+``sampling_params``), and the answer must carry ``meta_info.output_token_sampling_mask``
+(per output token, the list of ids it was sampled from, in descending probability) and
+``output_token_sampling_logprobs`` (the sampled token's logprob under that renormalized
+support; greedy: ``[token]`` and 0.0), as SGLang 0.5.23 sends them. Missing, short, a
+token outside its support, or a sampling logprob that is not finite, above 0 or below the
+full logprob (``SAMPLING_LOGPROB_TOL``, 1e-4, the store's bound) is refused like missing
+logprobs; an abort keeps the prefix that has all four. SGLang answers 400 unless the
+request is greedy or has ``1 <= top_k <= --sampling-mask-max-tokens`` (4096 by default):
+:meth:`SGLangEngine.health_check` reads that cap from ``/get_server_info`` and refuses
+such settings at start (:func:`sampling_mask_problem`).
 """
 
 from __future__ import annotations
@@ -82,12 +95,15 @@ from rollshard.generate.engines.sglang_protocol import (
     parse_response,
     preferred_sampling_differences,
 )
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.store.versions import VersionError, folder_weight_version
 
-__all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response"]
+__all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response", "sampling_mask_problem"]
 
 log = logging.getLogger(__name__)
 
+# SGLang's default --sampling-mask-max-tokens: the largest top_k with which it returns a sampling support.
+SGLANG_SAMPLING_MASK_MAX_TOKENS = 4096
 # Connections beyond max_concurrency kept for /abort_request: when every generate connection hangs
 # (the case aborts exist for), an abort must not queue behind them for a free one.
 CONTROL_CONNECTIONS = 16
@@ -277,6 +293,8 @@ class SGLangEngine(Engine):
             "return_logprob": True,
             "logprob_start_len": cfg.logprob_start_len,
         }
+        if sampling.return_sampling_mask:  # a request-level key in SGLang, refused inside sampling_params
+            payload["return_sampling_mask"] = True
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         _, sem = self._http()
         breaker = self.breaker
@@ -311,7 +329,7 @@ class SGLangEngine(Engine):
             if not isinstance(body, dict):
                 raise EngineError(f"request {rid}: /generate answered {type(body).__name__}, expected one JSON object")
             try:
-                return parse_response(body, rid=rid)
+                return parse_response(body, rid=rid, sampling_mask=sampling.return_sampling_mask)
             except TransientAbortError as e:
                 errors.append(f"{url}/generate aborted it with status_code {e.status_code} ({e.reason})")
         raise EngineError(f"request {rid}: gave up after {cfg.max_retries + 1} attempts; last error: {errors[-1]}")
@@ -329,11 +347,28 @@ class SGLangEngine(Engine):
             await self._get(url, "/health", want_json=False)
             info = await self._model_info(url)
             _check_preferred(url, info.get("preferred_sampling_params"), sampling)
+            if sampling.return_sampling_mask:
+                await self._check_sampling_mask(url, sampling)
             return info
 
         infos = await self._on_every_server(check)
         self.breaker.reset()
         return infos
+
+    async def _check_sampling_mask(self, url: str, sampling: SamplingParams) -> None:
+        """Refuse a top_k the server's ``--sampling-mask-max-tokens`` (``/get_server_info``) would refuse on every
+        request. A server that does not report it (a router, another server) is not checked here: its refusals
+        then fail the requests, and a response without the support is refused by the parser."""
+        try:
+            cap = (await self._get(url, "/get_server_info")).get("sampling_mask_max_tokens")
+        except (EngineError, AttributeError) as e:
+            log.debug("no sampling_mask_max_tokens from %s: %s", url, e)
+            return
+        if not isinstance(cap, int) or isinstance(cap, bool):
+            return
+        problem = sampling_mask_problem(sampling, cap)
+        if problem:
+            raise EngineSettingsError(f"SGLang server {url} refuses return_sampling_mask here: {problem}")
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None
@@ -441,6 +476,19 @@ class SGLangEngine(Engine):
             return out
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+
+def sampling_mask_problem(sampling: SamplingParams, cap: int = SGLANG_SAMPLING_MASK_MAX_TOKENS) -> str | None:
+    """Why an SGLang server with ``--sampling-mask-max-tokens cap`` refuses ``return_sampling_mask`` for these
+    parameters (HTTP 400 on every request), None when it accepts them. SGLang 0.5.23's rule, measured: greedy
+    (which it runs as top_k 1) or a finite ``1 <= top_k <= cap``; a top-p alone is refused."""
+    if sampling.temperature < GREEDY_TEMPERATURE_EPS or 1 <= sampling.top_k <= cap:
+        return None
+    have = "no --top-k" if sampling.top_k < 1 else f"--top-k {sampling.top_k}"
+    return (
+        f"it needs a top-k of at most its --sampling-mask-max-tokens ({cap}) to return the sampling support, "
+        f"and this run has {have}; add --top-k K (K <= {cap}) or pass --sampling-support off"
+    )
 
 
 def _check_preferred(url: str, preferred: Any, sampling: SamplingParams) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from rollshard.generate.engines.base import EngineError, GenerateResult, SamplingParams
-from rollshard.store.schema import WeightSpan
+from rollshard.store.schema import SAMPLING_LOGPROB_TOL, WeightSpan
 
 FINISH_TYPES = ("stop", "length", "abort")
 # A logprob is <= 0 mathematically; GPU kernels can round a near-certain token's to a hair above 0.
@@ -41,6 +41,9 @@ _KNOWN_META = frozenset(
         "weight_versions",
         "prompt_tokens",
         "completion_tokens",
+        "output_token_sampling_mask",
+        "output_token_sampling_logprobs",
+        "output_token_sampling_mask_length",
     }
 )
 
@@ -65,8 +68,11 @@ def abort_status(finish: dict[str, Any]) -> int | None:
         return None
 
 
-def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
+def parse_response(body: dict[str, Any], *, rid: str, sampling_mask: bool = False) -> GenerateResult:
     """Validate one ``/generate`` response and turn it into a :class:`GenerateResult` (see :mod:`.sglang`).
+
+    ``sampling_mask``: the request asked for ``return_sampling_mask``; the response must then carry one
+    support and one sampling logprob per response token (:func:`_sampling_support`).
 
     ``meta["weight_versions_sent"]`` is the server's ``weight_versions`` as sent (None when it sent
     none: the result's single span was then made from ``weight_version``)."""
@@ -119,12 +125,19 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
                 f"request {rid}: {len(logprobs)} logprobs for {expected} response tokens "
                 f"(output_ids has {len(output_ids)}); refusing a response with missing logprobs"
             )
+    supports, sampling_lps = _sampling_fields(meta, rid, asked=sampling_mask, aborted=aborted)
+    if sampling_mask and not aborted and not len(supports) == len(sampling_lps) == len(output_ids):
+        raise EngineError(
+            f"request {rid}: {len(supports)} sampling supports and {len(sampling_lps)} sampling logprobs for "
+            f"{len(output_ids)} response tokens; refusing a response with a missing sampling support"
+        )
     sent = len(output_ids)
     text = body.get("text") or ""
     if aborted:
-        # An abort may stop between sending a token and its logprob: keep the prefix that has both.
-        n = min(len(output_ids), len(logprobs))
+        # An abort may stop between sending a token and its logprob (or support): keep the prefix that has all.
+        n = min(len(output_ids), len(logprobs), *((len(supports), len(sampling_lps)) if sampling_mask else ()))
         output_ids, logprobs, lp_ids = output_ids[:n], logprobs[:n], lp_ids[:n]
+        supports, sampling_lps = supports[:n], sampling_lps[:n]
         if n < sent:
             pieces = [it[2] if len(it) > 2 else None for it in items[:n]]
             text = "".join(pieces) if all(isinstance(p, str) for p in pieces) else ""
@@ -135,6 +148,8 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
             f"{lp_ids[pos]}; ids and logprobs disagree"
         )
 
+    if sampling_mask:
+        sampling_lps = _check_support(rid, output_ids, logprobs, supports, sampling_lps)
     n = len(output_ids)
     version = meta.get("weight_version")
     version = None if version is None else str(version)
@@ -155,7 +170,63 @@ def parse_response(body: dict[str, Any], *, rid: str) -> GenerateResult:
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         completion_tokens=n,
         meta=extra,
+        sampling_logprobs=sampling_lps if sampling_mask else None,
+        sampling_support=supports if sampling_mask else None,
     )
+
+
+def _sampling_fields(meta: dict[str, Any], rid: str, *, asked: bool, aborted: bool) -> tuple[list, list]:
+    """``output_token_sampling_mask`` and ``output_token_sampling_logprobs`` as sent (empty when not asked).
+
+    Asked for and missing on a response that did not abort: refused like missing logprobs (an older server,
+    or a proxy that drops the top-level ``return_sampling_mask``)."""
+    if not asked:
+        return [], []
+    supports, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+    if (supports is None or lps is None) and not aborted:
+        raise EngineError(
+            f"request {rid}: response has no meta_info.output_token_sampling_mask/output_token_sampling_logprobs "
+            "although return_sampling_mask was sent (SGLang >= 0.5.23 returns them; was it dropped by a proxy?); "
+            "refusing a response without its sampling support"
+        )
+    supports, lps = supports or [], lps or []
+    if not (isinstance(supports, list) and isinstance(lps, list)):
+        raise EngineError(f"request {rid}: output_token_sampling_mask and output_token_sampling_logprobs must be lists")
+    return supports, lps
+
+
+def _check_support(
+    rid: str, output_ids: list[int], logprobs: list[float], supports: list, sampling_lps: list
+) -> list[float]:
+    """Each token's support is a list of distinct ids holding the token; its sampling logprob is finite, at
+    most :data:`POSITIVE_LOGPROB_TOL` (stored as 0.0 above 0, like logprobs) and at least the full logprob
+    minus ``SAMPLING_LOGPROB_TOL`` (truncation only removes mass; the tolerance is fp32 rounding of two
+    log-softmaxes, the store's bound). Returns the sampling logprobs as floats."""
+    for pos, (tok, support) in enumerate(zip(output_ids, supports)):
+        if not (isinstance(support, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in support)):
+            raise EngineError(f"request {rid}: sampling support of response token {pos} is {support!r}, not a list of ids")
+        if tok not in support:  # a boolean mask over the vocabulary would land here too: SGLang sends ids
+            raise EngineError(
+                f"request {rid}: response token {pos} (id {tok}) is not in its sampling support "
+                f"({len(support)} ids); refusing a response whose support does not hold the sampled token"
+            )
+        if len(set(support)) != len(support):
+            raise EngineError(f"request {rid}: sampling support of response token {pos} names an id twice")
+    try:
+        slps = np.asarray(sampling_lps, dtype=np.float64)  # None -> nan, rejected below
+    except (TypeError, ValueError) as e:
+        raise EngineError(f"request {rid}: output_token_sampling_logprobs must be numbers: {e}") from e
+    if slps.ndim != 1:
+        raise EngineError(f"request {rid}: output_token_sampling_logprobs must be one number per token")
+    full = np.asarray(logprobs, dtype=np.float64)
+    bad = ~(np.isfinite(slps) & (slps <= POSITIVE_LOGPROB_TOL) & (slps >= full - SAMPLING_LOGPROB_TOL))
+    if bad.any():
+        pos = int(np.argmax(bad))
+        raise EngineError(
+            f"request {rid}: sampling logprob of response token {pos} is {sampling_lps[pos]!r} with full logprob "
+            f"{logprobs[pos]:.6g}; expected a finite float <= 0 and >= the full logprob (truncation only removes mass)"
+        )
+    return np.minimum(slps, 0.0).tolist()
 
 
 def _weight_spans(raw: Any, n: int, *, sent: int | None = None) -> list[WeightSpan] | None:

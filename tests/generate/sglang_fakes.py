@@ -11,6 +11,16 @@ IDS = [11, 12, 13]
 LPS = [-0.5, -1.25, -2.0]
 
 
+def with_support(body, supports, sampling_lps):
+    """``body`` with SGLang 0.5.23's return_sampling_mask fields (the shapes measured on a real server)."""
+    body["meta_info"].update(
+        output_token_sampling_mask=supports,
+        output_token_sampling_logprobs=sampling_lps,
+        output_token_sampling_mask_length=len(supports),
+    )
+    return body
+
+
 def ok_body(ids=IDS, lps=LPS, *, finish=None, **meta):
     return {
         "text": "abc",
@@ -34,16 +44,20 @@ class FakeSGLang:
     'drop' (close the connection), 'hang' (answer only when the fake shuts down), 'broken' (half an
     answer once ``gate`` is set), or a body dict.
     /health pops ``health_script`` (then 200); /abort_request records the rid in ``aborts`` and answers
-    ``abort_action`` (200, an int status, or 'hang'); /get_model_info answers ``info``.
+    ``abort_action`` (200, an int status, or 'hang'); /get_model_info answers ``info``; /get_server_info
+    answers ``server_info`` (404 when None).
     """
 
-    def __init__(self, script=(), *, default="ok", latency=0.0, health_script=(), abort_action=200, info=None):
+    def __init__(
+        self, script=(), *, default="ok", latency=0.0, health_script=(), abort_action=200, info=None, server_info=None
+    ):
         self.script = list(script)
         self.default = default
         self.latency = latency
         self.health_script = list(health_script)
         self.abort_action = abort_action
         self.info = info if info is not None else {"model_path": "fake", "weight_version": "3"}
+        self.server_info = server_info
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.health_requests = 0
@@ -101,6 +115,11 @@ class FakeSGLang:
             return web.Response(body=self.info, content_type="application/json")
         return web.json_response(self.info)
 
+    async def get_server_info(self, request):
+        if self.server_info is None:
+            return web.Response(status=404, text="Not Found")
+        return web.json_response(self.server_info)
+
     async def __aenter__(self):
         app = web.Application()
         app.add_routes(
@@ -109,6 +128,7 @@ class FakeSGLang:
                 web.post("/abort_request", self.abort_request),
                 web.get("/health", self.health),
                 web.get("/get_model_info", self.model_info),
+                web.get("/get_server_info", self.get_server_info),
             ]
         )
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)

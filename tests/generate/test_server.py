@@ -9,6 +9,7 @@ import threading
 
 import aiohttp
 import pytest
+import torch
 from aiohttp.test_utils import TestServer
 
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
@@ -404,3 +405,58 @@ def test_the_body_limit_is_bounded_for_a_model_without_a_context_length():
 
     assert body_limit(1024, 13, 1024) == 145408  # the tiny model: a context's text, escaped, or its ids
     assert body_limit(1 << 30, 16, 151936) == MAX_BODY_BYTES == 64 * 1024**2  # no context length reported
+
+
+# ---- return_sampling_mask, as SGLang 0.5.23 answers it ---------------------------------------------
+
+
+def test_sampling_mask_fields_and_refusals_like_sglang(embedded_server):
+    mask_body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"temperature": 1.0, "top_k": 5, "max_new_tokens": 4, "sampling_seed": 3},
+        "return_logprob": True,
+        "return_sampling_mask": True,
+    }
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            out = [await _post(s, embedded_server + "/generate", mask_body)]
+            top_p = {**mask_body, "sampling_params": {"temperature": 1.0, "top_p": 0.8, "max_new_tokens": 4}}
+            out.append(await _post(s, embedded_server + "/generate", top_p))
+            inside = {**mask_body, "sampling_params": {**mask_body["sampling_params"], "return_sampling_mask": True}}
+            out.append(await _post(s, embedded_server + "/generate", inside))
+            greedy = {**mask_body, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+            out.append(await _post(s, embedded_server + "/generate", greedy))
+            async with s.get(embedded_server + "/get_server_info") as r:
+                out.append((r.status, await r.json()))
+        return out
+
+    (st, body), (st_p, refused), (st_in, inside), (st_g, greedy), (st_info, info) = run(go())
+    meta = body["meta_info"]
+    assert st == 200 and meta["output_token_sampling_mask_length"] == 4
+    masks, slps = meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+    assert [len(m) for m in masks] == [5] * 4 and all(t in m for t, m in zip(body["output_ids"], masks))
+    assert all(lp[0] <= s <= 0 for lp, s in zip(meta["output_token_logprobs"], slps))
+    # SGLang's refusal of a top-p without a top-k, its wording; the key belongs at the top level, not inside.
+    assert st_p == 400 and refused["error"]["message"].startswith(
+        "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k=1073741824"
+    )
+    assert st_in == 400 and "sampling_params.return_sampling_mask: not a sampling parameter" in inside["error"]["message"]
+    assert st_g == 200 and greedy["meta_info"]["output_token_sampling_mask"] == [[t] for t in greedy["output_ids"]]
+    assert greedy["meta_info"]["output_token_sampling_logprobs"] == [0.0, 0.0]
+    assert st_info == 200 and info["sampling_mask_max_tokens"] == 4096
+
+
+def test_sglang_client_gets_the_support_from_serve(embedded_server, reference, tf_logits):
+    sp = SamplingParams(temperature=0.7, top_k=20, max_new_tokens=8, return_sampling_mask=True)
+
+    async def go():
+        async with make_engine(embedded_server) as eng:
+            await eng.health_check(sp)  # serve reports its cap: the check runs and passes
+            return await eng.generate(PROMPTS[1], sp, rid="support-1")
+
+    res = run(go())
+    logp = torch.log_softmax(tf_logits(reference, PROMPTS[1], res.output_ids) / 0.7, dim=-1)  # [R, V]
+    for t, (tok, support, slp) in enumerate(zip(res.output_ids, res.sampling_support, res.sampling_logprobs)):
+        assert set(support) == set(logp[t].topk(20).indices.tolist())
+        assert abs(slp - float(logp[t, tok] - torch.logsumexp(logp[t, support], dim=0))) <= TOL

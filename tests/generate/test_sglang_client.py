@@ -7,11 +7,12 @@ import asyncio
 import pytest
 
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
+from rollshard.generate.engines.base import EngineSettingsError
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING
 from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine, backoff_delay, parse_response
 from rollshard.store.schema import WeightSpan
 
-from tests.generate.sglang_fakes import IDS, LPS, FakeSGLang, free_port, ok_body
+from tests.generate.sglang_fakes import IDS, LPS, FakeSGLang, free_port, ok_body, with_support
 
 FAST = dict(backoff_base_s=0.01, backoff_max_s=0.05, request_timeout_s=5.0)
 
@@ -258,3 +259,138 @@ def test_abort_clips_weight_spans_and_text_to_the_kept_tokens():
     body = ok_body(finish=finish, weight_versions=[["3", 0, 3]])
     res = parse_response(body, rid="r")
     assert res.text == "abc" and res.weight_versions == [WeightSpan(version="3", start=0, end=3)]
+
+
+# ---- sampling support (return_sampling_mask) ------------------------------------------------------
+
+# SGLang 0.5.23's shapes (measured): one id list per output token, the token among them (descending
+# probability), and the sampled token's logprob under the renormalized support (>= the full logprob).
+SUPPORTS = [[11, 40, 7], [12, 11], [5, 13, 9, 1]]
+SAMPLING_LPS = [-0.25, -0.5, -1.5]
+ASK = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3, return_sampling_mask=True)
+
+
+def supported_body(supports=SUPPORTS, sampling_lps=SAMPLING_LPS, **kw):
+    return with_support(ok_body(**kw), supports, sampling_lps)
+
+
+async def ask(script, sampling=ASK, **fake_kw):
+    async with FakeSGLang(script, **fake_kw) as fake:
+        async with SGLangEngine(fake.url, config=SGLangConfig(max_retries=0, **FAST)) as eng:
+            try:
+                return await eng.generate([1, 2, 3, 4], sampling, rid="req-1"), fake
+            except EngineError as e:
+                return e, fake
+
+
+def test_sampling_mask_is_sent_top_level_and_both_fields_parsed():
+    res, fake = run(ask([supported_body()]))
+    (sent,) = fake.requests
+    assert sent["return_sampling_mask"] is True and "return_sampling_mask" not in sent["sampling_params"]
+    assert res.sampling_support == SUPPORTS and res.sampling_logprobs == SAMPLING_LPS
+    assert "output_token_sampling_mask" not in res.meta  # parsed, not duplicated into meta
+    # Not asked: nothing is sent, and whatever the server sends is not taken.
+    res, fake = run(ask([supported_body()], sampling=SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3)))
+    assert "return_sampling_mask" not in fake.requests[0]
+    assert res.sampling_support is None and res.sampling_logprobs is None
+
+
+def _without(key):
+    body = supported_body()
+    del body["meta_info"][key]
+    return body
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (_without("output_token_sampling_mask"), r"response has no meta_info.output_token_sampling_mask"),
+        (_without("output_token_sampling_logprobs"), r"response has no meta_info.output_token_sampling_mask"),
+        (supported_body(supports=SUPPORTS[:2]), r"2 sampling supports and 3 sampling logprobs for 3 response tokens"),
+        (supported_body(supports=[[11], [40, 7], [13]]), r"response token 1 \(id 12\) is not in its sampling support"),
+        # A boolean mask over the vocabulary is not what SGLang sends (measured: ids); refused, not misread.
+        (supported_body(supports=[[True, False]] * 3), r"sampling support of response token 0 is \[True, False\]"),
+        (supported_body(supports=[[11, 11], [12], [13]]), r"sampling support of response token 0 names an id twice"),
+        (supported_body(sampling_lps=[-0.25, float("nan"), -1.5]), r"sampling logprob of response token 1 is nan"),
+        (supported_body(sampling_lps=[-0.25, 0.01, -1.5]), r"sampling logprob of response token 1 is 0.01"),
+        # Below the full logprob (-2.0) by more than the tolerance: truncation cannot lower a probability.
+        (supported_body(sampling_lps=[-0.25, -0.5, -2.01]), r"sampling logprob of response token 2 is -2.01 with full"),
+        (supported_body(sampling_lps=[-0.25, None, -1.5]), r"sampling logprob of response token 1 is None"),
+    ],
+    ids=["no-mask", "no-logprobs", "short", "outside", "boolean-mask", "duplicate", "nan", "positive", "below-full",
+         "null"],
+)
+def test_refuses_responses_without_a_matching_sampling_support(body, message):
+    with pytest.raises(EngineError, match=r"request r7: " + message):
+        parse_response(body, rid="r7", sampling_mask=True)
+
+
+def test_sampling_logprob_rounding_is_tolerated_and_clamped_like_logprobs():
+    # fp32 rounding: a hair above 0 is stored as 0.0; a hair (< 1e-4) below the full logprob is kept as sent.
+    res = parse_response(supported_body(sampling_lps=[3e-5, -0.5, -2.00005]), rid="r", sampling_mask=True)
+    assert res.sampling_logprobs == [0.0, -0.5, -2.00005]
+
+
+def test_a_response_without_the_support_is_refused_over_http_naming_the_request():
+    err, fake = run(ask([ok_body()]))
+    assert isinstance(err, EngineError) and str(err).startswith("request req-1: response has no meta_info.output_token")
+    assert len(fake.requests) == 1  # the server answered: not a transport error to retry here (the runner retries)
+
+
+def test_abort_keeps_the_prefix_that_has_ids_logprobs_and_supports():
+    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    # 3 ids and logprobs, 2 supports: the third token is dropped with everything else of it.
+    body = supported_body(supports=SUPPORTS[:2], sampling_lps=SAMPLING_LPS[:2], finish=finish)
+    res = parse_response(body, rid="r", sampling_mask=True)
+    assert res.output_ids == IDS[:2] and res.logprobs == LPS[:2]
+    assert res.sampling_support == SUPPORTS[:2] and res.sampling_logprobs == SAMPLING_LPS[:2]
+    # 3 ids and supports, 2 logprobs: the supports are cut to the 2 tokens kept.
+    body = supported_body(finish=finish)
+    body["meta_info"]["output_token_logprobs"] = body["meta_info"]["output_token_logprobs"][:2]
+    res = parse_response(body, rid="r", sampling_mask=True)
+    assert res.output_ids == IDS[:2] and res.sampling_support == SUPPORTS[:2] and res.sampling_logprobs == SAMPLING_LPS[:2]
+    # An abort before any token: nothing at all, the support fields empty (not missing).
+    empty = with_support(ok_body(ids=[], lps=[], finish=finish), [], [])
+    del empty["meta_info"]["output_token_sampling_mask"]
+    res = parse_response(empty, rid="r", sampling_mask=True)
+    assert res.output_ids == [] and res.sampling_support == [] and res.sampling_logprobs == []
+
+
+def test_a_retried_request_gets_the_support_of_the_attempt_that_answered():
+    async def go():
+        async with FakeSGLang([503, supported_body()]) as fake:
+            async with SGLangEngine(fake.url, config=SGLangConfig(max_retries=2, **FAST)) as eng:
+                return await eng.generate([1, 2], ASK, rid="r"), fake
+
+    res, fake = run(go())
+    assert [r["rid"] for r in fake.requests] == ["r", "retry1-r"] and all(r["return_sampling_mask"] for r in fake.requests)
+    assert res.sampling_support == SUPPORTS and len(res.sampling_support) == len(res.output_ids)
+
+
+@pytest.mark.parametrize(
+    "sampling, problem",
+    [
+        (SamplingParams(top_k=5000, return_sampling_mask=True), "this run has --top-k 5000; add --top-k K (K <= 4096)"),
+        (SamplingParams(top_p=0.9, return_sampling_mask=True), "this run has no --top-k; add --top-k K (K <= 4096)"),
+        (SamplingParams(top_k=4096, return_sampling_mask=True), None),
+        (SamplingParams(temperature=0.0, return_sampling_mask=True), None),  # greedy: SGLang runs it as top_k 1
+    ],
+)
+def test_health_check_refuses_a_top_k_over_the_servers_cap(sampling, problem):
+    async def go(server_info):
+        async with FakeSGLang(server_info=server_info) as fake:
+            async with SGLangEngine(fake.url, config=SGLangConfig(max_retries=0, **FAST)) as eng:
+                try:
+                    return await eng.health_check(sampling)
+                except EngineSettingsError as e:
+                    return e
+
+    out = run(go({"sampling_mask_max_tokens": 4096}))
+    if problem is None:
+        assert isinstance(out, list)
+    else:
+        assert isinstance(out, EngineSettingsError) and "refuses return_sampling_mask here" in str(out)
+        assert problem in str(out) and "or pass --sampling-support off" in str(out)
+    assert isinstance(run(go(None)), list)  # a server that does not report its cap (404) is not checked here
+    raised = run(go({"sampling_mask_max_tokens": 8192}))
+    assert isinstance(raised, list) or "no --top-k" in str(raised)  # a raised cap admits top_k 5000

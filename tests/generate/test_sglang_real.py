@@ -12,8 +12,10 @@ import asyncio
 
 import aiohttp
 import pytest
+import torch
 
 from rollshard.generate.engines import SamplingParams, make_engine
+from rollshard.generate.engines.base import EngineSettingsError
 from rollshard.generate.engines.embedded import load_causal_lm
 from rollshard.store.schema import WeightSpan
 
@@ -86,7 +88,9 @@ def test_aborted_request_keeps_matching_logprobs(sglang_server):
         rid = f"to-abort-{i}"
         loop = asyncio.get_running_loop()
         async with make_engine(sglang_server) as eng, aiohttp.ClientSession() as s:
-            task = asyncio.ensure_future(eng.generate([1, 5, 6, 7], SamplingParams(max_new_tokens=1000), rid=rid))
+            # With the sampling support asked for: an abort keeps it aligned with the tokens kept.
+            sp = SamplingParams(max_new_tokens=1000, top_k=20, return_sampling_mask=True)
+            task = asyncio.ensure_future(eng.generate([1, 5, 6, 7], sp, rid=rid))
             # An abort that arrives before the server has registered the rid is a no-op (SGLang answers 200
             # either way), so keep aborting until the request has ended, however slow the machine is.
             deadline = loop.time() + 300
@@ -104,7 +108,8 @@ def test_aborted_request_keeps_matching_logprobs(sglang_server):
             break
     res = results[-1]
     assert res.finish_reason == "abort", [r.finish_reason for r in results]
-    assert len(res.logprobs) == len(res.output_ids) < 1000
+    assert len(res.logprobs) == len(res.output_ids) == len(res.sampling_support) == len(res.sampling_logprobs) < 1000
+    assert all(t in support for t, support in zip(res.output_ids, res.sampling_support))
     assert res.finish_detail["status_code"] is None  # a client's abort is final: no 5xx, so not retried
     assert all(r.finish_reason == "stop" for r in results[:-1])  # only natural stops are retried
 
@@ -138,3 +143,55 @@ def test_update_weights_from_disk_changes_logprobs_and_version(
     assert max(abs(a - b) for a, b in zip(before.logprobs, after.logprobs)) > 0.01
     want = teacher_forced(load_causal_lm(tiny_gpt2_seed1), PROMPTS[1], after.output_ids, 0.0)
     assert max(abs(a - b) for a, b in zip(after.logprobs, want)) <= TOL
+
+
+# ---- return_sampling_mask ---------------------------------------------------------------------------
+
+
+def _kept(logits_row, temperature, top_p, top_k):
+    """SGLang's kept set from scratch: sort the tempered probabilities, top-k, then mass before a token <= top_p."""
+    probs = torch.softmax(logits_row / temperature, dim=-1).double()
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    return {int(t) for rank, (t, b) in enumerate(zip(order, before)) if rank < top_k and b <= top_p}
+
+
+# top_k 20 at T 1; top_p 0.8 under a top-k cap of 1000 at T 0.15, where top-p decides (the random model's
+# distributions are nearly flat: ~230-430 ids kept, measured); greedy (SGLang runs it as top_k 1).
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 20), (0.15, 0.8, 1000), (0.0, 1.0, -1)])
+def test_sampling_support_equals_teacher_forced(sglang_server, reference, tf_logits, temperature, top_p, top_k):
+    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16, return_sampling_mask=True)
+
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            await eng.health_check(sp)  # reads the server's --sampling-mask-max-tokens (4096) and accepts
+            return await asyncio.gather(*(eng.generate(p, sp) for p in PROMPTS))
+
+    sizes = []
+    for prompt, res in zip(PROMPTS, run(go())):
+        assert len(res.sampling_support) == len(res.sampling_logprobs) == len(res.output_ids) > 0
+        if temperature == 0.0:
+            assert res.sampling_support == [[t] for t in res.output_ids] and res.sampling_logprobs == [0.0] * len(res.output_ids)
+            continue
+        logits = tf_logits(reference, prompt, res.output_ids)  # [R, V]
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # [R, V]
+        diffs = []
+        for t, (tok, support, slp) in enumerate(zip(res.output_ids, res.sampling_support, res.sampling_logprobs)):
+            assert set(support) == _kept(logits[t], temperature, top_p, top_k) and tok in support
+            diffs.append(abs(slp - float(logp[t, tok] - torch.logsumexp(logp[t, support], dim=0))))
+            sizes.append(len(support))
+        assert max(diffs) <= TOL
+    if top_k == 20:
+        assert set(sizes) == {20}
+    elif temperature > 0:
+        assert len(set(sizes)) > 1 and max(sizes) < top_k  # top-p decided under the cap
+
+
+def test_a_top_k_over_the_servers_cap_is_refused_at_the_health_check(sglang_server):
+    async def go():
+        async with make_engine(sglang_server) as eng:
+            with pytest.raises(EngineSettingsError) as e:
+                await eng.health_check(SamplingParams(top_k=5000, return_sampling_mask=True))
+            return str(e.value)
+
+    assert "--sampling-mask-max-tokens (4096)" in run(go())
