@@ -15,6 +15,14 @@ Rerunning the same command resumes: prompts already in DATASET are skipped, the 
 n`` on n hosts split the prompts (by position modulo n) into the one dataset, each
 host writing as writer ``gen-i-of-n``.
 
+Sampling support (``--sampling-support auto|on|off``, default auto): when sampling truncates
+(top-p < 1 or a top-k, temperature > 0), each row also stores every response token's
+sampling support and its logprob under the truncated, renormalized distribution (schema
+1.1 ``sampling_support`` / ``sampling_logprobs``; environment tokens: [] and 0.0). SGLang
+returns them only with a finite top-k (<= its ``--sampling-mask-max-tokens``): a top-p run on
+SGLang needs ``--top-k K`` or ``--sampling-support off`` (a usage error otherwise). The
+resolved setting is part of the run config a resume compares.
+
 Resuming checks the settings (the first differing one is named) and every prompt
 already in the dataset: its stored ``prompt_hash`` (rendered prompt ids and label) must
 match the source's, so an edited or swapped prompt file is refused rather than skipped.
@@ -60,12 +68,13 @@ from rollshard.generate.runner import (
 from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.lineage import lineage_of
-from rollshard.store.schema import SchemaVersionError
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 from rollshard.store.versions import resolve_model_path
 from rollshard.store.writer import ShardWriter
 
 PROG = "rollshard-generate"
+SUPPORT_MODES = ("auto", "on", "off")
 CONTEXT_KEYS = ("max_context_length", "context_length", "max_context_len")  # model_info names for the context
 MAX_SANE_CONTEXT = 1 << 24  # tokenizers without a limit report ~1e30 as model_max_length
 
@@ -134,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default: %(default)s)")
     s.add_argument("--top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
     s.add_argument("--top-k", type=int, default=-1, metavar="K", help="-1: no top-k (default: %(default)s)")
+    s.add_argument(
+        "--sampling-support", choices=SUPPORT_MODES, default="auto",
+        help="store each response token's sampling support and its logprob under the truncated, renormalized "
+        "distribution (schema 1.1), for importance ratios that know what top-p/top-k kept. auto: when sampling "
+        "truncates (--top-p < 1 or --top-k, temperature > 0); on: also for greedy runs, and refused when nothing "
+        "truncates; off: never. SGLang returns it only with a top-k (<= its --sampling-mask-max-tokens, 4096 by "
+        "default): a top-p run needs --top-k K too (default: %(default)s)",
+    )
     s.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per model turn (default: %(default)s)")
     s.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     s.add_argument(
@@ -222,6 +239,31 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    args.return_sampling_mask = _sampling_support(args)
+
+
+def _sampling_support(args: argparse.Namespace) -> bool:
+    """Whether the run asks the engine for the sampling support (``--sampling-support``); usage errors for what
+    cannot work: ``on`` with nothing truncated (the support would be the vocabulary, per token), and an SGLang
+    engine asked without a top-k (SGLang refuses every such request; its top-k cap is checked on connect)."""
+    greedy = args.temperature < GREEDY_TEMPERATURE_EPS
+    truncates = not greedy and (args.top_p < 1.0 or args.top_k > 0)
+    if args.sampling_support == "off":
+        return False
+    if args.sampling_support == "on" and not (truncates or greedy):
+        raise UsageError(
+            "--sampling-support on: nothing truncates (--top-p 1, no --top-k), so the support would be the whole "
+            "vocabulary; set --top-k K or --top-p P < 1, or use --sampling-support auto/off"
+        )
+    ask = args.sampling_support == "on" or truncates
+    sglang = not args.engine.strip().startswith("embedded:")
+    if ask and sglang and not greedy and args.top_k < 1:
+        raise UsageError(
+            f"--sampling-support {args.sampling_support} with --top-p {args.top_p:g} and no --top-k: SGLang returns "
+            "the sampling support only with a top-k; add --top-k K (K <= the server's --sampling-mask-max-tokens, "
+            "4096 by default) or pass --sampling-support off"
+        )
+    return ask
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, list[Prompt]]:
@@ -283,6 +325,7 @@ async def _generate(
         top_k=args.top_k,
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
+        return_sampling_mask=args.return_sampling_mask,
     )
     config = _generation_config(args, system, task, scorer, sampling)
     _check_existing(args.out, config)  # before the engine: a refused resume costs no model load
@@ -422,7 +465,12 @@ def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sa
         "label_key": args.label_key,
         "id_key": args.id_key,
         "limit": args.limit,
-        "sampling": {k: v for k, v in dataclasses.asdict(sampling).items() if k != "sampling_seed"},
+        # return_sampling_mask is recorded as sampling_support: a config without it (before schema 1.1) means off.
+        "sampling": {
+            k: v for k, v in dataclasses.asdict(sampling).items() if k not in ("sampling_seed", "return_sampling_mask")
+        },
+        "sampling_support": "on" if sampling.return_sampling_mask else "off",
+        "sampling_support_mode": args.sampling_support,  # as given (auto resolves to the value above)
         "seed": args.seed,
         "n_samples": args.n_samples,
         "shard_index": args.shard_index,

@@ -77,10 +77,10 @@ BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to t
 # change the rendered prompt, which the per-prompt hash check catches.)
 GENERATION_KEYS = (
     "agents", "task", "task_plugin", "reward", "sampling", "seed", "input_key", "label_key", "id_key",
-    "allow_skipped_calls",
+    "allow_skipped_calls", "sampling_support",
 )
 # The value of a key in a config written before the key existed ("reward": the task's verifier, see _default).
-GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None}
+GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "sampling_support": "off"}
 # Where a plugin's file lies differs between hosts and checkouts: in a plugin identity ({spec, file, sha256}) the
 # spec and sha256 identify it, the file is not compared.
 IDENTITY_PATH_KEY = "file"

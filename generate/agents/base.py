@@ -16,7 +16,10 @@ deterministic engine (the embedded one) regenerates a lost row token for token.
 Token accounting: ``prompt_tokens`` are exactly the ids sent for the first turn (chat
 template applied); ``response_tokens`` are every id after them -- model turns
 (loss_mask 1, the engine's logprob) and environment text between turns (loss_mask 0,
-logprob 0.0), as slime builds multi-turn samples.
+logprob 0.0), as slime builds multi-turn samples. With ``SamplingParams.return_sampling_mask``
+a call also keeps each token's sampling support and sampling logprob (the engine's for model
+turns; ``[]`` and 0.0 for environment tokens), written to the row's schema 1.1 columns; without
+it both are None.
 
 Rewards are a second phase: :meth:`AgentSystem.run` makes the calls and their rows,
 :meth:`AgentSystem.score` assigns rewards from the rows alone (the system's reward rule,
@@ -37,7 +40,7 @@ from collections import Counter
 from typing import Any, ClassVar
 
 from rollshard.generate.chat import ChatFormat
-from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
+from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.rewards import Scorer, TaskScorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.generate.tasks.prompts import ID_SEPARATOR
@@ -80,8 +83,24 @@ class AgentCall:
     weight_version: str | None = None
     weight_spans: list[WeightSpan] = dataclasses.field(default_factory=list)
     turns: int = 0
+    # With sampling.return_sampling_mask, per response token (environment tokens: 0.0 and []); else None.
+    sampling_logprobs: list[float] | None = None
+    sampling_support: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.return_sampling_mask and self.sampling_logprobs is None:
+            self.sampling_logprobs, self.sampling_support = [], []
 
     def add_turn(self, result: GenerateResult) -> None:
+        if self.sampling_support is not None:
+            if result.sampling_support is None or result.sampling_logprobs is None:
+                # An engine that ignored the request: the row would lack what the run promised to store.
+                raise EngineError(
+                    f"request for {self.sample_id} turn {self.turns}: the engine returned no sampling support "
+                    "although return_sampling_mask was asked for"
+                )
+            self.sampling_logprobs += result.sampling_logprobs
+            self.sampling_support += [list(s) for s in result.sampling_support]
         start = len(self.response_ids)
         self.response_ids += result.output_ids
         self.logprobs += result.logprobs
@@ -104,6 +123,9 @@ class AgentCall:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
+        if self.sampling_support is not None:  # not the policy's tokens: no support (the store's rule)
+            self.sampling_logprobs += [0.0] * len(ids)
+            self.sampling_support += [[] for _ in ids]
         self.text += text
 
     def _add_span(self, version: str, start: int, end: int) -> None:
@@ -298,6 +320,8 @@ class Episode:
             prompt_text=call.prompt_text,
             response_text=call.text,
             metadata=meta,
+            sampling_logprobs=_copy_logprobs(call.sampling_logprobs),
+            sampling_support=_copy_support(call.sampling_support),
         )
 
     def check_rows(self, rows: list[Row]) -> None:
@@ -320,6 +344,8 @@ class Episode:
                 mine, theirs = getattr(made, field), getattr(row, field)
                 if field in LIST_FIELDS:
                     mine, theirs = list(mine), list(theirs)
+                elif field in OPTIONAL_LIST_FIELDS:
+                    mine, theirs = OPTIONAL_LIST_FIELDS[field](mine), OPTIONAL_LIST_FIELDS[field](theirs)
                 if theirs != mine:
                     raise RowProvenanceError(
                         f"agent system {self.system!r} changed {field} of {row.sample_id!r} from what the engine "
@@ -343,9 +369,21 @@ class Episode:
 PROVENANCE_FIELDS = (
     "prompt_id", "group_id", "agent", "round", "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask",
     "status", "finish_reason", "weight_version", "weight_versions", "temperature", "top_p", "top_k", "prompt_text",
-    "response_text",
+    "response_text", "sampling_logprobs", "sampling_support",
 )
 LIST_FIELDS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask")
+
+
+def _copy_logprobs(values) -> list[float] | None:
+    return None if values is None else list(values)
+
+
+def _copy_support(supports) -> list[list[int]] | None:
+    return None if supports is None else [list(s) for s in supports]
+
+
+# Nullable list fields, compared as plain lists (None stays None): a row's sampling support as the call made it.
+OPTIONAL_LIST_FIELDS = {"sampling_logprobs": _copy_logprobs, "sampling_support": _copy_support}
 
 
 async def play(system: "AgentSystem", episode: Episode) -> list[Row]:

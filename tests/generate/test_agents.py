@@ -5,10 +5,18 @@ import zlib
 
 import pytest
 
-from rollshard.generate.agents import ContextFullError, Episode, derive_seed, make_agent_system, play
+from rollshard.generate.agents import (
+    AgentSystem,
+    ContextFullError,
+    Episode,
+    RowProvenanceError,
+    derive_seed,
+    make_agent_system,
+    play,
+)
 from rollshard.generate.agents.multi_agent import final_answer, parse_judgment
 from rollshard.generate.agents.tool_loop import calculate, observation
-from rollshard.generate.engines.base import Engine, GenerateResult, SamplingParams
+from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.tasks import Prompt, get_task
 from rollshard.store.schema import Status, check_table, rows_to_table
 from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
@@ -21,11 +29,12 @@ class ScriptedEngine(Engine):
     so a test can tell whose logprobs ended up in which row.
     """
 
-    def __init__(self, tokenizer, script, *, weight_version="v7", delay=0.0):
+    def __init__(self, tokenizer, script, *, weight_version="v7", delay=0.0, drop_support=False):
         self.tokenizer = tokenizer
         self.script = script
         self.weight_version = weight_version
         self.delay = delay
+        self.drop_support = drop_support  # ignore return_sampling_mask, as an engine that does not know it
         self.requests: dict[str, tuple[list[int], SamplingParams, GenerateResult]] = {}
 
     async def generate(self, input_ids, sampling, *, rid=None):
@@ -38,6 +47,8 @@ class ScriptedEngine(Engine):
         ids = encode(self.tokenizer, text)
         base = zlib.crc32(rid.encode()) % 1000
         logprobs = [-((base + 7 * i) % 997) / 100.0 - 0.001 for i in range(len(ids))]
+        # With return_sampling_mask: the token and two neighbours, and half the full logprob (>= it, <= 0).
+        asked = sampling.return_sampling_mask and not self.drop_support
         result = GenerateResult(
             output_ids=ids,
             logprobs=logprobs,
@@ -46,6 +57,8 @@ class ScriptedEngine(Engine):
             weight_version=self.weight_version,
             prompt_tokens=len(input_ids),
             completion_tokens=len(ids),
+            sampling_support=[[t + 1, t, t + 2] for t in ids] if asked else None,
+            sampling_logprobs=[lp / 2 for lp in logprobs] if asked else None,
         )
         self.requests[rid] = (list(input_ids), sampling, result)
         return result
@@ -59,8 +72,10 @@ def tok(tiny_gpt2):
     return load_tokenizer(tiny_gpt2)
 
 
-def run_episode(system, tok, script, *, task="math", label="12", problem="What is 5 + 7?", max_context_len=None, **kw):
-    engine = ScriptedEngine(tok, script)
+def run_episode(
+    system, tok, script, *, task="math", label="12", problem="What is 5 + 7?", max_context_len=None, engine=None, **kw
+):
+    engine = engine or ScriptedEngine(tok, script)
     episode = Episode(
         prompt=Prompt(prompt_id="p0", index=0, content=problem, label=label),
         task=get_task(task),
@@ -301,3 +316,64 @@ def test_episode_refuses_a_prompt_id_with_a_slash(tok):
             prompt=Prompt(prompt_id="a/b", index=0, content="What is 5 + 7?", label="12"), task=get_task("math"),
             engine=ScriptedEngine(tok, []), tokenizer=tok, sampling=SamplingParams(),
         )
+
+
+# ---- sampling support (schema 1.1) ---------------------------------------------------------------
+
+
+def _tool_script(agent, index, turn, ids):
+    return ["let me compute <calc>3*4</calc>", "so it is \\boxed{12}"][turn]
+
+
+def test_tool_loop_keeps_each_turns_support_and_none_between_turns(tok):
+    rows, engine = run_episode(make_agent_system("tool_loop", n_samples=1), tok, _tool_script, return_sampling_mask=True)
+    (row,) = rows
+    _, s0, r0 = engine.requests["p0/policy/0/0/turn0/try0"]
+    _, s1, r1 = engine.requests["p0/policy/0/0/turn1/try0"]
+    ne = len(encode(tok, "\n<result>12</result>\n"))
+    assert s0.return_sampling_mask and s1.return_sampling_mask  # every turn asks, the tool's stop added or not
+    assert list(row.sampling_support) == r0.sampling_support + [[]] * ne + r1.sampling_support
+    assert list(row.sampling_logprobs) == r0.sampling_logprobs + [0.0] * ne + r1.sampling_logprobs
+    assert len(row.sampling_support) == len(row.response_tokens)  # and run_episode checked the store invariants
+
+
+def test_rows_carry_no_support_unless_asked(tok):
+    rows, _ = run_episode(make_agent_system("tool_loop", n_samples=1), tok, _tool_script)
+    assert rows[0].sampling_support is None and rows[0].sampling_logprobs is None
+
+
+def test_an_engine_that_ignores_the_request_fails_the_call(tok):
+    engine = ScriptedEngine(tok, _tool_script, drop_support=True)
+    with pytest.raises(EngineError, match="p0/policy/0/0 turn 0: the engine returned no sampling support"):
+        run_episode(make_agent_system("single", n_samples=1), tok, None, engine=engine, return_sampling_mask=True)
+
+
+class _EditSupport(AgentSystem):
+    """Returns its rows with the support of the first token edited (a plugin may not)."""
+
+    name = "edit_support"
+    max_parallel_calls = 1
+
+    def __init__(self, edit):
+        self.edit = edit
+
+    async def run(self, episode):
+        call = await episode.call("policy", 0, 0, episode.task.messages(episode.prompt))
+        row = episode.row(call)
+        self.edit(row)
+        return [row]
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda row: row.sampling_support[0].append(5), "sampling_support"),
+        (lambda row: row.sampling_logprobs.__setitem__(0, 0.0), "sampling_logprobs"),
+        (lambda row: setattr(row, "sampling_support", None), "sampling_support"),
+    ],
+)
+def test_check_rows_holds_the_support_to_the_call(tok, edit, field):
+    with pytest.raises(RowProvenanceError, match=f"changed {field} of 'p0/policy/0/0'"):
+        run_episode(_EditSupport(edit), tok, lambda *a: "\\boxed{12}", return_sampling_mask=True)
+    rows, _ = run_episode(_EditSupport(lambda row: None), tok, lambda *a: "\\boxed{12}", return_sampling_mask=True)
+    assert rows[0].sampling_support  # unedited: accepted

@@ -219,7 +219,8 @@ class FakeSGLang:
 
     TEXTS = ["\\boxed{42}", "it is 41", "Judgment: 1", "Judgment: 2", "so \\boxed{42}. Judgment: 7"]
 
-    def __init__(self, model_path, *, die_after=None, preferred=None):
+    def __init__(self, model_path, *, die_after=None, preferred=None, support=True):
+        self.support = support  # answer return_sampling_mask with a support (token, token + 1), or leave it out
         self.model_path = str(model_path)
         self.tok = load_tokenizer(model_path)
         self.sent = {}
@@ -253,6 +254,9 @@ class FakeSGLang:
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
             },
         }
+        if body.get("return_sampling_mask") and self.support:
+            resp["meta_info"]["output_token_sampling_mask"] = [[t, t + 1] for t in ids]
+            resp["meta_info"]["output_token_sampling_logprobs"] = [lp / 2 for lp in lps]
         self.sent[body["rid"]] = (body, resp)
         return web.json_response(resp)
 
@@ -622,3 +626,89 @@ def test_a_tokenizer_without_a_chat_template_is_one_line(tiny_gpt2, tmp_path, ca
     assert main(base_args(bare, tmp_path / "ds")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no chat template" in err
+
+
+# ---- --sampling-support -----------------------------------------------------------------------------
+
+
+def _tool_loop_args(model, out, *extra):
+    return list(map(str, [
+        "--engine", f"embedded:{model}", "--agents", "tool_loop", "--task", "math", "--n-samples", "2",
+        "--max-new-tokens", "6", "--limit", "2", "--no-progress", "--out", out, *extra,
+    ]))
+
+
+def test_rows_carry_the_support_with_none_between_turns_and_off_stores_none(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert main(_tool_loop_args(tiny_gpt2, out, "--top-k", "5")) == 0  # auto: top-k truncates
+    assert_valid(out)
+    rows = rows_of(out)
+    assert len(rows) == 4
+    for r in rows:
+        mask = np.array(r["loss_mask"])
+        assert (mask == 0).any() and len(r["sampling_support"]) == len(r["response_tokens"])
+        for tok, m, support, slp, lp in zip(
+            r["response_tokens"], mask, r["sampling_support"], r["sampling_logprobs"], r["rollout_logprobs"]
+        ):
+            if m:
+                assert len(support) == 5 and tok in support and lp - 1e-4 <= slp <= 0.0
+            else:  # the calculator's tokens: not sampled, no support
+                assert support == [] and slp == 0.0
+    config = RolloutDataset.open(out).manifests[0].config
+    assert config["sampling_support"] == "on" and config["sampling_support_mode"] == "auto"
+    assert "return_sampling_mask" not in config["sampling"]
+    capsys.readouterr()
+    # The setting is part of what a resume compares.
+    assert main(_tool_loop_args(tiny_gpt2, out, "--top-k", "5", "--sampling-support", "off")) == 2
+    assert 'another sampling_support ("on" there, "off" now' in capsys.readouterr().err
+    off = tmp_path / "off"
+    assert main(_tool_loop_args(tiny_gpt2, off, "--top-k", "5", "--sampling-support", "off")) == 0
+    assert all(r["sampling_support"] is None and r["sampling_logprobs"] is None for r in rows_of(off))
+    assert RolloutDataset.open(off).manifests[0].config["sampling_support"] == "off"
+
+
+def test_sampling_support_usage_errors(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    sglang = ["--engine", f"http://127.0.0.1:{free_port()}", "--task", "toy", "--no-progress", "--out", str(out)]
+    assert main([*sglang, "--top-p", "0.9"]) == 2  # auto with a top-p: SGLang needs a top-k; no server needed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--sampling-support auto with --top-p 0.9 and no --top-k: SGLang returns" in err
+    assert "add --top-k K (K <= the server's --sampling-mask-max-tokens, 4096 by default) or pass --sampling-support off" in err
+    assert main([*sglang, "--top-p", "0.9", "--sampling-support", "on"]) == 2
+    assert "--sampling-support on with --top-p 0.9 and no --top-k" in capsys.readouterr().err
+    embedded = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--no-progress", "--out", str(out)]
+    assert main([*embedded, "--sampling-support", "on"]) == 2  # nothing truncates
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--sampling-support on: nothing truncates (--top-p 1, no --top-k)" in err
+    assert not out.exists()
+
+
+def test_an_sglang_answer_without_the_support_is_retried_then_ledgered(tiny_gpt2, tmp_path):
+    args = ["--agents", "single", "--task", "toy", "--limit", "2", "--n-samples", "2", "--top-k", "20",
+            "--retries", "1", "--no-progress"]
+    with FakeSGLang(tiny_gpt2, support=False) as server:
+        assert main(["--engine", server.url, *args, "--out", str(tmp_path / "ds")]) == 1
+        assert all(body["return_sampling_mask"] is True for body, _ in server.sent.values())
+    ledger = [json.loads(line) for line in (tmp_path / "ds" / "_failures" / "gen-0-of-1.jsonl").read_text().splitlines()]
+    assert len(ledger) == 2 and all(e["attempts"] == 2 for e in ledger)
+    assert all("response has no meta_info.output_token_sampling_mask" in e["error"] for e in ledger)
+    with FakeSGLang(tiny_gpt2) as server:  # a server that sends it: the rows hold exactly what it sent
+        assert main(["--engine", server.url, *args, "--out", str(tmp_path / "ok")]) == 0
+        sent = {rid.split("/turn")[0]: resp["meta_info"] for rid, (_, resp) in server.sent.items()}
+    for r in rows_of(tmp_path / "ok"):
+        assert r["sampling_support"] == sent[r["sample_id"]]["output_token_sampling_mask"]
+        assert np.allclose(r["sampling_logprobs"], sent[r["sample_id"]]["output_token_sampling_logprobs"], atol=1e-6)
+
+
+def test_a_config_from_before_the_support_means_off():
+    from types import SimpleNamespace
+
+    from rollshard.generate.runner import ConfigMismatchError, check_resume_config
+
+    old = {"agents": {"name": "single"}, "sampling": {"temperature": 1.0}}  # no sampling_support key
+    dataset = SimpleNamespace(
+        manifests=[SimpleNamespace(config=old, shards=["s"], writer_id="gen-0-of-1")], storage=SimpleNamespace(uri="ds")
+    )
+    check_resume_config(dataset, {**old, "sampling_support": "off"})
+    with pytest.raises(ConfigMismatchError, match='another sampling_support \\("off" there, "on" now'):
+        check_resume_config(dataset, {**old, "sampling_support": "on"})
