@@ -55,6 +55,7 @@ class HashingFile(io.RawIOBase):
         self._sent = 0  # buffers queued (the writer's thread only)
         self._done = 0  # buffers handled (the I/O thread only)
         self._closing = False
+        self._abandoned = False  # the file is being discarded: nothing more needs writing
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name="rollshard-shard-io", daemon=True)
         self._thread.start()
@@ -70,10 +71,12 @@ class HashingFile(io.RawIOBase):
             if data is None:  # put only by close(), after everything else: nothing is left to write
                 return
             try:
-                if self._error is None and data is self._SYNC:
+                if self._error is not None or self._abandoned:
+                    pass
+                elif data is self._SYNC:
                     self._sink.flush()
                     os.fsync(self._sink.fileno())
-                elif self._error is None:
+                else:
                     self.sha256.update(data)
                     self._sink.write(data)
             except BaseException as e:  # re-raised on the writer's thread at the next call
@@ -121,6 +124,8 @@ class HashingFile(io.RawIOBase):
             self._put(self._SYNC)
 
     def flush(self) -> None:
+        if self._abandoned:
+            return
         self._wait_drained()
         self._raise_pending()
         self._sink.flush()
@@ -132,7 +137,14 @@ class HashingFile(io.RawIOBase):
             while self._thread.is_alive():
                 self._thread.join(self._POLL_S)
         super().close()
-        self._raise_pending()
+        if not self._abandoned:
+            self._raise_pending()
+
+    def abandon(self) -> None:
+        """Close without writing what is still queued and without raising the I/O thread's error: for a file being
+        discarded, which may be torn in any state (an interrupt can land while the I/O thread is being started)."""
+        self._abandoned = True
+        self.close()
 
 
 class Storage:
@@ -254,7 +266,7 @@ class PendingFile:
         when it has not completed, which pyarrow cannot express, so a remote partial is deleted."""
         try:
             try:
-                self.file.close()
+                self.file.abandon()
             finally:
                 self._raw.close()
         finally:

@@ -266,6 +266,11 @@ def _interrupted_commit(root, groups, at_line: int) -> tuple[str | None, int]:
                 sys.settrace(None)
     except KeyboardInterrupt:
         pass
+    except RuntimeError:
+        # CPython's Condition is not exception-safe: an interrupt landing inside its wait (a thread being started)
+        # can surface as "release unlocked lock" instead. What the writer guarantees still holds, checked below.
+        if "/threading.py" not in str(seen["where"]):
+            raise
     return seen["where"], seen["n"]
 
 
@@ -304,3 +309,19 @@ def test_manifest_temp_file_of_a_crash_is_cleaned_on_reopen(tmp_path, monkeypatc
     with ShardWriter(tmp_path, writer_id="w") as w:
         assert len(w.committed_shards) == 1
     assert not crashed.exists() and all(other.exists() for other in others)
+
+
+def test_discarding_a_shard_whose_io_thread_is_gone_does_not_raise(tmp_path):
+    """An interrupt can tear the hand-off to the I/O thread in any state (the thread stopped with a buffer still
+    counted as queued, say). Discarding the shard must then still drop it, not raise an I/O error of its own."""
+    from rollshard.store.storage import PendingFile, Storage
+
+    pending = PendingFile(Storage(tmp_path), "shards/x.parquet")
+    pending.file.write(b"abc")
+    pending.file._closing = True  # the I/O thread finishes the queue and stops
+    pending.file._thread.join(30)
+    pending.file._sent += 1  # a buffer that never reached it
+    with pytest.raises(OSError, match="I/O thread stopped"):
+        pending.file.flush()  # a commit would refuse it
+    pending.discard()
+    assert not list((tmp_path / "_tmp").iterdir()) and not (tmp_path / "shards" / "x.parquet").exists()
