@@ -97,3 +97,18 @@ def test_sglang_generate_train_update_generate(sglang_server, tiny_gpt2, tmp_pat
     assert fresh0["clip/frac_low"] == 0.0 and fresh0["clip/frac_high"] == 0.0
     assert fresh0["staleness/hist/0"] == fresh0["data/sequences"]
     assert round0["rollout_logprobs"].list.len().sum() == round0["response_tokens"].list.len().sum()
+
+
+SGLANG_SUPPORT_TOL = 1e-4  # the issue's bound for the server's sampling logprobs against the trainer's
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sampling", [("--top-k", "20"), ("--top-p", "0.8", "--top-k", "1000")])
+def test_sglang_supports_give_a_step0_ratio_of_one(sglang_server, tiny_gpt2, tmp_path, sampling):
+    """SGLang's return_sampling_mask through rollshard-generate; the trainer renormalizes over each stored support."""
+    from tests.train.test_support_loop import check_step0
+    from tests.train.test_support_loop import generate as generate_rows
+
+    rows = generate_rows(sglang_server, tmp_path / "data", *sampling)
+    m = check_step0(rows, tmp_path / "data", tiny_gpt2, tmp_path / "run", SGLANG_SUPPORT_TOL)
+    assert m["mismatch/abs_diff_max"] <= SGLANG_SUPPORT_TOL
