@@ -250,6 +250,8 @@ def _sampling_support(args: argparse.Namespace) -> bool:
     truncates = not greedy and (args.top_p < 1.0 or args.top_k > 0)
     if args.sampling_support == "off":
         return False
+    if args.sampling_support == "auto" and _resumes_a_dataset_without_supports(args.out):
+        return False  # rerunning the command that made it resumes it, as before supports were stored
     if args.sampling_support == "on" and not (truncates or greedy):
         raise UsageError(
             "--sampling-support on: nothing truncates (--top-p 1, no --top-k), so the support would be the whole "
@@ -264,6 +266,15 @@ def _sampling_support(args: argparse.Namespace) -> bool:
             "4096 by default) or pass --sampling-support off"
         )
     return ask
+
+
+def _resumes_a_dataset_without_supports(out: str) -> bool:
+    """Whether ``out`` holds rows generated before the sampling support was recorded (no such config key)."""
+    try:
+        dataset = RolloutDataset.open(out)
+    except (DatasetNotFoundError, SchemaVersionError, ValueError, OSError):
+        return False  # nothing to resume (or _check_existing says what is wrong)
+    return any(m.shards and "agents" in (m.config or {}) and "sampling_support" not in m.config for m in dataset.manifests)
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, list[Prompt]]:
@@ -340,6 +351,11 @@ async def _generate(
             tokenizer = load_tokenizer(tokenizer_path)
         except TokenizerError as e:
             raise UsageError(f"{e} (or pass --tokenizer)") from e
+        if sampling.return_sampling_mask and sampling.top_p >= 1.0 and sampling.top_k >= len(tokenizer):
+            raise UsageError(
+                f"--top-k {sampling.top_k} is at least the vocabulary ({len(tokenizer)} tokens): nothing truncates, and "
+                "the support of every token would be the whole vocabulary; lower --top-k or pass --sampling-support off"
+            )
         config.update(
             # Absolute, links resolved (checkpoints/latest -> step_N): the dataset names the exact policy, and
             # inspect / the notebook find the tokenizer from anywhere.

@@ -25,6 +25,7 @@ from typing import Any
 
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING as ENGINE_NEUTRAL_SAMPLING
 from rollshard.generate.engines.base import SamplingParams
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 
 # The SGLang client sends base's neutral keys with every request; other clients may send these too.
 NEUTRAL_SAMPLING: dict[str, Any] = {
@@ -44,7 +45,6 @@ TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 MAX_SEED = 2**63  # torch generators take a 64-bit seed; the runner's seeds are 31-bit
 # SGLang's default --sampling-mask-max-tokens: the largest top_k a return_sampling_mask request may use.
 SAMPLING_MASK_MAX_TOKENS = 4096
-GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is greedy (top_k 1)
 
 
 class RequestError(ValueError):
@@ -205,7 +205,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
 
 def _check_sampling_mask(sampling: SamplingParams) -> None:
     """SGLang's condition for return_sampling_mask (scheduler ``handle_generate_request``), its message."""
-    top_k = 1 if sampling.temperature < GREEDY_EPS else (TOP_K_ALL if sampling.top_k == -1 else sampling.top_k)
+    top_k = 1 if sampling.temperature < GREEDY_TEMPERATURE_EPS else (TOP_K_ALL if sampling.top_k == -1 else sampling.top_k)
     if not 1 <= top_k <= SAMPLING_MASK_MAX_TOKENS:
         raise RequestError(
             "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "

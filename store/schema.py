@@ -37,8 +37,9 @@ that know the engine sampled from a top-p/top-k truncated, renormalized distribu
 
 Cost: every check is a whole-array numpy pass over the support ids (membership by
 comparing each id with its token's sampled id). Duplicates are found by one comparison of
-neighbours for supports in ascending id order (SGLang's mask order); only tokens whose
-support is not ascending are sorted.
+neighbours for supports in ascending id order; other supports are sorted first. Engines give
+supports in descending probability order (SGLang's mask, the embedded sampler), so real data
+takes the sort: measured 1.56 s against 0.22 s for 190k tokens at top_k 50 (9.5M ids).
 
 On disk the support is a nested ``list<list<int32>>`` (measured against flat ids plus
 per-token sizes in tests/bench/bench_store.py ``--supports``: the same bytes within 0.1%,

@@ -6,7 +6,8 @@ a 150k vocabulary, and logprobs mostly near 0 with a tail down to -20.
 
 With ``top_k``, every row carries a schema 1.1 sampling support: the sampled token plus
 ``top_k - 1`` other distinct ids drawn from the same Zipf vocabulary (the likely tokens of a
-real top-k set are the frequent ones), in ascending id order as SGLang's mask gives them,
+real top-k set are the frequent ones), in ascending id order (SGLang gives them in descending
+probability order, which the store's duplicate check has to sort: bench figures on these are its fast path),
 and a sampling logprob ``log(p / Z)`` with the support's mass ``Z`` between ``p`` and 1.
 """
 

@@ -31,6 +31,9 @@ Definitions, token ``t`` with a support ``S`` and ``LossConfig.renormalize_suppo
   policy term gives logits outside ``S`` no gradient at all, the full KL still does; and
   the reference forward needs no supports.
 * entropy: of the full distribution (:mod:`rollshard.train.logprobs`).
+* a support of one token (greedy rows under ``--sampling-support on``, ``--top-k 1``): ``logp_S`` is exactly
+  0, so such a token's ratio is 1 and it gets no policy gradient, as the truncated policy cannot move there;
+  with ``--no-renormalize-support`` it is trained on its full-softmax logprob as before.
 
 Tokens without a support (rows of 1.0 data, untruncated rows, mask-0 positions) keep
 today's definitions: full ``logp`` against ``rollout_logprobs``. With the feature off the

@@ -683,6 +683,33 @@ def test_sampling_support_usage_errors(tiny_gpt2, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_top_k_of_the_whole_vocabulary_with_supports_is_one_line(tiny_gpt2, tmp_path, capsys):
+    embedded = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--no-progress", "--out", str(tmp_path / "ds")]
+    assert main([*embedded, "--top-k", "5000"]) == 2  # the tiny tokenizer has 1,024 tokens: nothing truncates
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--top-k 5000 is at least the vocabulary (1024 tokens)" in err
+    assert main([*embedded, "--top-k", "5000", "--sampling-support", "off", "--limit", "1", "--n-samples", "1",
+                 "--max-new-tokens", "4"]) == 0
+
+
+def test_rerunning_a_top_p_job_from_before_supports_resumes_it(tiny_gpt2, tmp_path):
+    """A dataset generated before supports were stored (no sampling_support in its config): the same command,
+    under the new default auto, resumes it without supports instead of refusing a changed setting."""
+    import json as _json
+
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--no-progress", "--out", str(tmp_path / "ds"),
+            "--top-p", "0.8", "--n-samples", "2", "--max-new-tokens", "4"]
+    assert main([*args, "--sampling-support", "off", "--limit", "2"]) == 0
+    manifest = tmp_path / "ds" / "_manifests" / "gen-0-of-1.json"
+    doc = _json.loads(manifest.read_text())
+    for key in ("sampling_support", "sampling_support_mode"):
+        del doc["config"][key]  # as written before schema 1.1
+    manifest.write_text(_json.dumps(doc))
+    assert main([*args, "--limit", "3"]) == 0
+    rows = rows_of(tmp_path / "ds")
+    assert len({r["prompt_id"] for r in rows}) == 3 and all(r["sampling_support"] is None for r in rows)
+
+
 def test_an_sglang_answer_without_the_support_is_retried_then_ledgered(tiny_gpt2, tmp_path):
     args = ["--agents", "single", "--task", "toy", "--limit", "2", "--n-samples", "2", "--top-k", "20",
             "--retries", "1", "--no-progress"]
