@@ -109,6 +109,11 @@ def test_sglang_supports_give_a_step0_ratio_of_one(sglang_server, tiny_gpt2, tmp
     from tests.train.test_support_loop import check_step0
     from tests.train.test_support_loop import generate as generate_rows
 
+    from rollshard.store.dataset import RolloutDataset
+
     rows = generate_rows(sglang_server, tmp_path / "data", *sampling)
-    m = check_step0(rows, tmp_path / "data", tiny_gpt2, tmp_path / "run", SGLANG_SUPPORT_TOL)
+    # The policy the server serves now (an earlier test of this module may have updated its weights), as the
+    # dataset's run config names it.
+    served = Path(RolloutDataset.open(tmp_path / "data").config["model"])
+    m = check_step0(rows, tmp_path / "data", served, tmp_path / "run", SGLANG_SUPPORT_TOL)
     assert m["mismatch/abs_diff_max"] <= SGLANG_SUPPORT_TOL
