@@ -61,8 +61,10 @@ the checks off, for measuring what they cost only (tests/bench/bench_loader.py).
 with the token columns (only for blocks with a row that passes the filters, and checked with
 them); a 1.0 shard is read as before. :class:`PackedBatch` then carries ``sampling_logprobs``,
 ``has_support``, ``support_ids`` and ``support_offsets`` for each micro-batch with a supported
-row (store/packing.py gives their exact meaning), None otherwise. :func:`hf_groups` adds the
-two columns per row (None for a row without a support).
+row (store/packing.py gives their exact meaning), None otherwise. A micro-batch holds at most
+``micro_batch_support`` support ids besides at most ``micro_batch_tokens`` tokens (a sequence
+over either gets one of its own). :func:`hf_groups` adds the two columns per row (None for a
+row without a support).
 
 **Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps,
 independent of the dataset's size (plus one 8-byte hash per group while the dataset
@@ -150,6 +152,10 @@ class LoaderConfig:
 
     groups_per_step: int = 8  # whole GRPO groups per optimizer step (per rank)
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (prompt + response tokens)
+    # Support-id budget of one micro-batch (schema 1.1 supports, PackedBatch.support_ids); None:
+    # packing.SUPPORT_PER_TOKEN (64) x micro_batch_tokens, which never binds for top-k <= 64, so ordinary
+    # top-k 20-50 data packs exactly as by tokens, and bounds a top-k 4096 micro-batch's ids at 1/64.
+    micro_batch_support: int | None = None
     seed: int = 0
     shuffle: bool = True
     shuffle_window: int = 1024  # groups in the bounded shuffle window
@@ -170,6 +176,11 @@ class LoaderConfig:
         for name in ("groups_per_step", "micro_batch_tokens", "shuffle_window", "prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoaderConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.micro_batch_support is not None and self.micro_batch_support < 1:
+            raise ValueError(
+                f"LoaderConfig.micro_batch_support must be at least 1 or None (64 x micro_batch_tokens), "
+                f"got {self.micro_batch_support}"
+            )
         if self.seed < 0:
             raise ValueError(f"LoaderConfig.seed must be non-negative, got {self.seed}")
         bad = [s for s in self.statuses if s not in STATUS_VALUES]
@@ -865,7 +876,7 @@ def make_step(
     lo, hi = r * n // w, (r + 1) * n // w  # groups_per_step each in a full step; a tail as even as can be
     mine = pending[lo:hi]
     seqs, zero_var = _sequences(mine)
-    batches, efficiency = pack(seqs, cfg.micro_batch_tokens)
+    batches, efficiency = pack(seqs, cfg.micro_batch_tokens, cfg.micro_batch_support)
     metrics = {k: float(v) for k, v in counts.items()}
     metrics.update(
         groups=float(len(mine)),

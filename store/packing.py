@@ -25,11 +25,16 @@ has a support, so 1.0 data costs nothing. They are built per micro-batch (``supp
 counts from 0 in each).
 
 Sequences are assigned to micro-batches by first-fit-decreasing bin packing on
-their lengths, within one optimizer step. A sequence longer than the budget gets a
-micro-batch of its own (it is never cut: cutting would lose the context of its
-tail). Packing efficiency = real tokens / sum over micro-batches of
-``max(budget, tokens in it)``: 1.0 means no budget left unused; an oversize
-micro-batch counts as full.
+their lengths, within one optimizer step, under two budgets: tokens, and support ids
+(the ``N`` of ``support_ids``, which the token budget does not bound: a top-k of 4096
+puts 4096 ids behind each trained token). Sequences are taken longest first and each
+goes into the first micro-batch with room for both its tokens and its support ids. A
+sequence over either budget gets a micro-batch of its own (it is never cut: cutting
+would lose the context of its tail). Data without supports counts 0 support ids per
+sequence, so it packs exactly as by tokens alone. Packing efficiency = real tokens /
+sum over micro-batches of ``max(budget, tokens in it)`` (tokens, whichever budget
+closed the micro-batch): 1.0 means no budget left unused; an oversize micro-batch
+counts as full.
 
 The ``[T]`` tensors of one step's micro-batches are views of one buffer per field
 (the step is written in one pass); they do not overlap, and ``.to(device)`` copies
@@ -46,6 +51,12 @@ import pyarrow as pa
 import torch
 
 DEFAULT_TEMPERATURE = 1.0  # rows without a recorded temperature were sampled at the engine default
+# Default support budget per token of the token budget. Support ids per micro-batch are at most
+# top-k x trained tokens <= top-k x tokens, so at 64 the support budget never binds for top-k <= 64
+# (ordinary top-k 20-50 packs exactly as by tokens) at any token budget, while it caps a top-k 4096
+# micro-batch at 1/64 of its unbounded size: 512 B of int64 ids per budgeted token on the host (4 MiB at
+# 8192 tokens), small beside the fp32 logits row (4 B x vocab) the trainer keeps per token.
+SUPPORT_PER_TOKEN = 64
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -119,33 +130,58 @@ class Sequences:
     def lengths(self) -> np.ndarray:
         return np.fromiter((len(p) + len(r) for p, r in zip(self.prompt, self.response)), np.int64, len(self))
 
+    def support_counts(self) -> np.ndarray:
+        """``[S]`` int64: the support ids each sequence puts into its micro-batch (those of the positions
+        trained on, as :func:`pack` keeps them; 0 for a sequence without a support)."""
+        counts = np.zeros(len(self), np.int64)  # [S]
+        if self.support is None:
+            return counts
+        for i, sup in enumerate(self.support):
+            if sup is not None:
+                counts[i] = sup[1][_trainable(self.mask[i], len(self.prompt[i])) == 1].sum()
+        return counts
 
-def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Bins of sequence indices, each bin's lengths summing to at most ``budget``.
 
-    Longest first, each into the first bin with room; a sequence longer than the budget
-    gets a bin of its own. Bins come out in creation order, members in index order.
+def first_fit_decreasing(
+    lengths: np.ndarray, budget: int, supports: np.ndarray | None = None, support_budget: int | None = None
+) -> list[np.ndarray]:
+    """Bins of sequence indices, each bin's lengths summing to at most ``budget`` and its ``supports``
+    (support ids per sequence, ``[S]``; None: all 0) to at most ``support_budget`` (None: unbounded).
+
+    Longest first (by length alone), each into the first bin with room for both; a sequence over either
+    budget gets a bin of its own. Bins come out in creation order, members in index order.
     """
     if budget < 1:
         raise ValueError(f"micro-batch budget must be at least 1 token, got {budget}")
+    if support_budget is not None and support_budget < 1:
+        raise ValueError(f"micro-batch support budget must be at least 1 support id, got {support_budget}")
     order = np.argsort(-np.asarray(lengths), kind="stable").tolist()
     sizes = np.asarray(lengths).tolist()
-    room: list[int] = []  # budget left in each bin (a plain list: bins are few, numpy calls cost more)
+    bounded = supports is not None and support_budget is not None
+    ids = np.asarray(supports).tolist() if bounded else [0] * len(sizes)
+    id_budget = support_budget if bounded else 0
+    # budget left in each bin, tokens and support ids (plain lists: bins are few, numpy calls cost more)
+    room: list[int] = []
+    id_room: list[int] = []
     members: list[list[int]] = []
     for i in order:
-        n = sizes[i]
-        b = next((b for b, r in enumerate(room) if r >= n), None) if n <= budget else None
+        n, m = sizes[i], ids[i]
+        alone = n > budget or m > id_budget
+        b = None if alone else next((b for b, r in enumerate(room) if r >= n and id_room[b] >= m), None)
         if b is None:
-            room.append(max(budget - n, 0))
+            room.append(0 if alone else budget - n)  # an oversize sequence leaves no room in its bin
+            id_room.append(0 if alone else id_budget - m)
             members.append([i])
         else:
             room[b] -= n
+            id_room[b] -= m
             members[b].append(i)
     return [np.sort(np.asarray(m, np.int64)) for m in members]
 
 
-def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
-    """Micro-batches of ``seqs`` under a token budget, and the packing efficiency (module docstring).
+def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tuple[list[PackedBatch], float]:
+    """Micro-batches of ``seqs`` under a token budget and a support-id budget (None:
+    ``SUPPORT_PER_TOKEN * budget``), and the packing efficiency (module docstring).
 
     The step is written once, in micro-batch order, into flat arrays; each micro-batch's
     tensors are views of one contiguous slice of them (one allocation per step, one pass
@@ -153,7 +189,12 @@ def pack(seqs: Sequences, budget: int) -> tuple[list[PackedBatch], float]:
     """
     if len(seqs) == 0:
         return [], 1.0
-    bins = first_fit_decreasing(seqs.lengths(), budget)
+    if support_budget is None:
+        support_budget = SUPPORT_PER_TOKEN * budget
+    if seqs.support is None:  # 1.0 data: every count is 0, skip counting
+        bins = first_fit_decreasing(seqs.lengths(), budget)
+    else:
+        bins = first_fit_decreasing(seqs.lengths(), budget, seqs.support_counts(), support_budget)
     order = np.concatenate(bins)  # [S] sequences in micro-batch order
     p_len = np.fromiter((len(seqs.prompt[i]) for i in order), np.int64, len(order))  # [S]
     seq_len = p_len + np.fromiter((len(seqs.response[i]) for i in order), np.int64, len(order))  # [S]

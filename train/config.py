@@ -56,6 +56,11 @@ class DataConfig:
     )
     groups_per_step: int = _f(8, "GRPO groups per optimizer step (per data-parallel rank)")
     micro_batch_tokens: int = _f(8192, "token budget of one packed micro-batch (gradient accumulation unit)")
+    micro_batch_support: int | None = _f(
+        None,
+        "support-id budget of one packed micro-batch (schema 1.1 top-k / top-p supports; a sequence over it gets "
+        "one of its own); default 64 x --micro-batch-tokens, which never binds at top-k <= 64",
+    )
     shuffle: bool = _f(True, "shuffle groups (deterministic for --shuffle-seed and epoch)")
     shuffle_seed: int = _f(0, "seed of the loader's shuffle")
     shuffle_window: int = _f(1024, "groups in the loader's shuffle window")
@@ -292,6 +297,7 @@ class TrainConfig:
             (opt.lr >= 0 and opt.warmup_steps >= 0, "--lr and --warmup-steps must be >= 0"),
             (len(opt.betas) == 2, f"--betas takes two numbers, got {opt.betas}"),
             (data.groups_per_step > 0 and data.micro_batch_tokens > 0, "--groups-per-step, --micro-batch-tokens: > 0"),
+            (data.micro_batch_support is None or data.micro_batch_support > 0, "--micro-batch-support: > 0 or none"),
             (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
             (tr.max_steps is None or tr.max_steps >= 1, "--max-steps must be >= 1 (or 'none': until the data ends)"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),

@@ -415,6 +415,28 @@ def test_bad_config_raises():
         LoaderConfig(statuses=("done",)).check()
     with pytest.raises(ValueError, match="groups_per_step must be at least 1"):
         LoaderConfig(groups_per_step=0).check()
+    with pytest.raises(ValueError, match="micro_batch_support must be at least 1 or None"):
+        LoaderConfig(micro_batch_support=0).check()
+
+
+def test_steps_with_supports_respect_the_support_budget(tmp_path):
+    # top-k 20 on every token: a response of 1-11 tokens carries 20-220 ids; a budget of 100 binds.
+    ds = write(tmp_path, synthetic_table(12, 3, seed=6, top_k=20, **SMALL))
+    free = run(ds, cfg(shuffle=False))  # default budget 64 x 24 ids: never binds at top-k 20
+    bound = run(ds, cfg(shuffle=False, micro_batch_support=100))
+    alone = 0
+    for f, b in zip(free, bound, strict=True):
+        assert f.group_ids == b.group_ids  # the same groups and sequences, only cut differently
+        assert sorted(i for m in f.micro_batches for i in m.sample_ids) == sorted(
+            i for m in b.micro_batches for i in m.sample_ids)
+        assert b.metrics["micro_batches"] == len(b.micro_batches) >= len(f.micro_batches)
+        assert max(len(m.support_ids) for m in f.micro_batches) > 100  # the token budget alone lets it pass
+        for m in b.micro_batches:
+            assert m.num_tokens <= 24 or m.num_sequences == 1
+            assert len(m.support_ids) <= 100 or m.num_sequences == 1
+            alone += len(m.support_ids) > 100
+    assert alone > 0 and sum(len(s.micro_batches) for s in bound) > sum(len(s.micro_batches) for s in free)
+    assert_steps_equal(free, run(ds, cfg(shuffle=False, micro_batch_support=64 * 24)))  # None means 64 x tokens
 
 
 # -- groups and files -----------------------------------------------------------------------------

@@ -149,3 +149,93 @@ def test_the_masked_first_token_of_a_row_without_prompt_has_no_support():
     assert b.loss_mask.tolist() == [0.0, 1.0]  # nothing predicts the first token
     assert b.has_support.tolist() == [False, True] and b.sampling_logprobs.tolist() == [0.0, pytest.approx(-0.2)]
     assert b.support_offsets.tolist() == [0, 0, 2] and b.support_ids.tolist() == [5, 6]
+
+
+# -- the support-id budget ----------------------------------------------------------------------
+
+
+def test_first_fit_decreasing_support_budget_worked_example():
+    # Same lengths and token budget as the worked example above (bins [0, 2], [1, 3, 5], [4] by tokens),
+    # support ids [40, 10, 30, 0, 20, 10] under a budget of 50. Rooms (tokens, ids), longest first:
+    # 0 (5, 40) -> bin0 (3, 10); 1 (4, 10) -> bin1 (4, 40); 2 (3, 30): bin0 lacks ids -> bin1 (1, 10);
+    # 3 (3, 0) -> bin0 (0, 10); 4 (2, 20): no token room -> bin2 (6, 30); 5 (1, 10) -> bin1 (0, 0).
+    lengths, ids = np.array([5, 4, 3, 3, 2, 1]), np.array([40, 10, 30, 0, 20, 10])
+    bins = first_fit_decreasing(lengths, 8, ids, 50)
+    assert [b.tolist() for b in bins] == [[0, 3], [1, 2, 5], [4]]
+    assert [int(ids[b].sum()) for b in bins] == [40, 50, 20]
+    assert [b.tolist() for b in first_fit_decreasing(lengths, 8, ids, None)] == [[0, 2], [1, 3, 5], [4]]
+
+
+def test_a_sequence_over_the_support_budget_alone_gets_a_micro_batch_of_its_own():
+    # 0 has 13 ids over a budget of 12: alone, though 1 (no support) fits its tokens; by tokens one bin.
+    assert [b.tolist() for b in first_fit_decreasing(np.array([2, 1]), 16, np.array([13, 0]), 12)] == [[0], [1]]
+    assert [b.tolist() for b in first_fit_decreasing(np.array([2, 1]), 16)] == [[0, 1]]
+    with pytest.raises(ValueError, match="support budget must be at least 1"):
+        first_fit_decreasing(np.array([2, 1]), 16, np.array([13, 0]), 0)
+
+
+def supported_row(sample_id: str, prompt: list[int], sizes: list[int], mask: list[int] | None = None) -> dict:
+    """A row whose response token t was sampled from a support of ``sizes[t]`` ids (the token first)."""
+    resp = [10 + t for t in range(len(sizes))]
+    support = [[r] + [100 + j for j in range(n - 1)] for r, n in zip(resp, sizes)]
+    return dict(prompt=prompt, response=resp, logprobs=[-0.5] * len(sizes), mask=mask or [1] * len(sizes),
+                temperature=1.0, reward=1.0, group=0, agent="policy", sample_id=sample_id, version="0",
+                sampling=[-0.25] * len(sizes), support=support)
+
+
+def test_pack_splits_micro_batches_by_the_support_budget():
+    rows = [supported_row(s, [1], [3, 3]) for s in "abc"]  # 3 tokens, 6 support ids each
+    rows += [supported_row("d", [1], [13]),  # 2 tokens, 13 ids: over the support budget of 12
+             dict(prompt=[1], response=[2], logprobs=[-0.5], mask=[1], temperature=1.0, reward=0.0, group=0,
+                  agent="policy", sample_id="e", version="0")]  # 2 tokens, no support
+    # tokens alone (budget 16): one micro-batch of 13 tokens.
+    assert [b.sample_ids for b in pack(with_supports(rows), 16, 10**6)[0]] == [["a", "b", "c", "d", "e"]]
+    # ids <= 12 as well, longest first: a, b -> bin0 (12 ids), c -> bin1, d alone -> bin2, e -> bin0 (0 ids).
+    batches, eff = pack(with_supports(rows), 16, 12)
+    assert [b.sample_ids for b in batches] == [["a", "b", "e"], ["c"], ["d"]]
+    assert [len(b.support_ids) for b in batches] == [12, 6, 13]
+    assert [b.num_tokens for b in batches] == [8, 3, 2]
+    assert eff == pytest.approx(13 / 48)  # tokens / (3 x 16): the definition stays in tokens
+    assert batches[0].support_offsets.tolist() == [0, 0, 3, 6, 6, 9, 12, 12, 12]
+    back = {r["sample_id"]: r for b in batches for r in unpack(b)}
+    assert back["d"]["sampling_support"] == [[10] + list(range(100, 112))]
+
+
+def test_support_counts_are_the_ids_the_micro_batch_carries():
+    # s: sizes [2, 0, 3] under mask [1, 0, 1] -> 5; n: no support -> 0; e: no prompt, so its first
+    # token is not trained and its support (1 id) is dropped -> 2 of 3.
+    rows = SUPPORTED + [supported_row("e", [], [1, 2])]
+    seqs = with_supports(rows)
+    assert seqs.support_counts().tolist() == [5, 0, 2]
+    # 7 ids fit s and e together exactly (counting e's dropped id too would make 8 and split them).
+    (b,), _ = pack(with_supports(rows), 16, 7)
+    assert b.sample_ids == ["s", "n", "e"] and len(b.support_ids) == 7
+    assert [b.sample_ids for b in pack(with_supports(rows), 16, 6)[0]] == [["s", "n"], ["e"]]
+
+
+def test_support_free_data_packs_as_by_tokens_alone():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 300, 200)
+    by_tokens = [b.tolist() for b in first_fit_decreasing(lengths, 256)]
+    zeros = np.zeros(200, np.int64)
+    assert [b.tolist() for b in first_fit_decreasing(lengths, 256, zeros, 1)] == by_tokens
+    rows = [dict(prompt=[1] * int(n // 2), response=[2] * int(n - n // 2), logprobs=[-0.5] * int(n - n // 2),
+                 mask=[1] * int(n - n // 2), temperature=1.0, reward=0.0, group=0, agent="policy",
+                 sample_id=str(i), version="0") for i, n in enumerate(lengths)]
+    batches, eff = pack(seqs_of(rows), 256, 1)  # 1.0 data: even a support budget of 1 changes nothing
+    assert [sorted(int(s) for s in b.sample_ids) for b in batches] == by_tokens
+    assert eff == packing_efficiency([int(lengths[b].sum()) for b in by_tokens], 256)
+
+
+def test_the_default_support_budget_never_binds_up_to_top_k_64():
+    # Every response token trained with a support of 64 ids, the default budget 64 x tokens: bins by tokens.
+    rng = np.random.default_rng(2)
+    rows = [supported_row(str(i), [1] * int(rng.integers(0, 40)), [64] * int(rng.integers(1, 200))) for i in range(60)]
+    seqs = with_supports(rows)
+    by_tokens = [b.tolist() for b in first_fit_decreasing(seqs.lengths(), 256)]
+    assert [sorted(int(s) for s in b.sample_ids) for b in pack(seqs, 256)[0]] == by_tokens
+    # Two rows of 1 + 199 and 1 + 55 tokens fill 256: at 64 ids a token 254 x 64 = 16256 <= 64 x 256 = 16384
+    # ids, one micro-batch; at 65, 254 x 65 = 16510 ids, two.
+    for k, bins in ((64, [["a", "b"]]), (65, [["a"], ["b"]])):
+        seqs = with_supports([supported_row("a", [1], [k] * 199), supported_row("b", [1], [k] * 55)])
+        assert [b.sample_ids for b in pack(seqs, 256)[0]] == bins

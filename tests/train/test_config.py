@@ -150,3 +150,11 @@ def test_renormalize_support_is_on_by_default_and_has_a_no_flag():
     assert parse().loss.renormalize_support is True
     assert parse("--no-renormalize-support").loss.renormalize_support is False
     assert TrainConfig.from_dict({"loss": {"renormalize_support": "false"}}).loss.renormalize_support is False
+
+
+def test_micro_batch_support_flag_none_by_default_and_positive():
+    assert parse().data.micro_batch_support is None  # the loader's 64 x --micro-batch-tokens
+    assert parse("--micro-batch-support", "4194304").data.micro_batch_support == 2**22
+    assert parse("--micro-batch-support", "4096", "--micro-batch-support", "none").data.micro_batch_support is None
+    with pytest.raises(ValueError, match="--micro-batch-support: > 0 or none"):
+        parse("--micro-batch-support", "0")
