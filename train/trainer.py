@@ -87,6 +87,7 @@ def build_loader(config: TrainConfig, env: DistEnv):
     loader_cfg = LoaderConfig(
         groups_per_step=d.groups_per_step,
         micro_batch_tokens=d.micro_batch_tokens,
+        micro_batch_support=d.micro_batch_support,
         seed=d.shuffle_seed,
         shuffle=d.shuffle,
         shuffle_window=d.shuffle_window,

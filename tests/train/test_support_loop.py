@@ -66,3 +66,14 @@ def test_without_truncation_no_support_is_stored(tiny_gpt2, tmp_path):
     assert rows["sampling_support"].null_count() == rows.height
     m = step0(tmp_path / "data", tiny_gpt2, tmp_path / "run")
     assert m["support/tokens"] == 0.0 and m["ratio/mean"] == pytest.approx(1.0, abs=EMBEDDED_TOL)
+
+
+def test_the_support_budget_reaches_the_loader(tiny_gpt2, tmp_path):
+    """--micro-batch-support bounds the support ids of a micro-batch: top-k 20 rows split into more micro-batches,
+    and the step is the same step (ratio over the support still 1)."""
+    generate(f"embedded:{tiny_gpt2}", tmp_path / "data", "--top-k", "20")
+    whole = step0(tmp_path / "data", tiny_gpt2, tmp_path / "whole")
+    split = step0(tmp_path / "data", tiny_gpt2, tmp_path / "split", "--micro-batch-support", "400")
+    assert whole["data/micro_batches"] == 1 and split["data/micro_batches"] > 4
+    assert split["ratio/mean"] == pytest.approx(1.0, abs=EMBEDDED_TOL)
+    assert split["loss/policy"] == pytest.approx(whole["loss/policy"], abs=1e-6)
