@@ -972,6 +972,15 @@ class _StepLoader:
     rank: int
     world_size: int
 
+    def _set_placement(self, config: LoaderConfig | None, rank: int, world_size: int) -> LoaderConfig:
+        """Check and keep the config (default: :class:`LoaderConfig`), rank and world size; returns the config."""
+        self.config = config = config or LoaderConfig()
+        config.check()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.rank, self.world_size = rank, world_size
+        return config
+
     def _init_common(self) -> None:
         self._version = _VersionBox()
         if self.config.current_version is not None:
@@ -1121,12 +1130,8 @@ class RolloutLoader(_StepLoader):
         rank: int = 0,
         world_size: int = 1,
     ):
-        self.config = config = config or LoaderConfig()
-        config.check()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        config = self._set_placement(config, rank, world_size)
         self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
-        self.rank, self.world_size = rank, world_size
         self._stream = open_stream(self.dataset, config, rank, world_size)
         self.num_groups = self._stream.num_groups
         self._cursor = _Cursor()

@@ -288,14 +288,10 @@ class MixtureLoader(_StepLoader):
         rank: int = 0,
         world_size: int = 1,
     ):
-        self.config = config = config or LoaderConfig()
-        config.check()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        config = self._set_placement(config, rank, world_size)
         self.sources = tuple(parse_sources(sources) if isinstance(sources, str) else sources)
         if len(self.sources) < 2:
             raise ValueError("a mixture needs two sources or more; read one dataset with RolloutLoader")
-        self.rank, self.world_size = rank, world_size
         self.names = tuple(s.name for s in self.sources)
         self.weights = integer_weights([s.weight for s in self.sources])
         self.datasets = [RolloutDataset.open(s.path) for s in self.sources]

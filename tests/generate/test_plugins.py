@@ -175,10 +175,11 @@ def test_hung_sync_calls_hold_their_slot_until_they_return():
         with pytest.raises(RewardError, match="gave no answer"):  # both threads still hold their slot
             await scorer.verdict(rows[2], "x")
         release.set()
-        for _ in range(1000):  # the hung threads return and give their slots back
-            if scorer._threads._value == 2:
-                break
-            await asyncio.sleep(0.01)
+        for _ in range(2):  # the gate: both slots come back once the hung threads return
+            await asyncio.wait_for(scorer._threads.acquire(), 60)
+        for _ in range(2):
+            scorer._threads.release()
+        scorer.timeout = 60.0  # the next call is not meant to time out, however slow the machine
         assert (await scorer.verdict(rows[3], "x")).reward == 2.0
 
     asyncio.run(scenario())
