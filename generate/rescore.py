@@ -147,7 +147,7 @@ async def rescore_table(table: pa.Table, system: AgentSystem, scorer: Scorer) ->
 _TOKEN_FIELDS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
 _ROW_FIELDS = [
     "sample_id", "prompt_id", "group_id", "agent", "round", "reward", "status", "finish_reason", "weight_version",
-    "weight_versions", "temperature", "top_p", "top_k", "prompt_text", "response_text", "metadata", "created_at",
+    "weight_versions", "temperature", "top_p", "top_k", "prompt_text", "response_text", "metadata",
 ]
 
 
