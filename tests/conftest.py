@@ -34,7 +34,10 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 # -- the real SGLang server (the `-m sglang` tier) --------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-SGLANG_VENV = Path(os.environ.get("ROLLSHARD_SGLANG_VENV", REPO / ".venv-sglang"))
+# One per machine, outside any checkout; the script that builds it says where (ROLLSHARD_SGLANG_VENV overrides).
+SGLANG_VENV = Path(
+    subprocess.run(["bash", str(REPO / "scripts" / "make_sglang_env.sh"), "--path"], capture_output=True, text=True, check=True).stdout.strip()
+)
 SGLANG_STARTUP_TIMEOUT_S = 600  # sglang + torch import dominates; minutes on a busy 2-core machine
 
 

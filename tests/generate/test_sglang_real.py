@@ -1,7 +1,7 @@
 """The real SGLang server (CPU, tiny GPT-2) driven by the client: logprobs, stops, aborts, weight updates.
 
 Needs the separate environment of ``scripts/make_sglang_env.sh`` (``$ROLLSHARD_SGLANG_VENV``,
-default ``.venv-sglang`` in the repository); skipped without it, failed without it when
+default: ``make_sglang_env.sh --path``); skipped without it, failed without it when
 ``ROLLSHARD_REQUIRE_SGLANG`` is set. One server per module:
 it takes ~30 s to start on an idle machine.
 """

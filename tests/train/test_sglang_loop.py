@@ -1,7 +1,7 @@
 """The closed loop through the real SGLang server: generate -> train -> /update_weights_from_disk -> generate.
 
 Needs the separate environment of ``scripts/make_sglang_env.sh`` (``$ROLLSHARD_SGLANG_VENV``,
-default ``.venv-sglang``); skipped without it, failed without it when ``ROLLSHARD_REQUIRE_SGLANG``
+default: ``make_sglang_env.sh --path``); skipped without it, failed without it when ``ROLLSHARD_REQUIRE_SGLANG``
 is set. The server runs the tiny GPT-2 model in
 fp32 on CPU. After the update the stored rows must carry the new weight version, and
 the trainer, loading the same checkpoint, must recompute the new rows' logprobs to
