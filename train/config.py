@@ -36,6 +36,26 @@ DType = Literal["auto", "float32", "bfloat16"]
 CLIP_EPS_DEFAULTS: dict[str, tuple[float, float]] = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
 
 
+# --attn-implementation auto. rollshard_varlen is registered with transformers by rollshard.train.attention
+# (imported by the logprob path): exact per-sequence sdpa, no T x T mask; the module docstring says why it is
+# the default wherever flash-attention's varlen kernel cannot run.
+ATTN_AUTO = "auto"
+VARLEN_ATTENTION = "rollshard_varlen"
+
+
+def default_attention(dtype: str) -> str:
+    """What ``--attn-implementation auto`` means on this machine for compute dtype ``dtype``: ``flash_attention_2``
+    (varlen, half precision only) on a bf16 CUDA device with flash-attn installed, else ``rollshard_varlen``.
+    Imports torch only when flash-attn is installed, so resolving a config stays light."""
+    import importlib.util
+
+    if dtype == "float32" or importlib.util.find_spec("flash_attn") is None:
+        return VARLEN_ATTENTION
+    import torch
+
+    return "flash_attention_2" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else VARLEN_ATTENTION
+
+
 def _f(default: Any, help: str, *, flag: str | None = None) -> Any:
     """A dataclass field with its command-line help (and flag name when it is not the field name)."""
     meta = {"help": help, "flag": flag}
@@ -86,7 +106,13 @@ class ModelConfig:
     path: str = _f("", "Hugging Face model folder of the policy (the one that generated the data)", flag="model")
     backend: Literal["hf"] = _f("hf", "model backend: hf (transformers; FSDP2 under torchrun)")
     dtype: DType = _f("auto", "compute dtype: auto = bfloat16 autocast where the device supports it, else float32")
-    attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa, flash_attention_2, eager)")
+    attn_implementation: str = _f(
+        ATTN_AUTO,
+        f"transformers attention implementation: {VARLEN_ATTENTION} (each packed sequence alone, no T x T mask; "
+        "rollshard.train.attention), flash_attention_2, sdpa or eager (dense T x T block-diagonal mask), "
+        f"flex_attention; {ATTN_AUTO}: flash_attention_2 on CUDA with bf16 compute and flash-attn installed, "
+        f"else {VARLEN_ATTENTION}",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     fp32_lm_head: bool = _f(
         True, "output head and log softmax in fp32 under bf16 autocast/FSDP (a bf16 head adds ~0.025 nats of noise)"
@@ -94,6 +120,11 @@ class ModelConfig:
     logprob_chunk_mib: float = _f(
         512.0, "MiB of fp32 logits computed at once (chunks of response positions; beyond one chunk, backward recomputes)"
     )
+
+    def __post_init__(self):
+        # Resolved here, so the config logged with the run and stored next to checkpoints names the kernel used.
+        if self.attn_implementation == ATTN_AUTO:
+            self.attn_implementation = default_attention(self.dtype)
 
 
 @dataclasses.dataclass(kw_only=True)

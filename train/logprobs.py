@@ -2,12 +2,15 @@
 
 One forward over the micro-batch's sequences laid end to end (no padding): the
 model gets ``input_ids [1, T]`` and ``position_ids [1, T]`` that restart at 0 for
-every sequence, and no attention mask. transformers (the packed-sequence detection
-of ``masking_utils``, huggingface/transformers#39194, 4.54 and later; tested with
-5.x) derives the sequence boundaries from the position restarts and builds a
-block-diagonal causal mask (sdpa, eager) or varlen calls (flash attention), so no
-token attends across sequences. ``tests/train/test_logprobs.py`` holds the packed
-logprobs equal to per-sequence forwards (GPT-2 and Qwen3).
+every sequence, and no attention mask. The attention derives the sequence boundaries
+from the position restarts, so no token attends across sequences: by default
+``rollshard_varlen`` (:mod:`rollshard.train.attention`, registered with transformers on
+import of this module: causal sdpa on each sequence alone, no ``[T, T]`` mask) or
+flash attention's varlen kernel; with ``sdpa`` or ``eager``, transformers' packed-sequence
+detection (``masking_utils``, huggingface/transformers#39194, 4.54 and later; tested
+with 5.x) builds a dense block-diagonal causal mask. ``tests/train/test_logprobs.py``
+and ``tests/train/test_attention.py`` hold the packed logprobs (and gradients) equal to
+per-sequence forwards (GPT-2 and Qwen3).
 
 Logprob definition (SGLang's, DESIGN.md "Generate"): ``log_softmax(logits / temperature)``
 in fp32 at the token actually stored, where ``temperature`` is the row's sampling
@@ -62,6 +65,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.train import attention  # noqa: F401  registers rollshard_varlen before any model is loaded
 
 
 class _NoPaddingHere(logging.Filter):
@@ -346,8 +350,8 @@ def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, floa
         ),
         "packing": (
             "sequences packed with restarting position_ids get other logprobs than alone, so packed training "
-            "would leak attention across sequences; use attn_implementation sdpa, eager or flash_attention_2 and a "
-            "transformers version whose masks follow packed position ids (4.54 or later)"
+            "would leak attention across sequences; use attn_implementation rollshard_varlen, sdpa, eager or "
+            "flash_attention_2 and a transformers version whose masks follow packed position ids (4.54 or later)"
         ),
     }
     for name, diff in diffs.items():

@@ -1,0 +1,129 @@
+"""Varlen attention for packed micro-batches: each sequence attends to itself alone, without a ``[T, T]`` mask.
+
+The trainer lays a micro-batch's sequences end to end in one row (``input_ids [1, T]``, ``position_ids``
+restarting at 0 per sequence, no attention mask; ``store/packing.py``). With ``sdpa`` or ``eager``,
+transformers' ``masking_utils`` finds the restarts and builds a dense block-diagonal causal mask of
+``T x T`` per forward: at a 16k-token micro-batch that is 256 MiB of booleans, and attention then computes
+all ``T^2`` scores, of which only ``sum(L_i^2) / 2`` are needed.
+
+``rollshard_varlen`` (:data:`VARLEN`, registered with transformers' ``AttentionInterface`` when this module
+is imported) instead splits ``q, k, v [B, H, T, D]`` at the sequence boundaries and runs
+``scaled_dot_product_attention(is_causal=True)`` on each sequence: exactly the forward of that sequence
+alone (the same kernel, the same causal mask), ``O(max L^2)`` transient memory when the kernel
+materializes scores at all (CPU's and CUDA's flash/memory-efficient sdpa kernels do not), and
+``O(sum L^2)`` compute. It takes the boundaries from the ``position_ids`` the model passes down to its
+attention (GPT-2, Llama/Qwen and the other ``_supports_attention_backend`` models do) with the rule
+``masking_utils`` uses (a new sequence wherever the position does not advance by 1), so it sees the same
+sequences the dense mask would. Grouped-query attention runs on sdpa's ``enable_gqa`` (no ``repeat_kv``
+copy), a sliding window (Qwen2/3, Mistral) becomes a per-sequence ``[L, L]`` band mask.
+
+What it refuses (each with the fix): a padding mask, a KV cache (decoding), attention-logit softcapping
+and attention sinks; it is the trainer's packed forward, not a generation backend.
+
+The default, ``--attn-implementation auto`` (``rollshard.train.config.default_attention``): ``flash_attention_2`` on CUDA
+when the ``flash_attn`` package is installed and compute runs in bf16 (its varlen kernel, which
+transformers calls from the same position ids; it has no fp32 kernel, so the start-up check of
+``logprobs.check_model`` runs on sdpa there), else ``rollshard_varlen``. Not ``flex_attention``: GPT-2
+has no flex path in transformers; eager flex materializes the full ``[T, T]`` scores, and compiled flex on
+CPU (inductor) costs a compile per new micro-batch shape (``tests/bench/bench_attention.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollshard.train.config import VARLEN_ATTENTION as VARLEN
+
+
+def sequence_lengths(position_ids: torch.Tensor) -> list[int]:  # [T] -> S lengths summing to T
+    """Lengths of the packed sequences of one row: a sequence starts wherever the position does not
+    advance by exactly 1 (``masking_utils.find_packed_sequence_indices``' rule)."""
+    T = position_ids.numel()
+    starts = torch.nonzero(position_ids[1:] - position_ids[:-1] != 1).flatten() + 1  # [S-1]
+    cuts = [0, *starts.tolist(), T]
+    return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, T, D]
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, Dv]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,  # [B, T] or [1, T]
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [B, T, Hq, Dv]
+    """transformers attention-function signature; causal attention within each packed sequence."""
+    if attention_mask is not None:
+        raise ValueError(f"{VARLEN} received an attention mask; it takes packed sequences without padding")
+    if softcap is not None or s_aux is not None:
+        raise ValueError(
+            f"{VARLEN} has no attention-logit softcapping or attention sinks; use --attn-implementation eager"
+        )
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{VARLEN} is causal self-attention only; use --attn-implementation sdpa")
+    B, _, T, _ = query.shape
+    if key.shape[2] != T:
+        raise ValueError(f"{VARLEN} has no KV cache (query {T} tokens, keys {key.shape[2]}); generate with sdpa")
+    if position_ids is None:
+        raise ValueError(
+            f"{VARLEN}: {type(module).__name__} does not pass position_ids to its attention function, so the "
+            "packed sequences cannot be told apart; use --attn-implementation sdpa"
+        )
+    gqa = query.shape[1] != key.shape[1]
+    rows = []
+    for b in range(B):
+        lengths = sequence_lengths(position_ids[b if position_ids.shape[0] > 1 else 0])  # [S]
+        parts = []
+        for q, k, v in zip(*(t[b : b + 1].split(lengths, dim=2) for t in (query, key, value))):  # [1, H, L, D]
+            L = q.shape[2]
+            mask = None
+            if sliding_window is not None and L > sliding_window:
+                i = torch.arange(L, device=q.device)
+                d = i[:, None] - i[None, :]  # [L, L] query minus key position
+                mask = (d >= 0) & (d < sliding_window)  # masking_utils: causal and kv_idx > q_idx - window
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+                )
+            )  # [1, Hq, L, Dv]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    out = torch.cat(rows) if B > 1 else rows[0]  # [B, Hq, T, Dv]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_dense_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> None:
+    """The mask function of :data:`VARLEN` (``AttentionMaskInterface``): no mask at all, the boundaries come
+    from the position ids; refuses a padding mask or a cache offset, which it could not honour."""
+    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
+        raise ValueError(f"{VARLEN} takes packed sequences without padding; got an attention mask with padding")
+    if q_length != kv_length or int(q_offset) != 0 or int(kv_offset) != 0:
+        raise ValueError(f"{VARLEN} has no KV cache (query {q_length} tokens, keys {kv_length}); generate with sdpa")
+    return None
+
+
+def register() -> None:
+    """Make ``attn_implementation="rollshard_varlen"`` loadable (idempotent; done on import)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, no_dense_mask)
+
+
+register()
