@@ -301,6 +301,9 @@ MODEL_CHECK_LENGTHS = (7, 5)  # two short sequences: enough for a leak across th
 MODEL_CHECK_SEED = 0
 # Attention kernels without fp32 (flash attention): the check runs on sdpa, which does.
 HALF_ONLY_ATTENTION_PREFIXES = ("flash_attention", "kernels-community/flash")
+# The sequences alone are scored on transformers' eager attention (every model has it; plain fp32 matmuls and
+# softmax), so a kernel that agrees with itself packed and alone but is wrong (not causal, another scale) fails too.
+REFERENCE_ATTENTION = "eager"
 
 
 class ModelCheckError(ValueError):
@@ -325,7 +328,8 @@ def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, floa
       scaling such as Granite's ``logits_scaling``, Cohere's ``logit_scale``, FalconH1's
       ``lm_head_multiplier``) or a softcap this path applies but the forward does not;
     * ``packing``: both sequences packed (positions restarting at 0) against each alone through
-      :class:`PackedPolicy`: attention or rotary embeddings that do not follow the position restarts.
+      :class:`PackedPolicy` on eager attention (:data:`REFERENCE_ATTENTION`): attention or rotary embeddings
+      that do not follow the position restarts, or an attention kernel that is wrong.
     """
     model_type = getattr(model.config, "model_type", type(model).__name__)
     device = next(model.parameters()).device
@@ -349,8 +353,8 @@ def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, floa
             "scale into the output head's weights"
         ),
         "packing": (
-            "sequences packed with restarting position_ids get other logprobs than alone, so packed training "
-            "would leak attention across sequences; use attn_implementation rollshard_varlen, sdpa, eager or "
+            "sequences packed with restarting position_ids get other logprobs than each alone on eager attention, "
+            "so packed training would leak attention across sequences (or the attention kernel is wrong); use attn_implementation rollshard_varlen, sdpa, eager or "
             "flash_attention_2 and a transformers version whose masks follow packed position ids (4.54 or later)"
         ),
     }
@@ -385,7 +389,12 @@ def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> d
     positions = torch.cat([torch.arange(s.numel(), device=device) for s in seqs])  # [T] restarting at 0
     at = torch.nonzero(positions > 0).flatten()  # [K] every token but each sequence's first
     packed, _ = policy(ids, positions, at, torch.ones(at.numel(), device=device))  # [K]
-    separate = torch.cat([lp] + [alone(s)[0] for s in seqs[1:]])  # [K]
+    impl = model.config._attn_implementation
+    model.set_attn_implementation(REFERENCE_ATTENTION)
+    try:
+        separate = torch.cat([alone(s)[0] for s in seqs])  # [K]
+    finally:
+        model.set_attn_implementation(impl)
     return {
         "position_ids": float((plain - given).abs().max()),
         "forward": float(torch.maximum((lp - expected_lp).abs().max(), (ent - expected_ent).abs().max())),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -213,6 +215,17 @@ def test_model_check_runs_on_varlen_and_catches_a_leak(path, monkeypatch):
     monkeypatch.setattr(attention, "sequence_lengths", lambda pos: [pos.numel()])
     with pytest.raises(ModelCheckError, match=r"\(packing"):
         check_model(model)
+
+
+def test_model_check_catches_a_kernel_that_is_not_causal(path, monkeypatch):
+    # Packed and alone agree with each other on such a kernel; the sequences alone run on eager attention too.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    not_causal = types.SimpleNamespace(
+        scaled_dot_product_attention=lambda *a, is_causal, **kw: sdpa(*a, is_causal=False, **kw)
+    )
+    monkeypatch.setattr(attention, "F", not_causal)
+    with pytest.raises(ModelCheckError, match=r"\(packing"):
+        check_model(_load(path, VARLEN))
 
 
 def test_auto_is_varlen_without_flash_attn_and_flash_where_it_runs(monkeypatch):
