@@ -1,29 +1,39 @@
 """Checkpoints: a Hugging Face model folder plus everything a resumed run needs.
 
-Layout of ``OUT/checkpoints/step_00000012/``:
+Layout of ``OUT/checkpoints/step_00000012/`` (format 2):
 
 * ``config.json``, ``model.safetensors``, tokenizer files, ``generation_config.json``:
   a model folder that transformers, the embedded engine and SGLang
-  (``/update_weights_from_disk``) load as it is. Weights are the fp32 master weights.
-* ``optimizer/state.safetensors`` + ``optimizer/meta.json``: AdamW moments (tensors,
-  keyed ``<param>::<state>``) and the non-tensor state and parameter groups. No
-  pickle. In a subfolder because engines load every ``*.safetensors`` file at the
+  (``/update_weights_from_disk``) load as it is. Weights are the fp32 master weights, gathered
+  one tensor at a time and written by rank 0 (``export_model``; peak: the largest tensor).
+* ``shards/``: the sharded weights and AdamW state, one safetensors file per rank, written and
+  read by torch.distributed.checkpoint with its safetensors storage (rollshard.train.sharded:
+  the layout, and why not DCP's default pickled metadata). Each rank writes and reads only its
+  own shards; a resume rebuilds the model from the run's ``--model`` and loads every weight and
+  moment from here. In a subfolder because engines load every ``*.safetensors`` file at the
   top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
-* ``trainer_state.json``: step, optimizer updates, weight version, world size and
+* ``trainer_state.json``: format version, step, optimizer updates, weight version, world size and
   every rank's loader state (``RolloutLoader.state_dict()``, or ``MixtureLoader.state_dict()``
   for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.mixture).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
-A checkpoint is written under ``.tmp-step_...``, every file and folder of it is
-fsynced, and it is renamed when complete (the parent folder fsynced after, as
-``rollshard.store.storage`` does, so the rename survives a power cut); then
-``OUT/checkpoints/latest``, a relative symlink to it, is replaced by
-create-then-rename, so ``--model OUT/checkpoints/latest`` (or an engine's
-``model_path``) always names a complete checkpoint. A crash while saving leaves the
-previous checkpoint as the latest one. Saving a step that already exists (a resumed
-run repeating it) renames the old folder aside to ``.old-step_...``, renames the new
-one in and deletes the old one last: ``latest`` names a complete folder except for
-the instant between those two renames, never for the length of a delete.
+Format 1 (rollshard before sharded checkpoints) kept the whole optimizer state in
+``optimizer/state.safetensors`` + ``optimizer/meta.json``, gathered to rank 0; it still resumes
+(weights from its model folder, the optimizer state loaded whole on every rank), and the next save
+writes format 2.
+
+A checkpoint is written under ``.tmp-step_...``: rank 0 clears a leftover one, every rank writes its
+shards into it, rank 0 the model folder and the state files; after a barrier (every rank's files
+written and fsynced) rank 0 fsyncs every file and folder of it and renames it when complete (the
+parent folder fsynced after, as ``rollshard.store.storage`` does, so the rename survives a power
+cut); then ``OUT/checkpoints/latest``, a relative symlink to it, is replaced by
+create-then-rename, so ``--model OUT/checkpoints/latest`` (or an engine's ``model_path``) always
+names a complete checkpoint. A crash while saving, on any rank, leaves the previous checkpoint as
+the latest one. Saving a step that already exists (a resumed run repeating it) renames the old
+folder aside to ``.old-step_...``, renames the new one in and deletes the old one last: ``latest``
+names a complete folder except for the instant between those two renames, never for the length of
+a delete. Every rank writes into the folder, so under torchrun ``--out`` must be on a file system
+all ranks see.
 """
 
 from __future__ import annotations
@@ -35,17 +45,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from rollshard.train.backends.distributed import DistEnv
+from rollshard.train.sharded import SHARDS_DIR
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.yaml"
-OPTIM_DIR = "optimizer"
-OPTIM_TENSORS = "state.safetensors"
-OPTIM_META = "meta.json"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: sharded weights and optimizer state under shards/; 1: optimizer/ gathered to rank 0
+V1_OPTIM_DIR, V1_OPTIM_TENSORS, V1_OPTIM_META = "optimizer", "state.safetensors", "meta.json"
 OLD_PREFIX = ".old-"  # a checkpoint folder being replaced by a new save of the same step
 
 
@@ -54,41 +64,39 @@ class Checkpoint:
     """A saved checkpoint on disk."""
 
     path: Path
+    version: int
     step: int
     updates: int
     weight_version: str
     world_size: int
     loader_states: list[dict[str, Any]]
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return load_optimizer_state(self.path)
+    @property
+    def weights_from(self) -> Path | None:
+        """The model folder a resumed backend is built from: this checkpoint's own for format 1; None (the run's
+        ``--model``) for format 2, whose shards then replace every weight."""
+        return self.path if self.version < 2 else None
+
+    def restore(self, backend: Any) -> None:
+        """Optimizer state, update count and (format 2) weights into a backend built from :attr:`weights_from`
+        (collective under torchrun)."""
+        if self.version < 2:
+            backend.load_optimizer_state(load_v1_optimizer_state(self.path))
+        else:
+            backend.load_state(self.path / SHARDS_DIR)
+        backend.updates = self.updates
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_optimizer_state(state: dict[str, Any], folder: Path) -> None:
-    """``torch.distributed.checkpoint`` full optimizer state -> safetensors + JSON under ``folder/optimizer``."""
-    folder = folder / OPTIM_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for param, entries in state["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{param}::{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(param, {})[key] = value
-    save_file(tensors, str(folder / OPTIM_TENSORS))
-    meta = {"param_groups": state["param_groups"], "scalars": scalars}
-    (folder / OPTIM_META).write_text(json.dumps(meta, default=list, indent=1))
-
-
-def load_optimizer_state(folder: Path) -> dict[str, Any]:
-    folder = folder / OPTIM_DIR
-    tensors = load_file(str(folder / OPTIM_TENSORS))
-    meta = json.loads((folder / OPTIM_META).read_text())
+def load_v1_optimizer_state(folder: Path) -> dict[str, Any]:
+    """The whole optimizer state of a format-1 checkpoint, keyed by parameter name (as
+    ``torch.distributed.checkpoint.state_dict`` gives it)."""
+    folder = folder / V1_OPTIM_DIR
+    tensors = load_file(str(folder / V1_OPTIM_TENSORS))
+    meta = json.loads((folder / V1_OPTIM_META).read_text())
     state: dict[str, dict[str, Any]] = {}
     for name, value in tensors.items():
         param, key = name.rsplit("::", 1)
@@ -111,46 +119,49 @@ def save_checkpoint(
     backend: Any,
     loader_states: list[dict[str, Any]],
     weight_version: str,
-    world_size: int,
+    env: DistEnv,
     config_yaml: str,
-    is_main: bool,
     keep_last: int,
 ) -> Path:
-    """Write ``OUT/checkpoints/step_N`` (collective: every rank calls it; rank 0 writes)."""
-    model_state = backend.model_state()
-    optim_state = backend.optimizer_state()
+    """Write ``OUT/checkpoints/step_N`` (collective: every rank calls it and writes its shards; rank 0 the rest
+    and publishes it). Returns once it is published, on every rank."""
     root = Path(out) / CKPT_DIR
     final = root / checkpoint_name(step)
-    if not is_main:
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    _recover_aside(root)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     aside = root / f"{OLD_PREFIX}{checkpoint_name(step)}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    backend.save_model(tmp, model_state)
-    save_optimizer_state(optim_state, tmp)
-    state = {
-        "version": STATE_VERSION,
-        "step": step,
-        "updates": backend.updates,
-        "weight_version": weight_version,
-        "world_size": world_size,
-        "loader_states": loader_states,
-    }
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    (tmp / CONFIG_FILE).write_text(config_yaml)
-    _fsync_tree(tmp)
-    replaced = final.exists()
-    if replaced:
-        os.replace(final, aside)  # kept whole until the new folder is in place
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _link_atomic(root / LATEST, final.name)
-    if replaced:
-        shutil.rmtree(aside)
-    _prune(root, keep_last)
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _recover_aside(root)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    env.barrier()  # a leftover tmp folder is gone before any rank writes into it
+    backend.save_state(tmp / SHARDS_DIR)
+    backend.export_model(tmp)
+    if env.is_main:
+        state = {
+            "version": STATE_VERSION,
+            "step": step,
+            "updates": backend.updates,
+            "weight_version": weight_version,
+            "world_size": env.world_size,
+            "loader_states": loader_states,
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        (tmp / CONFIG_FILE).write_text(config_yaml)
+    env.barrier()  # every rank's shards are written before rank 0 publishes the folder
+    if env.is_main:
+        _fsync_tree(tmp)
+        replaced = final.exists()
+        if replaced:
+            os.replace(final, aside)  # kept whole until the new folder is in place
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _link_atomic(root / LATEST, final.name)
+        if replaced:
+            shutil.rmtree(aside)
+        _prune(root, keep_last)
+    env.barrier()  # no rank goes on (to the next save of this folder) before it is published
     return final
 
 
@@ -222,6 +233,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{path}: checkpoint format {state['version']} is newer than this rollshard reads")
     return Checkpoint(
         path=path,
+        version=int(state.get("version", 1)),
         step=int(state["step"]),
         updates=int(state["updates"]),
         weight_version=str(state["weight_version"]),

@@ -192,10 +192,9 @@ class Trainer:
 
             hf_logging.disable_progress_bar()  # its loading/writing bars would break --no-progress output
         total = tr.max_steps * tr.mini_batches if tr.max_steps is not None else None
-        self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.path if ckpt else None)
+        self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
         if ckpt:
-            self.backend.load_optimizer_state(ckpt.optimizer_state())
-            self.backend.updates = ckpt.updates
+            ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
         self.logger = MetricsLogger(
             self.out, enabled=self.env.is_main, tensorboard=tr.tensorboard, resume_step=self.step if ckpt else None
         )
@@ -225,7 +224,8 @@ class Trainer:
         if ckpt.world_size != self.env.world_size:
             raise ValueError(
                 f"checkpoint {ckpt.path} was written by {ckpt.world_size} processes, this run has "
-                f"{self.env.world_size}; resume with the same number of processes"
+                f"{self.env.world_size}; resume with the same number of processes ({ckpt.world_size}): each one's data "
+                "cursor is saved with it"
             )
         initial = self.cfg.trainer.initial_version
         if ckpt.weight_version != str(initial + ckpt.step):
@@ -374,12 +374,10 @@ class Trainer:
             backend=self.backend,
             loader_states=states,
             weight_version=str(self.version),
-            world_size=self.env.world_size,
+            env=self.env,
             config_yaml=self.cfg.to_yaml(),
-            is_main=self.env.is_main,
             keep_last=self.cfg.trainer.keep_last,
         )
-        self.env.barrier()
         self.last_saved = self.step
         self.saved_in_run = True
         return path

@@ -6,10 +6,10 @@ Run under torchrun the model is FSDP2-sharded (gloo on CPU); run in process with
 rank it is not. The loss is decoupled with a KL term, so the no-grad proximal and
 reference forwards run too. Writes ``OUT/grads.safetensors`` (full gradients,
 transformers names) and ``OUT/metrics.json`` from rank 0, and each rank's micro-batch
-count to ``OUT/micro_batches-RANK``. Then it saves a checkpoint (gathered from the
-shards), resumes from it in a new trainer (loaded into the shards) and writes
-``OUT/resume.json``: the largest difference between the saved and the reloaded weights
-and optimizer moments.
+count to ``OUT/micro_batches-RANK``. Then it saves a checkpoint (each rank its shards, the
+model folder gathered tensor by tensor), resumes from it in a new trainer (each rank loads its
+shards) and writes ``OUT/resume.json``: the largest difference between the saved (model folder,
+shards read whole) and the reloaded (gathered) weights and optimizer moments.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from rollshard.train.backends.distributed import DistEnv, close_distributed, init_distributed
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.config import TrainConfig
+from rollshard.train.sharded import SHARDS_DIR, read_sharded
 from rollshard.train.trainer import Trainer
 
 
@@ -61,22 +62,36 @@ def one_step_gradients(data: str, model: str, out: str, groups_per_rank: int, bu
         (Path(out) / "metrics.json").write_text(json.dumps(metrics))
 
     resumed = Trainer(dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=True)), env=env)
-    weights = resumed.backend.model_state()  # collective; the full tensors land on rank 0
-    moments = resumed.backend.optimizer_state()
+    weights, moments = full_state(resumed.backend)  # collective; the full tensors land on rank 0
     resumed.close()
     if env.is_main:
         ckpt = latest_checkpoint(out)
         saved = load_file(str(ckpt.path / "model.safetensors"))
-        saved_moments = ckpt.optimizer_state()["state"]
+        shards, _ = read_sharded(ckpt.path / SHARDS_DIR)
         report = {
             "step": resumed.step,
             "weights": max((weights[k] - v).abs().max().item() for k, v in saved.items()),
             "moments": max(
-                (moments["state"][p][k] - v).abs().max().item()
-                for p, entry in saved_moments.items() for k, v in entry.items() if k.startswith("exp_avg")
+                (moments[name.removeprefix("optim/")] - v).abs().max().item()
+                for name, v in shards.items() if name.startswith("optim/") and "/exp_avg" in name
             ),
         }
         (Path(out) / "resume.json").write_text(json.dumps(report))
+
+
+def full_state(backend) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The whole weights (transformers names) and AdamW moments (``name/state``) gathered from the shards to rank 0
+    (empty on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(
+        backend.policy, backend.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    weights = {k.removeprefix("model."): v for k, v in model.items()}
+    moments = {
+        f"{p.removeprefix('model.')}/{k}": v for p, entry in optim.get("state", {}).items() for k, v in entry.items()
+    }
+    return weights, moments
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
-"""Checkpoints: optimizer state round trip without pickle, latest link, pruning, a crash while saving."""
+"""Checkpoints: sharded state (safetensors, no pickle) that resumes exactly, the engines' model folder written
+tensor by tensor, format-1 checkpoints resuming, latest link, pruning, a crash while saving."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors import safe_open
 
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.hf import HFBackend
 from rollshard.train.checkpoint import latest_checkpoint, save_checkpoint
 from rollshard.train.config import ModelConfig, OptimConfig
+from rollshard.train.sharded import SHARDS_DIR, read_sharded
 from rollshard.train.trainer import dummy_batch
+from tests.train import v1_checkpoint
 
 
 def backend(model, weights_from=None) -> HFBackend:
@@ -29,27 +34,129 @@ def one_update(b: HFBackend) -> None:
 
 def save(b, out, step, keep_last=2):
     return save_checkpoint(out, step=step, backend=b, loader_states=[{"cursor": step}], weight_version=str(step),
-                           world_size=1, config_yaml="trainer: {}\n", is_main=True, keep_last=keep_last)
+                           env=DistEnv(), config_yaml="trainer: {}\n", keep_last=keep_last)
 
 
-def test_resume_continues_the_optimizer_exactly(tiny_gpt2, tmp_path):
-    a = backend(tiny_gpt2)
-    one_update(a)
-    path = save(a, tmp_path, 1)
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.path == path and ckpt.updates == 1 and ckpt.loader_states == [{"cursor": 1}]
-
-    b = backend(tiny_gpt2, weights_from=ckpt.path)
-    b.load_optimizer_state(ckpt.optimizer_state())
-    b.updates = ckpt.updates
-    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
-    for k in sa["state"]:
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(sa["state"][k][name], sb["state"][k][name])
-    one_update(a)
-    one_update(b)
+def assert_same_state(a: HFBackend, b: HFBackend) -> None:
     for (na, pa), (nb, pb) in zip(a.policy.named_parameters(), b.policy.named_parameters()):
         assert na == nb and torch.equal(pa, pb), na
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"] and len(sa["state"]) == len(sb["state"]) > 10
+    for k in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa["state"][k][name], sb["state"][k][name]), (k, name)
+    assert a.updates == b.updates
+
+
+def test_resume_continues_exactly_from_the_shards(tiny_gpt2, tmp_path):
+    a = backend(tiny_gpt2)
+    one_update(a)
+    one_update(a)
+    path = save(a, tmp_path, 2)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.path == path and ckpt.version == 2 and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+
+    # Built from --model (the initial weights), as a resume does; every weight and moment comes from the shards.
+    assert ckpt.weights_from is None
+    b = backend(tiny_gpt2, weights_from=ckpt.weights_from)
+    assert not torch.equal(a.hf_model.transformer.h[0].attn.c_attn.weight, b.hf_model.transformer.h[0].attn.c_attn.weight)
+    ckpt.restore(b)
+    assert_same_state(a, b)
+    assert b.optimizer.param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again, as AdamW made it
+    one_update(a)
+    one_update(b)
+    assert_same_state(a, b)
+
+
+def test_format_1_checkpoint_resumes_and_the_next_save_is_format_2(tiny_gpt2, tmp_path):
+    a = backend(tiny_gpt2)
+    one_update(a)
+    v1_checkpoint.save_v1(tmp_path, step=1, backend=a, loader_states=[{"cursor": 1}], weight_version="1")
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.version == 1 and ckpt.weights_from == ckpt.path and not (ckpt.path / SHARDS_DIR).exists()
+    b = backend(tiny_gpt2, weights_from=ckpt.weights_from)
+    ckpt.restore(b)
+    assert_same_state(a, b)
+    one_update(a)
+    one_update(b)
+    assert_same_state(a, b)
+    save(b, tmp_path, 2)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.version == 2 and (ckpt.path / SHARDS_DIR).is_dir()
+    c = backend(tiny_gpt2, weights_from=ckpt.weights_from)
+    ckpt.restore(c)
+    assert_same_state(b, c)
+
+
+def test_shards_are_safetensors_and_json_without_pickle(tiny_gpt2, tmp_path):
+    b = backend(tiny_gpt2)
+    one_update(b)
+    shards = save(b, tmp_path, 1) / SHARDS_DIR
+    assert sorted(p.name for p in shards.iterdir()) == ["optimizer.json", "shard-00001-model-00001-of-00001.safetensors"]
+    for f in shards.iterdir():
+        assert not f.read_bytes().startswith(b"\x80")  # a pickle stream's first byte (protocol 2+)
+    with safe_open(str(shards / "shard-00001-model-00001-of-00001.safetensors"), framework="pt") as st:
+        assert "DCP_SHARDING_INFO" in st.metadata()  # DCP's chunk offsets: JSON in the safetensors header
+    tensors, meta = read_sharded(shards)
+    params = dict(b.hf_model.named_parameters())  # lm_head.weight is wte.weight: stored once
+    assert {k for k in tensors if k.startswith("model/")} == {f"model/{n}" for n in params}
+    for name, p in params.items():
+        assert torch.equal(tensors[f"model/{name}"], p.detach())
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(tensors[f"optim/{name}/{key}"], b.optimizer.state[p][key]), (name, key)
+    assert meta["param_groups"][0]["lr"] == b.optimizer.param_groups[0]["lr"] > 0
+    assert meta["param_groups"][0]["params"][0] == "transformer.wte.weight"  # transformers names, no wrapper prefix
+
+
+@pytest.mark.parametrize("model", ["tiny_gpt2", "tiny_qwen3"])
+def test_model_folder_is_what_save_pretrained_writes(model, request, tmp_path, monkeypatch):
+    # The export streams one tensor at a time; format 1 handed the whole state dict to save_pretrained.
+    b = backend(request.getfixturevalue(model))
+    one_update(b)
+    b.export_model(tmp_path / "streamed")
+    v1_checkpoint.write(tmp_path / "pretrained", b, *v1_checkpoint.gather(b))
+    names = sorted(p.name for p in (tmp_path / "streamed").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "pretrained").iterdir() if p.name != "optimizer")
+    assert "model.safetensors" in names and "config.json" in names and "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "pretrained" / name).read_bytes(), name
+
+    # A model whose class converts weights on load is exported by save_pretrained (which reverts them) instead.
+    from transformers.core_model_loading import WeightRenaming
+
+    monkeypatch.setattr(b.hf_model, "_weight_conversions", [WeightRenaming("no_such_weight", "other")], raising=False)
+    b.export_model(tmp_path / "converted")
+    streamed = (tmp_path / "streamed" / "model.safetensors").read_bytes()
+    assert (tmp_path / "converted" / "model.safetensors").read_bytes() == streamed
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_latest(tiny_gpt2, tmp_path, monkeypatch):
+    b = backend(tiny_gpt2)
+    one_update(b)
+    save(b, tmp_path, 1)
+    one_update(b)
+
+    def disk_full(folder):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(b, "export_model", disk_full)  # after the shards of step 2 are written
+    with pytest.raises(OSError, match="No space"):
+        save(b, tmp_path, 2)
+    root = tmp_path / "checkpoints"
+    assert (root / ".tmp-step_00000002" / SHARDS_DIR / "optimizer.json").exists()
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.step == 1 and ckpt.updates == 1
+    ckpt.restore(backend(tiny_gpt2))  # still complete
+    monkeypatch.undo()
+    save(b, tmp_path, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert latest_checkpoint(tmp_path).updates == 2
+
+
+def test_shards_of_another_model_are_refused(tiny_gpt2, tiny_qwen3, tmp_path):
+    path = save(backend(tiny_gpt2), tmp_path, 1)
+    with pytest.raises(ValueError, match="other parameters than this model; resume with the run's --model"):
+        backend(tiny_qwen3).load_state(path / SHARDS_DIR)
 
 
 def test_latest_link_pruning_and_leftover_tmp(tiny_gpt2, tmp_path):
@@ -87,7 +194,8 @@ def test_saving_a_step_again_keeps_latest_loadable(tiny_gpt2, tmp_path, monkeypa
     assert deleted == [".old-step_00000001"]
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.path == path and ckpt.step == 1 and ckpt.updates == 2
-    assert ckpt.optimizer_state()["state"]  # loadable
+    tensors, _ = read_sharded(ckpt.path / SHARDS_DIR)  # loadable
+    assert tensors["optim/transformer.wte.weight/step"].item() == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000001"]
 
 
@@ -114,7 +222,8 @@ def test_files_and_folders_are_fsynced_before_the_rename(tiny_gpt2, tmp_path, mo
     publish = events.index(("replace", str(tmp), str(final)))
     synced_before = {e[1] for e in events[:publish] if e[0] == "fsync"}
     on_disk = {str(tmp / p.relative_to(final)) for p in final.rglob("*")} | {str(tmp)}
-    assert len(on_disk) >= 8  # config, weights, tokenizer files, optimizer/ and its two files, state, config yaml
+    assert len(on_disk) >= 8  # config, weights, tokenizer files, shards/ and its two files, state, config yaml
+    assert str(tmp / SHARDS_DIR / "shard-00001-model-00001-of-00001.safetensors") in on_disk
     assert on_disk <= synced_before, sorted(on_disk - synced_before)
     # The parent folder after the checkpoint's rename, and again after the latest link's.
     after = events[publish + 1:]

@@ -1,18 +1,28 @@
-"""FSDP2 over a gloo world of 2 CPU processes: the same gradient as one process on the same global batch."""
+"""FSDP2 over a gloo world of 2 CPU processes: the same gradient as one process on the same global batch; sharded
+checkpoints (each rank its half) that resume bit for bit after a crash while saving, and load into one process."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rollshard.store.loader import LoaderConfig, RolloutLoader
 from rollshard.train.backends.distributed import DistEnv
+from rollshard.train.backends.hf import HFBackend
+from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.config import ModelConfig, OptimConfig, TrainConfig
+from rollshard.train.metrics import read_metrics
+from rollshard.train.sharded import SHARDS_DIR
+from rollshard.train.trainer import Trainer
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -95,3 +105,107 @@ def test_bf16_policy_keeps_embedding_norm_and_head_fp32(tiny_gpt2, tiny_qwen3, t
         # ... while the old bf16 root (fp32_lm_head off) rounds the head: measured 0.03-0.04 mean, 0.07 max nats.
         assert bf16["head"] == {"weight": "bfloat16", "input": "bfloat16", "output": "bfloat16"}, model
         assert bf16["err_mean"] > 1e-2 and bf16["err_max"] > 3e-2, model
+
+
+def shard_chunks(folder: Path) -> dict[int, dict[str, tuple[list[int], list[int], int]]]:
+    """Per rank, per tensor of its shard file: ``(offsets, shape, bytes)`` of the chunk it holds, from the
+    file's safetensors header (DCP's JSON sharding info)."""
+    out = {}
+    for f in sorted(folder.glob("shard-*.safetensors")):
+        rank = int(f.name.split("-")[1]) - 1
+        with safe_open(str(f), framework="pt") as st:
+            offsets = json.loads(st.metadata()["DCP_SHARDING_INFO"])
+            out[rank] = {}
+            for name in st.keys():
+                sl = st.get_slice(name)
+                shape = list(sl.get_shape())
+                out[rank][name] = (offsets[name]["saved_offsets"], shape, math.prod(shape) * 4)
+    return out
+
+
+def assemble(folder: Path, name: str) -> torch.Tensor:
+    """One whole tensor put together from the ranks' files by their saved offsets along dim 0 (not through DCP)."""
+    parts = []
+    for f in sorted(folder.glob("shard-*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if name in st.keys():
+                parts.append((json.loads(st.metadata()["DCP_SHARDING_INFO"])[name]["saved_offsets"], st.get_tensor(name)))
+    parts.sort(key=lambda p: p[0])
+    return torch.cat([t for _, t in parts]) if parts[0][1].dim() else parts[0][1]
+
+
+def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_dataset, tiny_gpt2, tmp_path):
+    steps = 3
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                str(HERE / "fsdp_resume_worker.py")]
+    args = [str(tiny_dataset), str(tiny_gpt2), str(tmp_path), str(steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # 1. Straight to step 3; then the same run again, saving every step, killed on rank 1 while saving step 2.
+    first = subprocess.run(torchrun + ["first", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0 and "Signal 9 (SIGKILL)" in first.stderr, first.stderr[-4000:]
+    root = tmp_path / "resumed" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "resumed").step == 1  # the torn save of step 2 never became the latest
+    torn = root / ".tmp-step_00000002" / SHARDS_DIR
+    assert len(list(torn.glob("shard-*.safetensors"))) == 2 and not (root / "step_00000002").exists()
+
+    # 2. Resume to step 3 in new processes.
+    second = subprocess.run(torchrun + ["resume", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-4000:]
+    straight, resumed = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
+    assert straight.step == resumed.step == steps and straight.version == resumed.version == 2
+    assert not (root / ".tmp-step_00000002").exists()  # the next save of step 2 cleared the torn one
+
+    # Bitwise: the weights (model folder) and every rank's shards of weights and AdamW state.
+    a, b = load_file(str(straight.path / "model.safetensors")), load_file(str(resumed.path / "model.safetensors"))
+    assert set(a) == set(b) and len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
+    files = sorted(p.name for p in (straight.path / SHARDS_DIR).iterdir())
+    assert files == sorted(p.name for p in (resumed.path / SHARDS_DIR).iterdir())
+    assert files == ["optimizer.json", "shard-00001-model-00001-of-00001.safetensors",
+                     "shard-00002-model-00001-of-00001.safetensors"]
+    for f in files[1:]:
+        sa, sb = load_file(str(straight.path / SHARDS_DIR / f)), load_file(str(resumed.path / SHARDS_DIR / f))
+        assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), f
+        steps_saved = {v.item() for k, v in sa.items() if k.endswith("/step")}
+        assert steps_saved <= {float(steps)}, steps_saved  # AdamW's step count
+    assert [m["loss/total"] for m in read_metrics(tmp_path / "straight")] == [
+        m["loss/total"] for m in read_metrics(tmp_path / "resumed")
+    ]
+
+    # Each rank's file holds its half of each weight and moment: rows [0, R/2) on rank 0, [R/2, R) on rank 1.
+    chunks = shard_chunks(straight.path / SHARDS_DIR)
+    weights = load_file(str(straight.path / "model.safetensors"))
+    moments_total = 2 * sum(t.numel() * 4 for t in weights.values())  # exp_avg + exp_avg_sq, fp32
+    for rank in (0, 1):
+        held = chunks[rank]
+        moments = sum(n for k, (_, _, n) in held.items() if k.startswith("optim/") and not k.endswith("/step"))
+        assert abs(moments - moments_total / 2) <= 0.01 * moments_total, (rank, moments, moments_total)
+        for name, w in weights.items():
+            for key in (f"model/{name}", f"optim/{name}/exp_avg", f"optim/{name}/exp_avg_sq"):
+                offsets, shape, _ = held[key]
+                rows = -(-w.shape[0] // 2)  # FSDP2 shards dim 0 in torch.chunk pieces
+                assert offsets[0] == rank * rows and shape == [min(rows, w.shape[0] - rank * rows), *w.shape[1:]], key
+    # Resuming, each rank read its own file and, from the other's, at most the step counts (one copy is stored).
+    step_bytes = 4 * len(weights)
+    for rank in (0, 1):
+        reads = json.loads((tmp_path / f"reads-{rank}.json").read_text())
+        own, other = f"shard-0000{rank + 1}-model-00001-of-00001.safetensors", f"shard-0000{2 - rank}-model-00001-of-00001.safetensors"
+        held = sum(n for k, (_, _, n) in chunks[rank].items() if not k.endswith("/step"))
+        assert held <= reads[own] <= held + step_bytes and reads.get(other, 0) <= step_bytes, (rank, reads)
+
+    # 3. World size 2 -> 1: the shards load into one process (DCP reshards) equal to the ranks' pieces put
+    # together; the trainer itself refuses, its loader cursors being per rank.
+    one = HFBackend(ModelConfig(path=str(tiny_gpt2)), OptimConfig(), env=DistEnv(), total_updates=None)
+    one.load_state(straight.path / SHARDS_DIR)
+    for name, p in one.hf_model.named_parameters():
+        assert torch.equal(p.detach(), weights[name]), name
+        state = one.optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], assemble(straight.path / SHARDS_DIR, f"optim/{name}/{key}")), (name, key)
+        assert state["step"].item() == steps
+    assert one.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    cfg = TrainConfig.from_dict({
+        "data": {"path": str(tiny_dataset), "groups_per_step": 2}, "model": {"path": str(tiny_gpt2)},
+        "trainer": {"out": str(tmp_path / "straight"), "resume": True, "progress": False, "tensorboard": False},
+    })
+    with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1; resume with the same number"):
+        Trainer(cfg)

@@ -1,10 +1,11 @@
 """Model backends: where the policy lives, how it is sharded, and how it is updated.
 
 A backend gives the trainer: ``logprobs(batch, grad=, entropy=, reference=, support=)``,
-``set_gradient_sync``, ``backward``, ``optimizer_step``, ``lr``, and the state for
-checkpoints (``model_state``, ``optimizer_state``, ``load_optimizer_state``,
-``save_model``). ``hf`` (transformers, one device or FSDP2 under torchrun) is the one
-built in.
+``set_gradient_sync``, ``backward``, ``optimizer_step``, ``lr``, ``updates``, and the state
+for checkpoints (rollshard.train.checkpoint): ``save_state`` / ``load_state`` (sharded weights
+and optimizer state, each rank its own), ``export_model`` (the engines' model folder) and
+``load_optimizer_state`` (a whole optimizer state, for format-1 checkpoints). ``hf``
+(transformers, one device or FSDP2 under torchrun) is the one built in.
 """
 
 from __future__ import annotations

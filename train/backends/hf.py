@@ -26,6 +26,10 @@
 * AdamW, global gradient-norm clipping (a non-finite norm skips the update), and the
   learning rate set before each update from :func:`~rollshard.train.backends.schedule.lr_factor`.
 * A frozen reference copy of the initial weights is built only when the KL term is on.
+* State for checkpoints (rollshard.train.checkpoint): ``save_state`` / ``load_state`` move the
+  sharded weights and AdamW state through torch.distributed.checkpoint, each rank its own shards
+  (rollshard.train.sharded); ``export_model`` writes the engines' model folder, gathering one
+  tensor at a time.
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import PackedPolicy, Support, check_model, chunk_rows, packed_logprobs
+from rollshard.train.sharded import load_sharded, save_gathered, save_sharded, tied_aliases
 
 # Files of a model folder that are weights (rewritten by a checkpoint); everything else
 # (tokenizer, chat template, generation config) is copied from the source folder verbatim.
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+SAFE_WEIGHTS = "model.safetensors"
+POLICY_PREFIX = "model."  # PackedPolicy holds the transformers model as .model; checkpoints use transformers names
 
 
 class HFBackend:
@@ -212,46 +219,59 @@ class HFBackend:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def _state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+    def save_state(self, folder: Path) -> None:
+        """Weights and optimizer state, sharded as they are held (collective: each rank writes its own file)."""
+        save_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX)
 
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on CPU, transformers names (collective under FSDP; rank 0 gets them)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        sd = get_model_state_dict(self.policy, options=self._state_options())
-        # Tied weights (GPT-2's lm_head = wte) come back as separate gathered copies under FSDP; keep one
-        # name per parameter, as transformers itself saves them.
-        every = {n for n, _ in self.hf_model.named_parameters(remove_duplicate=False)}
-        tied = every - {n for n, _ in self.hf_model.named_parameters()}
-        return {k.removeprefix("model."): v for k, v in sd.items() if k.removeprefix("model.") not in tied}
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter name (collective under FSDP)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.policy, self.optimizer, options=self._state_options())
+    def load_state(self, folder: Path) -> None:
+        """A :meth:`save_state` folder into the shards this process holds (collective; any world size wrote it)."""
+        load_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """A full (unsharded) optimizer state keyed by parameter name: checkpoints of format 1."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(
-            self.policy, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
-        )
+        tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.policy, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        for group, keys in zip(self.optimizer.param_groups, tuples):
+            group.update({k: tuple(group[k]) for k in keys})  # the full-state path hands betas back as a list
 
-    def save_model(self, folder: Path, state: dict[str, torch.Tensor]) -> None:
-        """A Hugging Face model folder: safetensors weights, config, and the source's tokenizer files."""
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in self.source.iterdir():
-            if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES) and f.name != "config.json":
-                shutil.copy2(f, folder / f.name)
-        self.hf_model.save_pretrained(folder, state_dict=state)
-        # transformers 5 writes "dtype"; 4.x (the SGLang environment) reads "torch_dtype".
-        cfg_path = folder / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
-        # Training turned the KV cache off; the engines decode with the source folder's setting.
-        cfg["use_cache"] = json.loads((self.source / "config.json").read_text()).get("use_cache", True)
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    def export_model(self, folder: Path) -> None:
+        """A Hugging Face model folder of the fp32 master weights: ``model.safetensors``, config and the source's
+        tokenizer files (collective under FSDP: the weights are gathered one tensor at a time, rank 0 writes).
+
+        Peak memory on rank 0 beyond its shards: the largest tensor (the embedding). A model whose
+        transformers class converts weights on load (``_weight_conversions``, e.g. fused MoE experts) is
+        exported by ``save_pretrained``, which reverts them, from a full gather instead: one whole model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        main = self.env.is_main
+        if main:
+            folder.mkdir(parents=True, exist_ok=True)
+            for f in self.source.iterdir():
+                if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES) and f.name != "config.json":
+                    shutil.copy2(f, folder / f.name)
+        model = self.hf_model
+        if getattr(model, "_weight_conversions", None):
+            full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if main:
+                model.save_pretrained(folder, state_dict={k.removeprefix(POLICY_PREFIX): v for k, v in full.items()})
+        else:
+            skip = set(tied_aliases(self.policy)) | {POLICY_PREFIX + k for k in model._keys_to_ignore_on_save or ()}
+            sharded = get_model_state_dict(self.policy)  # DTensor shards under FSDP2: nothing gathered yet
+            tensors = {k.removeprefix(POLICY_PREFIX): v for k, v in sharded.items() if k not in skip}
+            save_gathered(folder / SAFE_WEIGHTS, tensors, write=main)
+            if main:  # the config files save_pretrained writes beside its weights
+                model.config.dtype = str(model.dtype).removeprefix("torch.")
+                model.config.architectures = [type(model).__name__]
+                model.config.save_pretrained(folder)
+                if model.can_generate():
+                    model.generation_config.save_pretrained(folder)
+        if main:
+            # transformers 5 writes "dtype"; 4.x (the SGLang environment) reads "torch_dtype".
+            cfg_path = folder / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+            # Training turned the KV cache off; the engines decode with the source folder's setting.
+            cfg["use_cache"] = json.loads((self.source / "config.json").read_text()).get("use_cache", True)
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

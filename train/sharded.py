@@ -1,0 +1,204 @@
+"""Sharded model and optimizer state on disk, and the model export gathered one tensor at a time.
+
+:func:`save_sharded` / :func:`load_sharded` move a module's weights and its optimizer's state
+through ``torch.distributed.checkpoint`` (DCP) with DCP's safetensors storage
+(``HuggingFaceStorageWriter(save_distributed=True)`` / ``HuggingFaceStorageReader``). Under FSDP2
+every parameter and AdamW moment is a DTensor sharded along dim 0: each rank writes its own
+chunks to its own file and reads back only the slices it holds, so no rank ever holds more than its
+share. DCP's load planner maps the saved chunks onto the live ones, so a folder written by N
+processes loads into M (resharding; the trainer itself still refuses another world size, because
+the loader's cursors are per rank). One process (no process group) writes and reads the same format.
+
+A ``shards/`` folder:
+
+* ``shard-0000R-model-00001-of-00001.safetensors``, one file per rank (R = rank + 1): tensors
+  ``model/<name>`` (fp32 master weights under transformers names) and ``optim/<name>/<state>``
+  (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``), each holding that rank's chunk. Where the chunk
+  sits in the whole tensor is JSON in the file's safetensors header (``DCP_SHARDING_INFO``, the
+  offsets); the reader builds DCP's plan from those headers. A tensor every rank holds whole
+  (AdamW's ``step``) is written once, by one rank (DCP deduplicates it).
+* ``optimizer.json``: the parameter groups (hyperparameters, parameter names) and any non-tensor
+  per-parameter state.
+
+No pickle. DCP's default ``FileSystemWriter`` pickles its ``.metadata`` file (``pickle.dump`` of
+the ``Metadata`` dataclass; the reader ``pickle.load``-s it) and writes tensors with ``torch.save``;
+its safetensors storage writes neither. A hand-written per-rank safetensors format was the
+alternative; DCP's already is one, and brings the resharding planner with it.
+
+Tied parameters (GPT-2's ``lm_head.weight`` = ``wte.weight``) are one tensor: stored under the first
+name only, as transformers saves them.
+
+:func:`save_gathered` writes a safetensors file from sharded tensors, gathering one tensor at a time
+(``DTensor.full_tensor``) and streaming its bytes, so the extra memory is one whole tensor rather
+than the whole model. The safetensors library writes from a complete dict only, hence the few lines
+of header here; the file is byte-identical to ``safetensors.torch.save_file`` of the same tensors
+when they share one dtype (the test checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollshard.train.backends.distributed import DistEnv
+
+SHARDS_DIR = "shards"
+OPTIM_META = "optimizer.json"
+MODEL_KEY, OPTIM_KEY = "model/", "optim/"
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+HEADER_ALIGN = 8  # the safetensors library pads its JSON header with spaces to a multiple of 8 bytes
+# DCP warns on every call without a process group, which is how one process runs here (no_dist) by design.
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def _dcp_quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        yield
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every second name of a parameter -> its first name (state-dict names of ``module``)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _live_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The module's and optimizer's state dicts as they are held: DTensor shards under FSDP2, the tensors
+    themselves on one process (nothing gathered or copied). An optimizer that never stepped gets its state
+    created first (zeros, by a step at lr 0), so that there is something to load into."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(module, optimizer)
+
+
+def _split(
+    model_sd: dict, optim_sd: dict, *, aliases: dict[str, str], strip: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(tensors keyed as on disk, the JSON part)`` of the live state dicts; the tensors are the live ones."""
+    name = lambda fqn: fqn.removeprefix(strip)  # noqa: E731
+    tensors = {MODEL_KEY + name(k): v for k, v in model_sd.items() if k not in aliases}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, entries in optim_sd["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIM_KEY}{name(fqn)}/{key}"] = value
+            else:
+                scalars.setdefault(name(fqn), {})[key] = value
+    groups = [{**g, "params": [name(p) for p in g["params"]]} for g in optim_sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def save_sharded(
+    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = ""
+) -> None:
+    """Write the weights and optimizer state of every rank into ``folder`` (collective: every rank calls it
+    and writes its own file; rank 0 writes ``optimizer.json``). ``strip``: a prefix of the module's names
+    that the files leave out (the policy wrapper's ``model.``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model_sd, optim_sd = _live_state(module, optimizer)
+    tensors, meta = _split(model_sd, optim_sd, aliases=tied_aliases(module), strip=strip)
+    with _dcp_quiet():
+        writer = HuggingFaceStorageWriter(str(folder), save_distributed=True)
+        dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
+    if env.is_main:
+        (folder / OPTIM_META).write_text(json.dumps(meta, indent=1))
+
+
+def load_sharded(
+    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = ""
+) -> None:
+    """Load a :func:`save_sharded` folder into ``module`` and ``optimizer`` as they are sharded now (collective;
+    each rank reads the slices of its own shards, whatever the world size that wrote the folder)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_sd, optim_sd = _live_state(module, optimizer)
+    aliases = tied_aliases(module)
+    tensors, live = _split(model_sd, optim_sd, aliases=aliases, strip=strip)
+    saved = json.loads((folder / OPTIM_META).read_text())
+    if [g["params"] for g in saved["param_groups"]] != [g["params"] for g in live["param_groups"]]:
+        raise ValueError(
+            f"{folder}: the checkpoint's optimizer holds other parameters than this model; resume with the run's --model"
+        )
+    try:
+        with _dcp_quiet():
+            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not env.enabled)  # in place
+    except RuntimeError as e:  # DCP names the first tensor the folder lacks
+        raise ValueError(f"{folder} does not match this model and optimizer ({e}); resume with the run's --model") from e
+    for alias, name in aliases.items():
+        model_sd[alias] = model_sd[name]
+    for group, saved_group in zip(optim_sd["param_groups"], saved["param_groups"]):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value  # JSON made betas a list
+    for fqn in optim_sd["state"]:
+        optim_sd["state"][fqn].update(saved["scalars"].get(fqn.removeprefix(strip), {}))
+    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def read_sharded(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of a :func:`save_sharded` folder whole, in this process, and its JSON part: the whole state
+    in memory at once (for tests, inspection and conversion; training loads with :func:`load_sharded`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(str(folder)).read_metadata()
+    tensors = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+    }
+    with _dcp_quiet():
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
+    return tensors, json.loads((folder / OPTIM_META).read_text())
+
+
+def save_gathered(path: Path, tensors: dict[str, torch.Tensor], *, write: bool) -> None:
+    """One safetensors file of ``tensors`` (DTensors or tensors), gathered and written one tensor at a time.
+
+    Collective under FSDP: every rank calls it with the same names (each gather is an all-gather); only
+    where ``write`` the file is written. Peak memory beyond what a rank holds already: one whole tensor
+    (on every rank, for the length of its gather). Tensors go largest item size first, then by name (the
+    library's order for one dtype), so every offset is a multiple of its item size."""
+    from torch.distributed.tensor import DTensor
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # what transformers' save_pretrained records
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        size = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % HEADER_ALIGN)
+    with open(path, "wb") if write else contextlib.nullcontext() as f:
+        if f is not None:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+        for k in order:
+            t = tensors[k]
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if f is not None:
+                f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            del whole
