@@ -77,7 +77,9 @@ def worker(args) -> dict:
         t0 = time.perf_counter()
         try:
             with torch.set_grad_enabled(not args.forward_only):
-                logp, _ = packed_logprobs(policy, input_ids=ids, position_ids=pos, loss_mask=mask, temperature=temperature)
+                logp, _ = packed_logprobs(
+                    policy, input_ids=ids, position_ids=pos, loss_mask=mask, temperature=temperature
+                )  # [T]
                 if not args.forward_only:
                     logp.sum().backward()
         except (NotImplementedError, RuntimeError) as e:  # flex attention has no CPU backward (torch 2.13)
@@ -153,8 +155,8 @@ def main() -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
-        print("| " + " | ".join(f"{r[c]:.2g}" if isinstance(r.get(c), float) and ("grad" in c or "diff" in c) else str(r.get(c, ""))
-                                for c in cols) + " |")  # fmt: skip
+        cells = [f"{r[c]:.2g}" if c.startswith("max_") and c in r else str(r.get(c, "")) for c in cols]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def test_no_mask_is_built(tiny_qwen3):
     assert create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
                               position_ids=pos) is None  # fmt: skip
     model.config._attn_implementation = "sdpa"  # what the dense path builds instead: [1, 1, T, T]
-    dense = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos)
+    dense = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                               position_ids=pos)  # fmt: skip
     assert dense.shape == (1, 1, 6, 6)
 
 
@@ -234,7 +235,7 @@ def test_auto_is_varlen_without_flash_attn_and_flash_where_it_runs(monkeypatch):
     assert ModelConfig().attn_implementation == VARLEN  # this machine: no flash-attn
     assert ModelConfig(attn_implementation="sdpa").attn_implementation == "sdpa"
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else real_find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: object() if n == "flash_attn" else real_find_spec(n))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert default_attention("auto") == "flash_attention_2"
