@@ -133,6 +133,14 @@ class SGLangConfig:
     logprob_start_len: int = -1  # SGLang: -1 computes no input-token logprobs
 
 
+class _HTTPStatus(EngineError):
+    """A 4xx answer; ``status`` tells a 404 (an endpoint a router does not forward) from the rest."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class _Retryable(Exception):
     """A transient failure of one attempt (connection, timeout, 5xx)."""
 
@@ -159,7 +167,7 @@ class _Breaker:
         self.open = False
 
     def alive(self, url: str) -> None:
-        if self.failures[url]:
+        if self.failures.get(url):  # a router's worker, sent a control request directly, is not counted
             if self.threshold and self.failures[url] >= self.threshold:
                 self.down -= 1
             self.failures[url] = 0
@@ -253,7 +261,7 @@ class SGLangEngine(Engine):
         if resp.status >= 500:
             raise _Retryable(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
         if resp.status >= 400:
-            raise EngineError(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}")
+            raise _HTTPStatus(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}", resp.status)
         try:
             return json.loads(raw) if raw else {}
         except ValueError as e:
@@ -464,6 +472,10 @@ class SGLangEngine(Engine):
         raise EngineError(failure) from cause
 
     async def _post_all(self, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """POST a control request to every server; a router that does not forward it (a 404, as sglang-router
+        0.3.2 answers ``/update_weights_from_disk`` and ``/update_weight_version``) is replaced by the workers it
+        lists on ``GET /workers``, each sent the request directly, with a warning saying so. One answer per server
+        (per worker behind such a router)."""
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
 
         async def one(url: str) -> dict[str, Any]:
@@ -475,7 +487,35 @@ class SGLangEngine(Engine):
                 raise EngineError(f"POST {path} failed on {url}: {out.get('message')}")
             return out
 
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+        async def server(url: str) -> list[dict[str, Any]]:
+            try:
+                return [await one(url)]
+            except EngineError as e:
+                if not (isinstance(e.__cause__, _HTTPStatus) and e.__cause__.status == 404):
+                    raise
+                workers = await self._router_workers(url)
+                if workers is None:
+                    raise
+            if not workers:
+                raise EngineError(f"POST {path}: the router {url} does not forward it and lists no workers (GET /workers)")
+            log.warning(
+                "%s does not forward POST %s (HTTP 404: an sglang-router); sent it to its %d workers directly: %s",
+                url, path, len(workers), ", ".join(workers),
+            )
+            return list(await asyncio.gather(*(one(w) for w in workers)))
+
+        return [out for outs in await asyncio.gather(*(server(u) for u in self.urls)) for out in outs]
+
+    async def _router_workers(self, url: str) -> list[str] | None:
+        """The worker URLs an sglang-router lists on ``GET /workers``; None when ``url`` is not such a router."""
+        try:
+            listing = await self._get(url, "/workers")
+        except EngineError:
+            return None
+        if not (isinstance(listing, dict) and isinstance(listing.get("workers"), list)):
+            return None
+        urls = [w.get("url") for w in listing["workers"] if isinstance(w, dict)]
+        return [u.rstrip("/") for u in urls if isinstance(u, str) and u]
 
 
 def sampling_mask_problem(sampling: SamplingParams, cap: int = SGLANG_SAMPLING_MASK_MAX_TOKENS) -> str | None:

@@ -92,3 +92,53 @@ def embedded_server(tiny_gpt2):
     proc, url = start_embedded_server(tiny_gpt2)
     yield url
     stop_server(proc)
+
+
+ROUTER_STARTUP_TIMEOUT_S = 120.0  # a deadline for a broken start, not an expectation of speed
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_router(worker_urls: list[str], log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """The real sglang-router (``python -m sglang_router.launch_router``) on 127.0.0.1 in front of
+    ``worker_urls``; returns (process, URL) once it lists every worker as healthy."""
+    import json
+    import urllib.request
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), "--log-level", "warn", *extra,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ROUTER_STARTUP_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+                workers = json.load(r)["workers"]
+            if sorted(w["url"] for w in workers if w.get("is_healthy")) == sorted(worker_urls):
+                return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"sglang-router did not start (exit {proc.poll()}):\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)  # waiting for a condition, with a deadline; nothing is asserted on time
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_gpt2):
+    """Two ``rollshard-generate serve`` subprocesses on the tiny GPT-2 model: their base URLs."""
+    procs = [start_embedded_server(tiny_gpt2) for _ in range(2)]
+    yield [url for _, url in procs]
+    for proc, _ in procs:
+        stop_server(proc)
