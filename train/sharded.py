@@ -11,7 +11,8 @@ the loader's cursors are per rank). One process (no process group) writes and re
 
 A ``shards/`` folder:
 
-* ``shard-0000R-model-00001-of-00001.safetensors``, one file per rank (R = rank + 1): tensors
+* ``shard-0000R-model-0000I-of-0000N.safetensors``: the files of rank R - 1, N of them of at most
+  :data:`FILE_BYTES_PER_RANK` each (unless one tensor is larger), holding tensors
   ``model/<name>`` (fp32 master weights under transformers names) and ``optim/<name>/<state>``
   (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``), each holding that rank's chunk. Where the chunk
   sits in the whole tensor is JSON in the file's safetensors header (``DCP_SHARDING_INFO``, the
@@ -58,6 +59,9 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 HEADER_ALIGN = 8  # the safetensors library pads its JSON header with spaces to a multiple of 8 bytes
+# DCP's safetensors writer serializes a whole file in memory before writing it (the file's bytes, plus a copy of each
+# FSDP2 parameter shard, a view into a padded buffer): files of at most this much per rank bound that transient.
+FILE_BYTES_PER_RANK = 256 * 2**20
 # DCP warns on every call without a process group, which is how one process runs here (no_dist) by design.
 SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -107,6 +111,19 @@ def _split(
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
+def file_buckets(tensors: dict[str, torch.Tensor], *, world_size: int) -> dict[str, int]:
+    """Tensor name -> file number (from 1), in order, a new file once a rank's part of one passes
+    :data:`FILE_BYTES_PER_RANK` (a rank's part taken as 1/world_size of the whole tensors)."""
+    files, index, size = {}, 1, 0
+    for name, t in tensors.items():
+        part = t.numel() * t.element_size() / world_size
+        if size and size + part > FILE_BYTES_PER_RANK:
+            index, size = index + 1, 0
+        files[name] = index
+        size += part
+    return files
+
+
 def save_sharded(
     folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = ""
 ) -> None:
@@ -119,7 +136,8 @@ def save_sharded(
     model_sd, optim_sd = _live_state(module, optimizer)
     tensors, meta = _split(model_sd, optim_sd, aliases=tied_aliases(module), strip=strip)
     with _dcp_quiet():
-        writer = HuggingFaceStorageWriter(str(folder), save_distributed=True)
+        files = file_buckets(tensors, world_size=env.world_size)
+        writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
         dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
     if env.is_main:
         (folder / OPTIM_META).write_text(json.dumps(meta, indent=1))

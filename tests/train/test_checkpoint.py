@@ -240,3 +240,26 @@ def test_interrupted_resave_is_recovered(tiny_gpt2, tmp_path):
     save(b, tmp_path, 2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002"]
     assert latest_checkpoint(tmp_path).step == 2
+
+
+def test_a_rank_state_spreads_over_files_of_bounded_size(tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.sharded as sharded
+
+    # Tensors of 400, 400 and 1200 bytes; per rank of 2: 200, 200, 600. Under a 500-byte limit a and b share a
+    # file (400), c starts one (400 + 600 > 500; alone it may pass the limit). On one rank: 400 + 400 > 500.
+    t = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(300)}
+    monkeypatch.setattr(sharded, "FILE_BYTES_PER_RANK", 500)
+    assert sharded.file_buckets(t, world_size=2) == {"a": 1, "b": 1, "c": 2}
+    assert sharded.file_buckets(t, world_size=1) == {"a": 1, "b": 2, "c": 3}
+
+    monkeypatch.setattr(sharded, "FILE_BYTES_PER_RANK", 100_000)
+    a = backend(tiny_gpt2)
+    one_update(a)
+    shards = save(a, tmp_path, 1) / SHARDS_DIR
+    files = sorted(shards.glob("shard-00001-model-*.safetensors"))
+    assert len(files) > 10
+    biggest = 1024 * 64 * 4  # wte, 1024 x 64 fp32: a file of its own
+    assert all(f.stat().st_size <= max(100_000, biggest) + 8192 for f in files)  # + the JSON header
+    b = backend(tiny_gpt2)
+    latest_checkpoint(tmp_path).restore(b)
+    assert_same_state(a, b)
