@@ -21,9 +21,10 @@ honour: a padding mask, a KV cache (decoding), attention-logit softcapping and a
 trainer's packed forward, not a generation backend.
 
 Measured (``tests/bench/bench_attention.py``, fp32 CPU, 2 threads, one micro-batch of 16,384 tokens in 29
-sequences of 64-1024 tokens, forward + backward): tiny-qwen3 peaks at 3075 MiB RSS with sdpa's dense mask
-and 1031 MiB with ``rollshard_varlen`` (2664 and 620 MiB above the loaded model), 19 s against 2.9 s;
-tiny-gpt2 3241 against 1167 MiB, 11.4 s against 0.63 s.
+sequences of 64-1024 tokens, forward + backward, two runs): tiny-qwen3 peaks at 3075-3118 MiB RSS with
+sdpa's dense mask and 1031-1046 MiB with ``rollshard_varlen`` (2664-2706 and 620-634 MiB above the loaded
+model), tiny-gpt2 at 3177-3241 and 1167-1188 MiB; the pass took 18-21 s against 1.5-2.9 s (qwen3) and 11-18
+s against 0.6-2.8 s (gpt2) on a shared machine. In 2004 sequences of 1-16 tokens: 3032 against 1056 MiB.
 
 Default (``--attn-implementation auto``, resolved by ``rollshard.train.config.default_attention``):
 
@@ -34,9 +35,9 @@ Default (``--attn-implementation auto``, resolved by ``rollshard.train.config.de
   every model of the attention interface. On CUDA its per-sequence calls run PyTorch's fused kernels, one
   launch per sequence and layer.
 * Not ``flex_attention``: on CPU (torch 2.13) it has no backward ("FlexAttention does not support backward
-  on CPU"); its forward, which transformers always compiles (inductor), took 12.8 s to compile and again
-  ~10 s for each new micro-batch length, though then ran the 16k forward in 0.32 s against 0.68 s; and
-  transformers has no flex path for GPT-2. It stays selectable for the models that have one.
+  on CPU"); its forward, which transformers always compiles (inductor), took 13-18 s to compile on the first
+  micro-batch and ~10 s again for each new micro-batch length (then 0.3-1.2 s for the 16k forward, varlen
+  0.2-0.7 s); and transformers has no flex path for GPT-2. It stays selectable for the models that have one.
 
 Shapes here: ``B`` batch rows (1 in the trainer), ``Hq`` / ``Hkv`` query and key-value heads, ``D`` head
 dimension, ``L`` one sequence's length; ``T`` as in the package.
