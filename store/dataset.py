@@ -47,6 +47,7 @@ class RolloutDataset:
         self.manifests = manifests
         self.shards: list[ShardInfo] = sorted((s for m in manifests for s in m.shards), key=lambda s: s.path)
         self._metadata: list[dict[bytes, bytes]] | None = None  # each shard's footer key/value metadata
+        self._footers: list[pq.FileMetaData] | None = None  # each shard's footer (row groups, schema)
 
     @classmethod
     def open(cls, path: str | os.PathLike | Storage) -> "RolloutDataset":
@@ -65,14 +66,20 @@ class RolloutDataset:
         """Every shard's footer metadata, after :func:`rollshard.store.integrity.open_shard`'s checks."""
         if self._metadata is None:
 
-            def footer(shard: ShardInfo) -> dict[bytes, bytes]:
+            def footer(shard: ShardInfo) -> pq.FileMetaData:
                 f, pf = open_shard(self.storage, shard)
                 with f:
-                    return pf.schema_arrow.metadata or {}
+                    return pf.metadata
 
             with ThreadPoolExecutor(max_workers=min(OPEN_THREADS, max(1, len(self.shards)))) as pool:
-                self._metadata = list(pool.map(footer, self.shards))  # raises the first bad shard's error, by path
+                self._footers = list(pool.map(footer, self.shards))  # raises the first bad shard's error, by path
+            self._metadata = [m.schema.to_arrow_schema().metadata or {} for m in self._footers]
         return self._metadata
+
+    def footer(self, i: int) -> pq.FileMetaData:
+        """Shard ``i``'s Parquet footer, as read (and checked) when the dataset was opened."""
+        self._open_shards()
+        return self._footers[i]
 
     # -- counts (manifest only) -------------------------------------------------------------
 

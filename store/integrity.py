@@ -5,7 +5,8 @@ raises :class:`rollshard.store.errors.DataError` with one line naming the shard 
 relative to the dataset), the row (sample id) where there is one, and the problem.
 
 * :func:`open_shard`: the file is there, its footer reads, its schema major is one this
-  rollshard reads, and its size is the manifest's. Cheap (one footer read).
+  rollshard reads, its size is the manifest's, and so are its row groups' row counts when the
+  manifest lists them (:func:`check_row_groups`). Cheap (one footer read).
 * :func:`check_column_types`: the columns a reader uses have exactly the schema's types.
   A reader that cast would turn int64 ids or float64 logprobs into the schema's types
   silently; a file that does not match was not written by rollshard's writer, whose
@@ -58,10 +59,24 @@ def open_shard(storage: Storage, shard: ShardInfo) -> tuple[Any, pq.ParquetFile]
         check_schema_version(pf.schema_arrow.metadata, shard.path)
         if size != shard.bytes:
             raise _size_error(shard, size)
+        check_row_groups(shard, pf.metadata)
     except BaseException:
         f.close()
         raise
     return f, pf
+
+
+def check_row_groups(shard: ShardInfo, footer: pq.FileMetaData) -> None:
+    """The manifest's row groups (when it lists them) are the footer's: as many, with as many rows each."""
+    if shard.row_groups is None:
+        return
+    have = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]
+    listed = [r.rows for r in shard.row_groups]
+    if have != listed:
+        raise DataError(
+            f"{shard.path}: the manifest lists {len(listed)} row groups of {sum(listed)} rows, the file has "
+            f"{len(have)} of {sum(have)}: the shard changed after it was committed; {VALIDATE}"
+        )
 
 
 def _size_error(shard: ShardInfo, size: int) -> DataError:

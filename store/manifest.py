@@ -11,6 +11,15 @@ A shard path in a manifest is relative to the dataset root and lies under ``shar
 forward slashes, no empty, ``.`` or ``..`` component, no backslash, not absolute, no
 URI scheme. A manifest that lists anything else is refused when it is loaded, so no
 reader (validate included) opens a file outside the dataset because a manifest says so.
+
+**Row groups** (manifest version 2). Each entry written by :class:`~rollshard.store.writer.ShardWriter`
+also lists its shard's row groups (:class:`RowGroupInfo`): rows, tokens, and the 64-bit hashes of the
+group ids in it (:func:`group_hash`, in order of first appearance), so that the loader builds its blocks
+and checks that no group spans two shards without reading any row group (store/loader/blocks.py). An
+entry without them (a version-1 manifest, or a shard adopted from a foreign writer) still reads: the
+loader then scans that shard's ``group_id`` column as before. They are derived from the shard's bytes
+(which its sha256 covers), so they do not enter the fingerprint; ``rollshard-store validate`` checks them.
+A manifest of version 1 reads here; one of version 2 is refused by a rollshard that only reads 1.
 """
 
 from __future__ import annotations
@@ -29,8 +38,26 @@ from rollshard.store.storage import Storage
 MANIFEST_DIR = "_manifests"
 SHARD_DIR = "shards"
 MANIFEST_FORMAT = "rollshard-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: ShardInfo.row_groups
 WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def group_hash(group_ids: list[str]) -> bytes:
+    """The group ids' 64-bit hashes (blake2b, little-endian) concatenated: stable across processes and machines."""
+    return b"".join(hashlib.blake2b(g.encode(), digest_size=8).digest() for g in group_ids)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RowGroupInfo:
+    """One row group of a shard, as the writer recorded it at commit."""
+
+    rows: int
+    tokens: int  # prompt + response tokens
+    group_hashes: str  # hex of :func:`group_hash` of the group ids in it, in order of first appearance
+
+    @property
+    def groups(self) -> int:
+        return len(self.group_hashes) // 16
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -46,10 +73,17 @@ class ShardInfo:
     sha256: str
     writer_id: str
     created_at: str
+    row_groups: tuple[RowGroupInfo, ...] | None = None  # None: not recorded (module docstring)
 
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.response_tokens
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardInfo":
+        """The inverse of ``dataclasses.asdict`` (JSON manifests)."""
+        rgs = d.get("row_groups")
+        return cls(**{**d, "row_groups": None if rgs is None else tuple(RowGroupInfo(**r) for r in rgs)})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -87,7 +121,7 @@ class Manifest:
                 )
             manifest = cls(
                 writer_id=doc["writer_id"],
-                shards=[ShardInfo(**s) for s in doc["shards"]],
+                shards=[ShardInfo.from_dict(s) for s in doc["shards"]],
                 config=doc.get("config") or {},
             )
         except (ValueError, KeyError, TypeError) as e:

@@ -14,31 +14,34 @@ spelt out (``run:2:1``, ``d=date=2024/x``); a path may not hold a comma. One sou
 weighted or not, is today's :class:`RolloutLoader` exactly (same order, same state);
 :func:`open_loader` picks.
 
-**Allocation.** Every source keeps its own group stream, the single-dataset stream of
-store/loader.py (its own block order, windows and filters, drawn from the same seed).
-A global step of ``groups_per_step * world_size`` group *slots* is filled slot by slot;
-slot ``s`` (counted from the start of the run, across steps) goes to the next group that
-passes the filters in the stream of source
+**Allocation.** Every source keeps its own group stream, this rank's stream of that dataset
+as store/loader reads it (its own block order, share, windows and filters, drawn from the
+same seed): each rank reads only its share of every source. A rank's step of
+``groups_per_step`` group *slots* is filled slot by slot; slot ``s`` (counted on this rank
+from the start of the run, across steps) goes to the next group that passes the filters in
+the stream of source
 
     argmax_i  W_i * (s + 1) - T * taken_i       (ties: the first listed source)
 
 where ``W_i`` are the weights as exact integers (the normalized weights as fractions over
 their common denominator), ``T = sum(W_i)`` and ``taken_i`` the slots source ``i`` had
 before ``s`` (stride scheduling). The rule depends on nothing but the slot index and the
-weights: every rank computes the same allocation, after any ``s`` slots ``taken_i`` is
-within 1 of ``s * W_i / T``, and the schedule repeats every ``T`` slots (0.7/0.3 gives
-``a b a a a b a a b a``: 7 and 3 in every 10). Ranks then take consecutive slices of the
-step as for one dataset (so one rank's share may lean to one source; the global step
-does not). A group keeps the filters' counts of its own source; a step's filter counts
-are summed over the sources.
+weights: every rank applies the same allocation to its own slots, after any ``s`` slots
+``taken_i`` is within 1 of ``s * W_i / T``, and the schedule repeats every ``T`` slots
+(0.7/0.3 gives ``a b a a a b a a b a``: 7 and 3 in every 10), on every rank and so in every
+global step. A group keeps the filters' counts of its own source; a step's filter counts
+are summed over the sources (this rank's, as for one dataset).
 
 **End of data** (first exhausted, as HF ``interleave_datasets``' default): each source
 runs ``num_epochs`` epochs of its own stream, which crosses its epoch boundaries without
 cutting a step; the mixture ends at the first slot whose source has no group left. The
 step then being filled is the tail: ``tail="drop"`` drops it (``tail_dropped_groups``),
-``tail="partial"`` yields it, split over the ranks as for one dataset. The groups other
-sources still hold are never delivered. With ``num_epochs=None`` the mixture never ends;
-a source whose whole epoch passes no group is then an error.
+``tail="partial"`` yields it. The groups other sources still hold are never delivered.
+Ranks' shares run out at different steps: with the loader's ``sync`` callback (store/loader)
+the mixture ends on every rank at the first step some rank cannot fill (a rank that had
+that step drops it, counted as ``tail_dropped_groups``); without one, each rank runs until its
+own first source runs out. With ``num_epochs=None`` the mixture never ends; a source whose
+whole epoch passes no group is then an error.
 
 **Exact resume.** The state (``format: rollshard-loader-mixture``) holds the step index,
 whether the mixture ended, and per source its name, path, weight (exact fraction), the
@@ -91,11 +94,13 @@ from rollshard.store.loader import (
     _Segment,
     _StepLoader,
     _Stream,
+    Sync,
     _VersionBox,
     check_state_header,
     check_state_settings,
     make_step,
     open_stream,
+    own_state,
 )
 
 __all__ = ["MixtureLoader", "Source", "allocate", "open_loader", "parse_sources", "sources_text"]
@@ -287,8 +292,9 @@ class MixtureLoader(_StepLoader):
         *,
         rank: int = 0,
         world_size: int = 1,
+        sync: Sync | None = None,
     ):
-        config = self._set_placement(config, rank, world_size)
+        config = self._set_placement(config, rank, world_size, sync)
         self.sources = tuple(parse_sources(sources) if isinstance(sources, str) else sources)
         if len(self.sources) < 2:
             raise ValueError("a mixture needs two sources or more; read one dataset with RolloutLoader")
@@ -336,8 +342,11 @@ class MixtureLoader(_StepLoader):
             "counts": dict(self._epoch_counts),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at the step after the one the state was taken at; raises :class:`LoaderStateError` on a mismatch."""
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Resume at the step after the one the state was taken at; raises :class:`LoaderStateError` on a mismatch.
+
+        ``state``: this rank's ``state_dict()``, or the list of every rank's (in rank order)."""
+        state = own_state(state, self.rank, self.world_size)
         check_state_header(state, MIXTURE_STATE_FORMAT)
         mine = self.state_dict()
         check_state_settings(state, mine)
@@ -395,20 +404,22 @@ class MixtureLoader(_StepLoader):
         return lambda stop: mixer.items(start, counts, preloaded, held, version, stop)
 
 
-def open_loader(data: str, config: LoaderConfig | None = None, *, rank: int = 0, world_size: int = 1):
+def open_loader(
+    data: str, config: LoaderConfig | None = None, *, rank: int = 0, world_size: int = 1, sync: Sync | None = None
+):
     """The loader of ``--data``: :class:`RolloutLoader` for one source (today's behaviour exactly), else a
-    :class:`MixtureLoader`."""
+    :class:`MixtureLoader`. ``sync``: the agreement callback between ranks (store/loader)."""
     sources = parse_sources(data)
     if len(sources) == 1:
-        return RolloutLoader(sources[0].path, config, rank=rank, world_size=world_size)
-    return MixtureLoader(sources, config, rank=rank, world_size=world_size)
+        return RolloutLoader(sources[0].path, config, rank=rank, world_size=world_size, sync=sync)
+    return MixtureLoader(sources, config, rank=rank, world_size=world_size, sync=sync)
 
 
 # -- the mixed stream -------------------------------------------------------------------------
 
 
 class _Mixer:
-    """The global mixed step stream and this rank's steps, as a deterministic function of the cursor."""
+    """This rank's mixed step stream, as a deterministic function of the cursor."""
 
     def __init__(
         self, streams: list[_Stream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int
@@ -421,7 +432,7 @@ class _Mixer:
     ) -> Iterator[_Item]:
         if start.ended:
             return
-        cfg, full = self.cfg, self.cfg.groups_per_step * self.world_size
+        cfg, full = self.cfg, self.cfg.groups_per_step
         cur = [dataclasses.asdict(c) for c in start.sources]  # mutable per-source cursors
         readers, gens = [], []
         try:
@@ -446,7 +457,7 @@ class _Mixer:
                 cur[i]["taken"] += 1
                 if len(pending) == full:
                     after = self._cursor(cur, step + 1)
-                    yield self._step(pending, owners, segs, after, step, stats, stop)
+                    yield self._step(pending, owners, segs, after, step, stats, stop, self._cursor(cur, step, True))
                     step += 1
                     if epochs_ended[0]:  # epoch_stats follows the sources' epochs (module docstring)
                         yield _Item(step=None, cursor=after, epoch_counts=dict(stats), segment=_Segments(new_segs()))
@@ -455,7 +466,7 @@ class _Mixer:
             stats[f"source/{self.names[i]}/exhausted"] = 1
             if pending and cfg.tail == "partial":
                 after = self._cursor(cur, step + 1, ended=True)
-                yield self._step(pending, owners, segs, after, step, stats, stop)
+                yield self._step(pending, owners, segs, after, step, stats, stop, self._cursor(cur, step, True))
                 step += 1
                 pending, owners, segs = [], [], new_segs()
             self._count(stats, segs)
@@ -465,12 +476,12 @@ class _Mixer:
             if stats["steps"] == 0:
                 warnings.warn(
                     f"the mixture yields no step: source {self.names[i]} ran out after {cur[i]['taken']} groups, a "
-                    f"step needs {full} (groups_per_step x world size); loosen the filters, lower groups_per_step, "
+                    f"step needs {full} (groups_per_step); loosen the filters, lower groups_per_step, "
                     "or set tail='partial'",
                     stacklevel=2,
                 )
             end = self._cursor(cur, step, ended=True)
-            yield _Item(step=None, cursor=end, epoch_counts=dict(stats), segment=_Segments(segs))
+            yield _Item(step=None, cursor=end, epoch_counts=dict(stats), segment=_Segments(segs), end=True)
         finally:
             for g in gens:
                 g.close()
@@ -514,7 +525,8 @@ class _Mixer:
         stats.update(total)
         return total
 
-    def _step(self, pending, owners, segs, after: _MixCursor, index: int, stats, stop) -> _Item:
+    def _step(self, pending, owners, segs, after: _MixCursor, index: int, stats, stop, ended: _MixCursor) -> _Item:
+        """The step of ``pending``, with the end to take instead (``ended``) when another rank has no step."""
         for i, st in enumerate(self.streams):  # each source's shards, by its own checksums
             st._verified([p for p, o in zip(pending, owners) if o == i], stop)
         counts = self._count(stats, segs)
@@ -522,8 +534,13 @@ class _Mixer:
         for o in owners:
             stats[f"source/{self.names[o]}/groups"] += 1
         step: Step = make_step(
-            pending, counts, epoch=after.sources[0].epoch, index=index, rank=self.rank, world_size=self.world_size,
-            cfg=self.cfg, sources=self.names, owners=owners,
+            pending, counts, epoch=after.sources[0].epoch, index=index, cfg=self.cfg, sources=self.names, owners=owners
         )
         step.metrics.update({f"source/{n}/epoch": float(c.epoch) for n, c in zip(self.names, after.sources)})
-        return _Item(step=step, cursor=after, epoch_counts=dict(stats), segment=_Segments(segs))
+        cut = collections.Counter(stats)  # the step's groups left undelivered, as a tail
+        cut.update(steps=-1, tail_dropped_groups=len(pending))
+        for o in owners:
+            cut[f"source/{self.names[o]}/groups"] -= 1
+            cut[f"source/{self.names[o]}/tail_dropped_groups"] += 1
+        end = _Item(step=None, cursor=ended, epoch_counts=dict(cut), segment=_Segments(segs), end=True)
+        return _Item(step=step, cursor=after, epoch_counts=dict(stats), segment=_Segments(segs), cut=end)

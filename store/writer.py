@@ -18,6 +18,10 @@ dictionary pages are dead weight) while the short string columns keep it.
 Every shard is written with the current schema (1.1): the sampling columns are always
 there, null for rows without a support. A row group is cut by the bytes of the data, not
 counting an all-null sampling column, so rows without supports are grouped as before.
+
+Each manifest entry lists its shard's row groups (rows, tokens, group-id hashes;
+:class:`~rollshard.store.manifest.RowGroupInfo`), so that a loader opens the dataset without
+reading row group data.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, ShardInfo
+from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
 from rollshard.store.schema import (
     LIST_COLUMNS,
     ROW_SCHEMA,
@@ -101,6 +105,7 @@ class ShardWriter:
         self._pending: PendingFile | None = None
         self._pq: pq.ParquetWriter | None = None
         self._shard_stats = _Counts()
+        self._row_groups: list[RowGroupInfo] = []  # of the open shard
         self._groups_written: set[str] = set()  # this session's groups: none may arrive twice
         self._closed = False
 
@@ -141,6 +146,7 @@ class ShardWriter:
                 write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
             )
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
+        self._row_groups.append(_row_group_info(table))
         self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
         if self.storage.local:
             self._pending.file.sync_in_background()
@@ -155,6 +161,10 @@ class ShardWriter:
             return None
         pending, counts = self._pending, self._shard_stats
         self._pq.close()
+        row_groups, self._row_groups = tuple(self._row_groups), []
+        footer = self._pq.writer.metadata
+        if [footer.row_group(i).num_rows for i in range(footer.num_row_groups)] != [r.rows for r in row_groups]:
+            row_groups = None  # pyarrow cut a row group of its own: readers scan this shard instead
         sha, size = pending.commit()
         self._pq, self._pending, self._shard_stats = None, None, _Counts()
         info = ShardInfo(
@@ -167,6 +177,7 @@ class ShardWriter:
             sha256=sha,
             writer_id=self.writer_id,
             created_at=_now(),
+            row_groups=row_groups,
         )
         self.manifest.shards.append(info)
         self.manifest.save(self.storage)
@@ -193,7 +204,7 @@ class ShardWriter:
                 finally:
                     self._pending.discard()
         finally:
-            self._pq, self._pending = None, None
+            self._pq, self._pending, self._row_groups = None, None, []
             self._release()
 
     @property
@@ -247,9 +258,11 @@ class ShardWriter:
             with self.storage.fs.open_input_file(self.storage.path(rel)) as f:
                 pf = pq.ParquetFile(f)
                 check_schema_version(pf.schema_arrow.metadata, self.storage.path(rel))
-                counts = _Counts()
+                counts, row_groups = _Counts(), []
                 for i in range(pf.num_row_groups):
-                    counts.add(pf.read_row_group(i, columns=["group_id", "prompt_tokens", "response_tokens"]), None)
+                    table = pf.read_row_group(i, columns=["group_id", "prompt_tokens", "response_tokens"])
+                    counts.add(table, None)
+                    row_groups.append(_row_group_info(table))
             self.manifest.shards.append(
                 ShardInfo(
                     path=rel,
@@ -261,6 +274,7 @@ class ShardWriter:
                     sha256=self.storage.sha256(rel),
                     writer_id=self.writer_id,
                     created_at=_now(),
+                    row_groups=tuple(row_groups),
                 )
             )
         if orphans:
@@ -311,6 +325,13 @@ class _Counts:
             self.groups += n_groups
         self.prompt_tokens += _total_len(table.column("prompt_tokens"))
         self.response_tokens += _total_len(table.column("response_tokens"))
+
+
+def _row_group_info(table: pa.Table) -> RowGroupInfo:
+    """What the manifest records of one row group (manifest.RowGroupInfo)."""
+    ids = pc.unique(table.column("group_id")).to_pylist()  # in order of first appearance
+    tokens = _total_len(table.column("prompt_tokens")) + _total_len(table.column("response_tokens"))
+    return RowGroupInfo(rows=table.num_rows, tokens=tokens, group_hashes=group_hash(ids).hex())
 
 
 def _total_len(col: pa.ChunkedArray) -> int:

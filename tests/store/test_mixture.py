@@ -2,11 +2,12 @@
 
 import collections
 import json
+import threading
 from fractions import Fraction
 
 import pytest
 
-from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step
+from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, _Cursor, _EpochEnd
 from rollshard.store.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
 from rollshard.store.synthetic import synthetic_table
 from tests.store.test_loader import SMALL, assert_steps_equal, delivered, rows_of_groups, with_columns, write
@@ -154,19 +155,38 @@ def test_two_loaders_give_the_same_steps_and_another_seed_others(two):
     assert origins(a) != origins(run(mix(two), cfg(num_epochs=2, seed=5)))
 
 
+def rank_stream(path: str, config: LoaderConfig, rank: int, world_size: int, n: int) -> list[str]:
+    """The first ``n`` group ids of one dataset's raw stream on ``rank`` (what a mixture draws that source from)."""
+    with RolloutLoader(path, config, rank=rank, world_size=world_size) as lo:
+        st, out = lo._stream, []
+        reader = st.reader(_Cursor(), {})
+        try:
+            for g in st.groups(_Cursor(), reader, {}, threading.Event()):
+                if not isinstance(g, _EpochEnd):
+                    out.append(g[2].group_ids[g[3]])
+                if len(out) == n:
+                    break
+        finally:
+            reader.close()
+    return out
+
+
 @pytest.mark.parametrize("world_size,groups_per_step", [(2, 5), (3, 4)])
-def test_ranks_are_disjoint_and_their_union_is_the_global_step(two, world_size, groups_per_step):
-    whole = run(mix(two), cfg(groups_per_step=groups_per_step * world_size, tail="partial"))
+def test_ranks_draw_each_source_from_their_own_share(two, world_size, groups_per_step):
     per_rank = cfg(groups_per_step=groups_per_step, tail="partial")
     ranks = [run(mix(two), per_rank, r, world_size) for r in range(world_size)]
-    assert len({len(steps) for steps in ranks}) == 1 == len({len(whole), len(ranks[0])})
-    for k, s in enumerate(whole):
-        parts = [origins(steps)[k] for steps in ranks]
-        assert sum(parts, []) == origins([s])[0]  # consecutive slices of the one global step
-        assert len(set(sum(parts, []))) == len(s.group_ids)
-    # every group a rank trains on is whole (all its rows of its own source), and none twice
+    seen: set[tuple[str, str]] = set()
+    for r, steps in enumerate(ranks):
+        slots = [src for s in steps for src in s.group_sources]
+        assert slots == [("a", "b")[i] for i in allocate([0.7, 0.3], len(slots))]  # the schedule on its own slots
+        for src, path in zip("ab", two):
+            got = [gid for s in steps for o, gid in zip(s.group_sources, s.group_ids) if o == src]
+            assert got == rank_stream(path, per_rank, r, world_size, len(got))  # this rank's share, in its order
+        mine = {(o, gid) for s in steps for o, gid in zip(s.group_sources, s.group_ids)}
+        assert not mine & seen  # shares are disjoint (one epoch of each source)
+        seen |= mine
+    # every group a rank trains on is whole (all its rows of its own source)
     rows = {src: rows_of_groups(open_loader(p).dataset) for src, p in zip("ab", two)}
-    seen = set()
     for steps in ranks:
         for s in steps:
             got = collections.defaultdict(set)
@@ -175,8 +195,6 @@ def test_ranks_are_disjoint_and_their_union_is_the_global_step(two, world_size, 
                     got[int(b.seq_group[k])].add(sid)
             for g, (src, gid) in enumerate(zip(s.group_sources, s.group_ids)):
                 assert got[g] == rows[src][gid]
-                assert (src, gid) not in seen
-                seen.add((src, gid))
 
 
 @pytest.mark.parametrize("world_size,rank,groups_per_step", [(1, 0, 10), (2, 1, 3)])
@@ -184,7 +202,8 @@ def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank, grou
     # 10 slots a step are the schedule's period (7 + 3); 6 a step (2 x 3) stop it mid-period
     config = cfg(groups_per_step=groups_per_step, num_epochs=2, tail="partial")
     full = run(mix(two), config, rank, world_size)
-    assert len(full) == (18 if groups_per_step == 10 else 29)
+    # rank 1 of 2 draws from its own shares: a's 29 + 30 groups of the two epochs are used up by slot 84, 28 steps
+    assert len(full) == (18 if groups_per_step == 10 else 28)
     # with 10 a step, b (40 groups, 3 a step) crosses its first epoch end in step 14 (index 13): both sides of it
     for k in sorted({1, 5, 13, 14, 20, len(full) - 1, len(full)} & set(range(len(full) + 1))):
         with MixtureLoader(mix(two), config, rank=rank, world_size=world_size) as loader:
@@ -196,6 +215,9 @@ def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank, grou
         rest = run(mix(two), config, rank, world_size, state)
         assert_steps_equal(rest, full[k:])
         assert origins(rest) == origins(full[k:])
+    with MixtureLoader(mix(two), config, rank=rank, world_size=world_size) as loader:
+        list(loader)
+        state = loader.state_dict()
     assert state["ended"] and [s["epoch"] for s in state["sources"]] == [2, 1]
 
 

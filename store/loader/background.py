@@ -1,0 +1,86 @@
+"""The background threads: a generator run on a daemon thread, its items handed over through a bounded queue.
+
+The loader runs two: the block reader (``prefetch`` blocks ahead) and the step producer (``prefetch``
+packed steps ahead); a third hashes shards (store/integrity.py :class:`Checksums`). A thread told to
+stop while it waits notices within ``POLL_S``; what it raises is raised by the consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+from rollshard.store.loader.config import JOIN_S, POLL_S
+
+
+class _Stopped(Exception):
+    """Raised inside a background thread told to stop while it waits."""
+
+
+_END = object()
+
+
+class _Background:
+    """Runs the generator ``produce(stop_event)`` on a daemon thread; items come through a bounded queue."""
+
+    def __init__(self, produce: Callable[[threading.Event], Iterator[Any]], maxsize: int, name: str):
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        gen = produce(self._stop)
+        try:
+            for item in gen:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except _Stopped:
+            pass
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put(_Failure(e))
+        finally:
+            gen.close()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, stop: threading.Event | None = None):
+        """The next item, or ``_END``; raises what the thread raised, or ``_Stopped`` once ``stop`` is set."""
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    raise _Stopped from None
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the loader's background thread ended without a result")
+                continue
+            if isinstance(item, _Failure):
+                raise item.error
+            return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a put
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
+
+
+@dataclasses.dataclass
+class _Failure:
+    error: BaseException
+

@@ -1,0 +1,291 @@
+"""The stream: this rank's blocks read in plan order, their groups filtered and cut into steps.
+
+:meth:`_Stream.read_blocks` runs on the reader thread (``prefetch`` blocks ahead), :meth:`_Stream.items`
+on the producer thread (``prefetch`` packed steps ahead); both are deterministic functions of the
+cursor, so a restart (a resume, a version change, an epoch ended by another rank) re-plans exactly.
+
+**Steps.** A rank's stream is cut into steps of ``groups_per_step`` groups that pass the filters; a
+group never spans steps or epochs. An epoch ends on a rank when its share runs out, or when it has taken
+the epoch's ``step_cap`` (plan.py), the most steps every rank's share allows. ``tail="drop"`` (the
+default) drops a last incomplete step (its groups counted as ``tail_dropped_groups``); ``tail="partial"``
+yields it as a smaller last step. The groups of the share not examined when the epoch ends (at the cap,
+or ended by another rank through the loader's ``sync``) are counted as ``left_groups``. Nothing is ever
+duplicated: over the ranks, ``groups_examined + left_groups`` is the dataset's group count each epoch.
+
+**Damaged data never reaches a step.** A step is planned from blocks as they arrive but handed on only
+once every shard it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread,
+queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard), so a shard whose bytes changed
+can cost a planned step, never a delivered one. Each shard a rank reads is hashed once per loader.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.errors import DataError
+from rollshard.store.integrity import Checksums
+from rollshard.store.loader.background import _END, _Background, _Stopped
+from rollshard.store.loader.blocks import _Block, _open
+from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_COLUMNS, LoaderConfig
+from rollshard.store.loader.filters import _Filters, _Segment, _VersionBox
+from rollshard.store.loader.pack import make_step
+from rollshard.store.loader.plan import _Cursor, _EpochEnd, _EpochPlan, _Item
+from rollshard.store.loader.read import _BlockData, _read_block
+
+
+class _Stream:
+    """This rank's group stream and steps, as a deterministic function of the cursor."""
+
+    def __init__(self, dataset: RolloutDataset, blocks: list[_Block], cfg: LoaderConfig, rank: int, world_size: int):
+        self.dataset, self.blocks, self.cfg = dataset, blocks, cfg
+        self.rank, self.world_size = rank, world_size
+        self.filters = _Filters.of(cfg)
+        self._plans: dict[int, _EpochPlan] = {}
+        self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}")
+        self.num_groups = sum(b.num_groups for b in blocks)  # the whole dataset's, every rank's shares together
+        self._read_lock = threading.Lock()
+        self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)
+
+    def plan(self, epoch: int) -> _EpochPlan:
+        plan = self._plans.get(epoch)
+        if plan is None:  # two threads may both build it; plans are pure, so either copy is right
+            plan = self._plans[epoch] = _EpochPlan(self.blocks, self.cfg, epoch, self.rank, self.world_size)
+            for old in [e for e in self._plans if e < epoch - 1]:
+                self._plans.pop(old, None)
+        return plan
+
+    def step_cap(self, epoch: int) -> float:
+        """The most steps this rank takes in ``epoch`` (no cap at a world size of 1)."""
+        return self.plan(epoch).step_cap if self.world_size > 1 else float("inf")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def read_blocks(
+        self, start: _Cursor, preloaded: dict, stop: threading.Event
+    ) -> Iterator[tuple[tuple[int, int], _BlockData]]:
+        """This rank's pieces from the start of ``start``'s window on, epoch after epoch, keyed (epoch, piece)."""
+        files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
+        epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
+        try:
+            while (self.cfg.num_epochs is None or epoch < self.cfg.num_epochs) and not stop.is_set():
+                pieces = self.plan(epoch).piece_block
+                for i in range(pos, len(pieces)):
+                    if stop.is_set():
+                        return
+                    if self.cfg.verify_data:  # hashing runs ahead of the reading, so that a step rarely waits
+                        for b in pieces[i : i + HASH_AHEAD_BLOCKS]:
+                            self.checksums.touch(self.blocks[b].shard)
+                    data = preloaded.pop((epoch, i), None)
+                    if data is None:
+                        data = self._read(files, self.blocks[pieces[i]], stop)
+                        if data is None:
+                            return
+                    yield (epoch, i), data
+                epoch, pos = epoch + 1, 0
+        finally:
+            for f, _ in files.values():
+                f.close()
+
+    def _read(self, files: collections.OrderedDict, block: _Block, stop: threading.Event) -> _BlockData | None:
+        """One block, checked; None when told to stop while waiting for a checksum."""
+        shard = self.dataset.shards[block.shard].path
+        verify = self.cfg.verify_data  # read_blocks queued this shard's checksum already
+        try:
+            data = _read_block(self._file(files, block.shard), block, self.filters, shard, check=verify)
+            if len(data.group_ids) != block.num_groups:
+                raise DataError(
+                    f"{shard}: row groups {list(block.row_groups)} hold {len(data.group_ids)} groups, "
+                    f"{block.num_groups} when the loader opened the dataset; a committed shard must not change "
+                    "(open a new loader)"
+                )
+        except DataError:
+            # Damaged bytes show up as unreadable pages or absurd values; the checksum names the cause.
+            if verify and not self.checksums.wait(block.shard, stop):
+                return None
+            raise
+        data.shard = block.shard
+        self._count_read(block, data)
+        return data
+
+    def _count_read(self, block: _Block, data: _BlockData) -> None:
+        footer = self.dataset.footer(block.shard)
+        names = None if data.tokens is not None else set(SMALL_COLUMNS)  # None: every column read counts
+        size = 0
+        for r in block.row_groups:
+            rg = footer.row_group(r)
+            for c in range(rg.num_columns):
+                col = rg.column(c)
+                if names is None or col.path_in_schema in names:
+                    size += col.total_compressed_size
+        with self._read_lock:
+            self.read_stats.update(blocks=1, row_groups=len(block.row_groups), bytes=size)
+
+    def _verified(self, pending: list[tuple[_BlockData, int, np.ndarray]], stop: threading.Event) -> None:
+        """Wait until every shard ``pending`` draws from is verified (raises the DataError of one that is not)."""
+        if not self.cfg.verify_data:
+            return
+        for shard in sorted({bd.shard for bd, _, _ in pending}):
+            if not self.checksums.wait(shard, stop):
+                raise _Stopped
+
+    def _file(self, files: collections.OrderedDict, shard: int) -> pq.ParquetFile:
+        if shard in files:
+            files.move_to_end(shard)
+        else:
+            files[shard] = _open(self.dataset, shard)
+            if len(files) > OPEN_FILES:
+                files.popitem(last=False)[1][0].close()
+        return files[shard][1]
+
+    def reader(self, start: _Cursor, preloaded: dict) -> _Background:
+        """The block reader thread from the start of ``start``'s window on (``preloaded``: blocks in memory)."""
+        return _Background(
+            lambda s: self.read_blocks(start, preloaded, s), self.cfg.prefetch, f"rollshard-loader-read-{self.rank}"
+        )
+
+    # -- groups and steps ---------------------------------------------------------------------
+
+    def groups(
+        self, start: _Cursor, reader: _Background, held: dict, stop: threading.Event
+    ) -> Iterator[tuple[int, int, _BlockData, int] | _EpochEnd]:
+        """This rank's raw group stream from ``start`` on (before any filter), epoch after epoch.
+
+        Yields ``(epoch, position after the group, block, index of the group in the block)`` for each group,
+        and an :class:`_EpochEnd` after each epoch's last. ``held`` holds the current window's blocks (read
+        through ``reader``); it is emptied when the epoch after an _EpochEnd is asked for.
+        """
+        epoch, position = start.epoch, start.position
+        while self.cfg.num_epochs is None or epoch < self.cfg.num_epochs:
+            plan = self.plan(epoch)
+            for k in range(position // plan.window, plan.num_windows):
+                lo, hi = plan.bounds(k)
+                where = np.searchsorted(plan.cum, np.arange(lo, hi), side="right") - 1  # piece of each group
+                self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
+                perm = plan.permutation(k)
+                for p in range(max(position, lo) - lo, hi - lo):
+                    i, q = int(where[perm[p]]), lo + int(perm[p])
+                    yield epoch, lo + p + 1, held[(epoch, i)], int(plan.piece_start[i]) + q - int(plan.cum[i])
+            yield _EpochEnd(epoch=epoch, num_groups=plan.num_groups)
+            epoch, position = epoch + 1, 0
+            held.clear()
+
+    def items(
+        self,
+        start: _Cursor,
+        counts: dict[str, int],
+        preloaded: dict,
+        held: dict,
+        version: _VersionBox,
+        stop: threading.Event,
+    ) -> Iterator[_Item]:
+        """Steps and epoch ends from ``start`` on: :meth:`groups` filtered and cut into this rank's steps.
+
+        ``preloaded``: blocks already in memory, by (epoch, piece); ``held`` receives the blocks of the
+        current window, so that a restart (a version change) need not read them again.
+        """
+        while start is not None:
+            reader = self.reader(start, preloaded)
+            gen = self.groups(start, reader, held, stop)
+            try:
+                start = yield from self._epochs(start, counts, gen, version, stop)
+            finally:
+                gen.close()
+                reader.close()
+            counts, preloaded = {}, {}
+            held.clear()
+
+    def _epochs(self, start: _Cursor, counts, gen, version: _VersionBox, stop) -> Iterator[_Item]:
+        """The items of :meth:`items` until an epoch ends at its step cap; returns the cursor to go on from then
+        (None: the stream is done)."""
+        cfg = self.cfg
+        step = start.step
+        epoch_counts = collections.Counter(counts)
+        pending: list[tuple[_BlockData, int, np.ndarray]] = []
+        seg = _Segment(version.current.threshold, self.filters)
+        for g in gen:
+            if isinstance(g, _EpochEnd):
+                if pending and cfg.tail == "partial":
+                    self._verified(pending, stop)
+                    epoch_counts.update(seg.counts)
+                    epoch_counts["steps"] += 1
+                    after = _Cursor(g.epoch, g.num_groups, step + 1)
+                    yield self._item(pending, seg, after, g.epoch, step, epoch_counts, left=0)
+                    step += 1
+                    pending, seg = [], _Segment(seg.threshold, self.filters)
+                epoch_counts.update(seg.counts)
+                epoch_counts["tail_dropped_groups"] += len(pending)
+                if epoch_counts["steps"] == 0:
+                    self._no_step(g.epoch, epoch_counts)
+                yield self._end(epoch_counts, _Cursor(g.epoch + 1, 0, step), seg)
+                epoch_counts = collections.Counter()
+                pending, seg = [], _Segment(version.current.threshold, self.filters)
+                continue
+            epoch, after_position, bd, j = g
+            if epoch_counts["steps"] >= self.step_cap(epoch):  # resumed at the cap, or a cap of 0
+                epoch_counts["left_groups"] += self.plan(epoch).num_groups - after_position + 1
+                if epoch_counts["steps"] == 0:
+                    self._no_step(epoch, epoch_counts)
+                yield self._end(epoch_counts, _Cursor(epoch + 1, 0, step), seg)
+                return _Cursor(epoch + 1, 0, step)
+            kept = seg.examine(bd, j)
+            if kept is not None:
+                pending.append((bd, j, kept))
+            if len(pending) == cfg.groups_per_step:
+                self._verified(pending, stop)
+                epoch_counts.update(seg.counts)
+                epoch_counts["steps"] += 1
+                left = self.plan(epoch).num_groups - after_position
+                after = _Cursor(epoch, after_position, step + 1)
+                yield self._item(pending, seg, after, epoch, step, epoch_counts, left)
+                step += 1
+                pending, seg = [], _Segment(version.current.threshold, self.filters)
+                if left and epoch_counts["steps"] >= self.step_cap(epoch):  # every rank's share allows no more
+                    epoch_counts["left_groups"] += left
+                    yield self._end(epoch_counts, _Cursor(epoch + 1, 0, step), seg)
+                    return _Cursor(epoch + 1, 0, step)
+        return None
+
+    @staticmethod
+    def _end(epoch_counts: collections.Counter, after: _Cursor, seg: _Segment) -> _Item:
+        """The end of this rank's epoch: its counts for ``epoch_stats``; the next epoch starts from nothing."""
+        epoch_counts.update(tail_dropped_groups=0, left_groups=0)  # present, 0 or not
+        return _Item(step=None, cursor=after, epoch_counts=dict(epoch_counts), segment=seg, end=True, counts_after={})
+
+    @staticmethod
+    def _pull(reader: _Background, held: dict, epoch: int, first: int, last: int, stop: threading.Event) -> None:
+        """Make ``held`` hold exactly the pieces ``first..last`` of ``epoch`` (reading them in order)."""
+        for key in [key for key in held if key < (epoch, first)]:
+            del held[key]
+        while (epoch, last) not in held:
+            item = reader.get(stop)
+            if item is _END:
+                raise RuntimeError(f"block reader ended before block {last} of epoch {epoch}")
+            key, data = item
+            if key >= (epoch, first):
+                held[key] = data
+
+    def _no_step(self, epoch: int, counts: collections.Counter) -> None:
+        kept = counts["groups_examined"] - counts["filtered_groups/empty"] - counts["filtered_groups/zero_variance"]
+        share = f" of this rank's share (rank {self.rank} of {self.world_size})" if self.world_size > 1 else ""
+        msg = (
+            f"epoch {epoch} yields no step: {kept} of {counts['groups_examined']} groups{share} pass the filters, a "
+            f"step needs {self.cfg.groups_per_step} (groups_per_step); loosen the filters, lower groups_per_step, "
+            "or set tail='partial'"
+        )
+        if self.cfg.num_epochs is None:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+
+    def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts, left: int) -> _Item:
+        step = make_step(pending, seg.counts, epoch=epoch, index=index, cfg=self.cfg)
+        cut_counts = collections.Counter(epoch_counts)  # another rank has no step: this one ends its epoch instead
+        cut_counts.update(steps=-1, tail_dropped_groups=len(pending), left_groups=left)
+        cut = self._end(cut_counts, _Cursor(epoch + 1, 0, index), seg)
+        return _Item(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg, cut=cut)

@@ -1,0 +1,301 @@
+"""Per-rank reads (store/loader): each rank's share of the blocks, equal steps, the sync callback, resume, open."""
+
+import collections
+import json
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import rollshard.store.loader.stream as stream_mod
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.loader import LoaderConfig, RolloutLoader, Step
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter, WriterOptions
+from tests.store.test_loader import assert_steps_equal, delivered, groups_of, rows_of_groups, with_columns
+
+BLOCKS, GROUPS_PER_BLOCK, ROWS = 32, 3, 2  # 96 groups; equal blocks, so the deal gives equal shares
+EVEN = dict(prompt_len=(4, 5), response_len=(6, 7))  # every row 10 tokens: every block weighs the same
+
+
+def write_blocks(path, table: pa.Table, per_block: int = GROUPS_PER_BLOCK, per_shard: int = 4) -> RolloutDataset:
+    """One row group per ``per_block`` groups, ``per_shard`` row groups a shard."""
+    groups = groups_of(table)
+    with ShardWriter(path, writer_id="w0", options=WriterOptions(row_group_bytes=1 << 30)) as w:
+        for i in range(0, len(groups), per_block):
+            for g in groups[i : i + per_block]:
+                w.write_group(g)
+            w.flush()
+            if (i // per_block) % per_shard == per_shard - 1:
+                w.commit()
+    return RolloutDataset.open(path)
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory) -> RolloutDataset:
+    ds = write_blocks(tmp_path_factory.mktemp("even"), synthetic_table(BLOCKS * GROUPS_PER_BLOCK, ROWS, seed=4, **EVEN))
+    assert len(ds.shards) == BLOCKS // 4 and sum(ds.footer(i).num_row_groups for i in range(len(ds.shards))) == BLOCKS
+    return ds
+
+
+def cfg(**kw) -> LoaderConfig:
+    base = dict(groups_per_step=4, micro_batch_tokens=64, shuffle_window=5, prefetch=2)
+    return LoaderConfig(**{**base, **kw})
+
+
+class Reads:
+    """The blocks each loader reads, recorded where the stream reads one (shard path, row groups)."""
+
+    def __init__(self, monkeypatch):
+        self.by_thread: dict[str, list[tuple[str, tuple[int, ...]]]] = collections.defaultdict(list)
+        real = stream_mod._read_block
+
+        def read_block(pf, block, filters, shard, check=True):
+            self.by_thread[threading.current_thread().name].append((shard, block.row_groups))
+            return real(pf, block, filters, shard, check)
+
+        monkeypatch.setattr(stream_mod, "_read_block", read_block)
+
+    def of_rank(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        return self.by_thread[f"rollshard-loader-read-{rank}"]
+
+
+def all_blocks(ds: RolloutDataset) -> set[tuple[str, tuple[int, ...]]]:
+    return {(s.path, (r,)) for i, s in enumerate(ds.shards) for r in range(ds.footer(i).num_row_groups)}
+
+
+# -- shares ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_reads_only_its_share_and_the_shares_are_the_dataset_once(even, world_size, monkeypatch):
+    reads = Reads(monkeypatch)
+    all_groups = rows_of_groups(even)
+    config = cfg(num_epochs=2)
+    per_rank = []
+    for r in range(world_size):
+        with RolloutLoader(even, config, rank=r, world_size=world_size) as loader:
+            per_rank.append(list(loader))
+            assert loader.epoch_stats["left_groups"] == loader.epoch_stats["tail_dropped_groups"] == 0
+    share = BLOCKS * GROUPS_PER_BLOCK // world_size  # 48 or 24 groups: 12 or 6 steps of 4 an epoch
+    assert [len(steps) for steps in per_rank] == [2 * share // 4] * world_size
+    for epoch in (0, 1):
+        union: dict[str, set[str]] = {}
+        for steps in per_rank:
+            got = delivered([s for s in steps if s.epoch == epoch])
+            assert not union.keys() & got.keys()  # disjoint
+            union.update(got)
+        assert union == all_groups  # together, every group once, whole
+    # each rank read only blocks of its share: 32 / world_size blocks an epoch, none read by another rank
+    blocks = [reads.of_rank(r) for r in range(world_size)]
+    assert [len(b) for b in blocks] == [2 * BLOCKS // world_size] * world_size
+    for epoch in (0, 1):
+        firsts = [set(b[epoch * BLOCKS // world_size : (epoch + 1) * BLOCKS // world_size]) for b in blocks]
+        assert sum(len(f) for f in firsts) == BLOCKS and set().union(*firsts) == all_blocks(even)
+    # the loader's own count agrees: 1/world_size of the bytes a single rank reads
+    with RolloutLoader(even, cfg()) as one:
+        list(one)
+        whole = one.read_stats["bytes"]
+    for r in range(world_size):
+        with RolloutLoader(even, cfg(), rank=r, world_size=world_size) as loader:
+            list(loader)
+            assert loader.read_stats["blocks"] == BLOCKS // world_size
+            assert loader.read_stats["bytes"] <= 1.2 * whole / world_size
+
+
+def test_small_datasets_split_every_block_instead(tmp_path):
+    # 3 blocks for 2 ranks (< 4 a rank): each rank keeps half the groups of every block, so neither is left empty
+    ds = write_blocks(tmp_path, synthetic_table(12, ROWS, seed=5, **EVEN), per_block=4)
+    per_rank = [list(RolloutLoader(ds, cfg(groups_per_step=2), rank=r, world_size=2)) for r in range(2)]
+    assert [len(steps) for steps in per_rank] == [3, 3]  # 6 groups each: 2 of every block
+    got = [delivered(steps) for steps in per_rank]
+    assert not got[0].keys() & got[1].keys() and {**got[0], **got[1]} == rows_of_groups(ds)
+
+
+# -- the agreement callback -----------------------------------------------------------------------
+
+
+class Agreement:
+    """``world_size`` ranks on threads: ``sync(rank)(has_step)`` waits for every rank, then returns whether all
+    have a step (what the trainer's all-reduce with min returns); counts the calls."""
+
+    def __init__(self, world_size: int):
+        self.flags = [False] * world_size
+        self.calls = [0] * world_size
+        self.gather, self.release = threading.Barrier(world_size), threading.Barrier(world_size)
+
+    def sync(self, rank: int):
+        def agree(has_step: bool) -> bool:
+            self.calls[rank] += 1
+            self.flags[rank] = has_step
+            self.gather.wait(timeout=60)
+            every = all(self.flags)
+            self.release.wait(timeout=60)  # nobody overwrites a flag before every rank has read them
+            return every
+
+        return agree
+
+
+def run_ranks(ds, config: LoaderConfig, world_size: int, agreement: Agreement | None, states=None):
+    """Every rank's steps and epoch_stats, the ranks iterating at once on threads (as processes would)."""
+    out: list = [None] * world_size
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            sync = agreement.sync(r) if agreement is not None else None
+            with RolloutLoader(ds, config, rank=r, world_size=world_size, sync=sync) as loader:
+                if states is not None:
+                    loader.load_state_dict(states)
+                steps = list(loader)
+                out[r] = (steps, dict(loader.epoch_stats), loader.state_dict())
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+            if agreement is not None:
+                agreement.gather.abort()
+                agreement.release.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def filtered(tmp_path_factory) -> RolloutDataset:
+    """The even dataset with a third of its groups failed (whole), unevenly over the blocks."""
+    table = synthetic_table(BLOCKS * GROUPS_PER_BLOCK, ROWS, seed=4, **EVEN)
+    gids = table.column("group_id").to_pylist()
+    order = list(dict.fromkeys(gids))
+    rng = np.random.default_rng(7)
+    failed = set(rng.choice(order, size=len(order) // 3, replace=False).tolist())
+    status = ["failed" if g in failed else s for g, s in zip(gids, table.column("status").to_pylist())]
+    return write_blocks(tmp_path_factory.mktemp("filtered"), with_columns(table, status=status))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sync_ends_each_epoch_on_every_rank_at_the_first_rank_without_a_step(filtered, world_size):
+    config = cfg(num_epochs=2)
+    alone = run_ranks(filtered, config, world_size, None)  # no callback: each rank runs its own share out
+    per_epoch = [[sum(s.epoch == e for s in steps) for steps, _, _ in alone] for e in (0, 1)]
+    assert any(len(set(n)) > 1 for n in per_epoch)  # the filters left the ranks different numbers of steps
+    agreement = Agreement(world_size)
+    synced = run_ranks(filtered, config, world_size, agreement)
+    for e in (0, 1):
+        m = min(per_epoch[e])
+        for r, (steps, _, _) in enumerate(synced):
+            mine = [s for s in steps if s.epoch == e]
+            assert len(mine) == m  # the same number of steps on every rank: the fewest any rank has
+            assert [s.group_ids for s in mine] == [s.group_ids for s in alone[r][0] if s.epoch == e][:m]
+    assert len(set(agreement.calls)) == 1  # lockstep: as many calls on every rank
+    # the last epoch's counts: what was not delivered is counted, nothing twice
+    for r, (steps, stats, _) in enumerate(synced):
+        used = sum(len(s.group_ids) for s in steps if s.epoch == 1)
+        kept = stats["groups_examined"] - stats["filtered_groups/empty"]
+        assert stats["filtered_groups/empty"] > 0
+        assert used + stats["tail_dropped_groups"] == kept
+        share = RolloutLoader(filtered, config, rank=r, world_size=world_size)._stream.plan(1).shares[r]
+        assert stats["groups_examined"] + stats["left_groups"] == share
+        assert stats["steps"] == min(per_epoch[1])
+    # filter counts are per rank: summed over the ranks they are the epoch's, each group examined once
+    total_failed = sum(s["filtered_groups/empty"] for _, s, _ in alone)
+    assert total_failed == BLOCKS * GROUPS_PER_BLOCK // 3
+
+
+def test_resume_mid_epoch_with_sync_continues_every_rank_exactly(filtered):
+    world_size, config = 2, cfg(num_epochs=2)
+    full = run_ranks(filtered, config, world_size, Agreement(world_size))
+    n = len(full[0][0])
+    for k in (1, n // 2 - 1, n // 2 + 1, n - 1):  # mid-epoch in both epochs
+        cut = cfg(num_epochs=2)
+        states = [None] * world_size
+        agreement = Agreement(world_size)
+
+        def first_k(r: int) -> None:
+            with RolloutLoader(filtered, cut, rank=r, world_size=world_size, sync=agreement.sync(r)) as loader:
+                it = iter(loader)
+                for _ in range(k):
+                    next(it)
+                states[r] = json.loads(json.dumps(loader.state_dict()))
+
+        threads = [threading.Thread(target=first_k, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rest = run_ranks(filtered, config, world_size, Agreement(world_size), states=states)
+        for r in range(world_size):
+            assert_steps_equal(rest[r][0], full[r][0][k:])
+            assert rest[r][1] == full[r][1]
+
+
+def test_a_sync_that_says_yes_without_a_step_is_refused(even):
+    with RolloutLoader(even, cfg(), rank=0, world_size=2, sync=lambda has: True) as loader:
+        with pytest.raises(RuntimeError, match="sync callback answered True for a rank without a step"):
+            list(loader)
+
+
+# -- open -----------------------------------------------------------------------------------------
+
+
+def strip_row_groups(root) -> None:
+    """Rewrite the manifests as a version-1 writer wrote them: no row groups listed."""
+    for path in (root / "_manifests").glob("*.json"):
+        doc = json.loads(path.read_text())
+        for entry in doc["shards"]:
+            entry.pop("row_groups", None)
+        doc["manifest_version"] = 1
+        path.write_text(json.dumps(doc))
+
+
+def test_open_reads_no_row_group_with_the_manifest_and_scans_without(tmp_path, monkeypatch):
+    ds = write_blocks(tmp_path, synthetic_table(BLOCKS * GROUPS_PER_BLOCK, ROWS, seed=4, **EVEN))
+    calls = collections.Counter()
+    for name in ("read_row_group", "read_row_groups", "iter_batches", "read"):
+        real = getattr(pq.ParquetFile, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(pq.ParquetFile, name, counted)
+    new = RolloutLoader(ds, cfg())
+    assert sum(calls.values()) == 0  # the manifest's row groups: no row group read
+    blocks = new._stream.blocks
+    assert len(blocks) == BLOCKS and all(b.weight == GROUPS_PER_BLOCK * ROWS * 10 for b in blocks)  # tokens
+    strip_row_groups(tmp_path)
+    old_ds = RolloutDataset.open(tmp_path)
+    assert all(s.row_groups is None for s in old_ds.shards)
+    old = RolloutLoader(old_ds, cfg())
+    assert calls["read_row_group"] == BLOCKS  # the old path: each row group's group_id column
+    assert [(b.shard, b.row_groups, b.num_groups) for b in old._stream.blocks] == \
+        [(b.shard, b.row_groups, b.num_groups) for b in blocks]
+    assert_steps_equal(list(old), list(new))  # and the same steps (weights aside, one rank reads all)
+    old.close()
+    new.close()
+
+
+def test_manifest_row_groups_must_match_the_file(tmp_path):
+    ds = write_blocks(tmp_path, synthetic_table(12, ROWS, seed=5, **EVEN), per_block=4)
+    path = next((tmp_path / "_manifests").glob("*.json"))
+    doc = json.loads(path.read_text())
+    doc["shards"][0]["row_groups"][0]["rows"] += 1
+    path.write_text(json.dumps(doc))
+    from rollshard.store.errors import DataError
+
+    with pytest.raises(DataError, match=f"{ds.shards[0].path}: the manifest lists 3 row groups of 25 rows, the file has "
+                                        "3 of 24"):
+        RolloutDataset.open(tmp_path)
+
+
+def test_step_metrics_are_per_rank(even):
+    steps = [list(RolloutLoader(even, cfg(), rank=r, world_size=2)) for r in range(2)]
+    first: list[Step] = [s[0] for s in steps]
+    assert [s.metrics["groups_examined"] for s in first] == [4.0, 4.0]  # this rank's 4, not the global 8
+    assert sum(s.metrics["rows_examined"] for s in first) == 2 * 4 * ROWS
