@@ -10,6 +10,8 @@ Modules, in the order a step uses them:
 * :mod:`~rollshard.train.advantages` GRPO advantages by explicit group id (pure).
 * :mod:`~rollshard.train.logprobs` packed forward, chunked fp32 log softmax of
   ``logits / temperature`` gathered at the response tokens.
+* :mod:`~rollshard.train.attention` varlen packed attention (``rollshard_varlen``): causal sdpa
+  per sequence, no ``[T, T]`` mask.
 * :mod:`~rollshard.train.losses` policy loss variants, KL, entropy (pure).
 * :mod:`~rollshard.train.support` sampling-aware ratios: which logprobs the ratio takes where a
   token has a stored top-p/top-k sampling support, and their metrics (pure).
