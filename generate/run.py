@@ -13,7 +13,9 @@ resume with an edited plugin is refused.
 Rerunning the same command resumes: prompts already in DATASET are skipped, the rest
 (including those in the failure ledger) are generated. ``--shard-index i --num-shards
 n`` on n hosts split the prompts (by position modulo n) into the one dataset, each
-host writing as writer ``gen-i-of-n``.
+host writing as writer ``gen-i-of-n``. ``--ray [ADDRESS] --num-shards n`` runs those n shards as
+Ray tasks of this same command (:mod:`rollshard.generate.ray_run`): one progress bar, a task
+that dies or leaves failed prompts rerun (``--ray-retries``), resumable like the rest.
 
 Sampling support (``--sampling-support auto|on|off``, default auto): when sampling truncates
 (top-p < 1 or a top-k, temperature > 0), each row also stores every response token's
@@ -43,7 +45,7 @@ import hashlib
 import json
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
@@ -174,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine requests in flight (default: %(default)s)",
     )
     r.add_argument(
-        "--shard-index", type=int, default=0, metavar="I",
-        help="this host's part of the prompts (default: %(default)s)",
+        "--shard-index", type=int, default=None, metavar="I",
+        help="this host's part of the prompts (default: 0; with --ray, each task's own)",
     )
     r.add_argument(
-        "--num-shards", type=int, default=1, metavar="N",
-        help="hosts splitting the prompts (default: %(default)s)",
+        "--num-shards", type=int, default=None, metavar="N",
+        help="hosts (with --ray: Ray tasks) splitting the prompts (default: 1; with --ray, one per engine URL)",
     )
     r.add_argument(
         "--commit-every", type=int, default=256, metavar="N",
@@ -203,15 +205,39 @@ def build_parser() -> argparse.ArgumentParser:
         "selector) instead of failing its prompt; skipped calls are counted per role in the summary",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    c = p.add_argument_group("cluster (Ray; pip install 'rollshard[ray]')")
+    c.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="run the --num-shards shards as Ray tasks, each writing as its own writer into --out (a path every "
+        "node sees, or a pyarrow filesystem URI); ADDRESS: a running cluster (host:port, auto, ray://host:port); "
+        "without it, a one-machine cluster started for the run on 127.0.0.1. Rerun the same command to resume",
+    )
+    c.add_argument(
+        "--ray-retries", type=int, default=2, metavar="N",
+        help="reruns of a shard whose task died or left failed prompts; each resumes from its committed rows "
+        "(default: %(default)s)",
+    )
+    c.add_argument(
+        "--ray-runtime-env", metavar="JSON",
+        help="Ray runtime_env of the tasks, as a JSON object (env_vars, pip, working_dir, ...)",
+    )
+    c.add_argument("--ray-task", action="store_true", help=argparse.SUPPRESS)  # set by the driver for its tasks
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, progress: Callable[[int, int], None] | None = None) -> int:
+    """The command; ``progress(done, total)`` is called as prompts finish (a Ray task reports to its driver)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
+        if args.ray is not None and not args.ray_task:
+            from rollshard.generate.ray_run import launch
+
+            return launch(argv, args)
         task, system, scorer, prompts = _load_inputs(args)
-        return asyncio.run(_run(args, task, system, scorer, prompts))
+        return asyncio.run(_run(args, task, system, scorer, prompts, progress))
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -224,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURES
 
 
+def _engine_urls(spec: str) -> list[str]:
+    return [u for u in spec.split(",") if u.strip()] or [spec]
+
+
 def _quiet_model_loading() -> None:
     """transformers' own bars (loading weights) would interleave with the run's progress bar."""
     from transformers.utils import logging as hf_logging
@@ -232,6 +262,15 @@ def _quiet_model_loading() -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.ray is not None and not args.ray_task:
+        if args.shard_index is not None:
+            raise UsageError("--shard-index is not for --ray: each task gets its own; give --num-shards only")
+        if args.num_shards is None:  # one task per server
+            args.num_shards = 1 if args.engine.strip().startswith("embedded:") else len(_engine_urls(args.engine))
+        if args.ray_retries < 0:
+            raise UsageError("--ray-retries must be >= 0")
+    args.shard_index = 0 if args.shard_index is None else args.shard_index
+    args.num_shards = 1 if args.num_shards is None else args.num_shards
     if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards); got {args.shard_index} of {args.num_shards}")
     for name in ("concurrency", "n_samples", "max_new_tokens", "commit_every"):
@@ -310,6 +349,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, l
     args.prompts_fingerprint = prompts_fingerprint(prompts)
     if args.limit is not None:
         prompts = prompts[: args.limit]
+    args.prompts_total = len(prompts)  # of every shard
     return task, system, scorer, shard_prompts(prompts, args.shard_index, args.num_shards)
 
 
@@ -320,24 +360,19 @@ def _key_value(option: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-async def _run(args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt]) -> int:
+async def _run(
+    args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt], progress=None
+) -> int:
     try:
-        return await _generate(args, task, system, scorer, prompts)
+        return await _generate(args, task, system, scorer, prompts, progress)
     finally:
         await scorer.close()
 
 
 async def _generate(
-    args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt]
+    args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt], progress=None
 ) -> int:
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        stop=args.stop,
-        return_sampling_mask=args.return_sampling_mask,
-    )
+    sampling = sampling_params(args)
     config = _generation_config(args, system, task, scorer, sampling)
     _check_existing(args.out, config)  # before the engine: a refused resume costs no model load
     _quiet_model_loading()
@@ -402,6 +437,7 @@ async def _generate(
                     max_context_len=config["max_context_len"],
                     allow_skipped_calls=args.allow_skipped_calls,
                     progress=not args.no_progress,
+                    on_progress=progress,
                 ),
                 scorer=scorer,
                 chat=args.chat,
@@ -411,6 +447,17 @@ async def _generate(
         return result.exit_code
     finally:
         await engine.close()
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+        return_sampling_mask=args.return_sampling_mask,
+    )
 
 
 async def _connect(args: argparse.Namespace) -> Engine:

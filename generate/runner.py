@@ -44,7 +44,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from tqdm import tqdm
@@ -72,6 +72,7 @@ TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, Conn
 EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
+PROGRESS_EVERY_S = 0.25  # RunnerOptions.on_progress is called at most this often (and at the start and the end)
 # Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs. A plugin's
 # identity (file and hash) is part of "agents", "task_plugin" and "reward". (The chat template and system prompt
 # change the rendered prompt, which the per-prompt hash check catches.)
@@ -184,6 +185,9 @@ class RunnerOptions:
     max_context_len: int | None = None
     allow_skipped_calls: bool = False  # store an episode without its optional calls that do not fit the context
     progress: bool = True
+    # Called with (prompts done, prompts total) at the start, as prompts finish (at most every PROGRESS_EVERY_S)
+    # and at the end: the Ray driver's one progress bar over all shards (rollshard.generate.ray_run).
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclasses.dataclass
@@ -263,6 +267,7 @@ class Runner:
         self._pending: list[tuple[Prompt, list[Row]]] = []
         self._since_commit, self._last_commit, self._start = 0, time.monotonic(), start
         self._made_rows = self._made_tokens = 0  # finished, written or not (the progress bar's figures)
+        self._progress_done, self._progress_at = self._result.prompts_skipped, -math.inf
         self._bar = tqdm(
             total=len(prompts),
             initial=self._result.prompts_skipped,
@@ -273,6 +278,7 @@ class Runner:
         )
         in_flight_max = EPISODES_PER_SLOT * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
         queue, order = iter(todo), itertools.count()
+        self._report_progress(final=True)
         self._install_signal_handlers()
         try:
             try:
@@ -302,6 +308,7 @@ class Runner:
             self._maybe_write_and_commit(final=True)  # interrupts are still caught here: nothing tears it
         finally:
             self._remove_signal_handlers()
+        self._report_progress(final=True)
         result = self._result
         result.ledger = self._ledger.finish(self._done)
         # An interrupt during the final commit is handled after it: the run was still interrupted.
@@ -328,6 +335,14 @@ class Runner:
             refresh=False,
         )
         self._bar.update(1)
+        self._progress_done += 1
+        self._report_progress(final=False)
+
+    def _report_progress(self, *, final: bool) -> None:
+        hook, now = self.options.on_progress, time.monotonic()
+        if hook is not None and (final or now - self._progress_at >= PROGRESS_EVERY_S):
+            self._progress_at = now
+            hook(self._progress_done, self._result.prompts_total)
 
     def _fail(self, prompt: Prompt, failure: dict[str, Any]) -> None:
         self._result.failed[prompt.prompt_id] = failure

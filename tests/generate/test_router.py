@@ -22,6 +22,7 @@ from rollshard.store.validate import validate_dataset
 
 from .conftest import start_router, stop_server
 
+pytestmark = pytest.mark.cluster
 TOL = 1e-5
 COMMON = [
     "--agents", "single", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "6", "--limit", "6",

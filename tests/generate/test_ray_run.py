@@ -1,0 +1,154 @@
+"""``rollshard-generate --ray``: a real one-machine Ray cluster (started by the command, on 127.0.0.1) running the
+shards as tasks against two real ``rollshard-generate serve`` processes; compared with one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rollshard.generate.run import main
+from rollshard.generate.tasks import get_task, load_prompts
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.validate import validate_dataset
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+N_PROMPTS = 8
+DEADLINE_S = 600.0  # for a broken run, not an expectation of speed
+COMMON = [
+    "--agents", "single", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "6", "--limit", str(N_PROMPTS),
+    "--concurrency", "2", "--commit-every", "1", "--no-progress",
+]  # fmt: skip
+
+
+def engine(urls) -> list[str]:
+    return ["--engine", ",".join(urls)]
+
+
+@pytest.fixture
+def ray_tmp():
+    """Ray's session folder: short (its socket paths are limited to 107 bytes), removed after the test."""
+    path = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start_driver(args, ray_tmp, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "w") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rollshard.generate", *map(str, args)], cwd=REPO, env=env, stdout=f, stderr=f
+        )
+
+
+def sample_ids(path) -> list[str]:
+    return sorted(RolloutDataset.open(path).read(columns=["sample_id"]).column("sample_id").to_pylist())
+
+
+@pytest.fixture(scope="module")
+def reference(two_servers, tmp_path_factory):
+    """The same job in one process over both servers."""
+    out = tmp_path_factory.mktemp("one-process") / "ds"
+    assert main([*engine(two_servers), *COMMON, "--out", str(out)]) == 0
+    return out
+
+
+def test_ray_run_equals_one_process_and_reruns_as_a_no_op(reference, two_servers, tmp_path, ray_tmp):
+    out = tmp_path / "ds"
+    args = ["--ray", "--num-shards", 2, *engine(two_servers), *COMMON, "--out", out]
+    proc = start_driver(args, ray_tmp, tmp_path / "driver.log")
+    assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    log = (tmp_path / "driver.log").read_text()
+    ids = sample_ids(out)
+    assert ids == sample_ids(reference) and len(ids) == len(set(ids)) == 2 * N_PROMPTS
+    assert validate_dataset(out).problems == []
+    ds = RolloutDataset.open(out)
+    assert sorted(m.writer_id for m in ds.manifests) == ["gen-0-of-2", "gen-1-of-2"]
+    positions = {p.prompt_id: p.index for p in load_prompts(get_task("toy").default_prompts())}
+    for m in ds.manifests:  # each task wrote its own shard of the prompts, with the run's config
+        shard = int(m.writer_id.split("-")[1])
+        assert m.config["shard_index"] == shard and m.config["num_shards"] == 2
+        assert m.config["sampling"] == ds.manifests[0].config["sampling"]
+    for shard in (0, 1):
+        mine = {
+            r["prompt_id"]
+            for m in ds.manifests if m.writer_id == f"gen-{shard}-of-2"
+            for s in m.shards
+            for r in _read(out / s.path)
+        }  # fmt: skip
+        assert mine and all(positions[p] % 2 == shard for p in mine)
+        assert f"shard {shard} of 2: {N_PROMPTS // 2} of {N_PROMPTS // 2} prompts done" in log
+    assert "2 Ray tasks in " in log and f"holds {N_PROMPTS} of {N_PROMPTS} prompts, {2 * N_PROMPTS} rows" in log
+    assert "failed" not in log
+
+    rerun = start_driver(args, ray_tmp, tmp_path / "rerun.log")
+    assert rerun.wait(timeout=DEADLINE_S) == 0
+    log = (tmp_path / "rerun.log").read_text()
+    assert f"shard 0 of 2: 0 of {N_PROMPTS // 2} prompts done" in log and f"{N_PROMPTS // 2} already there" in log
+    assert sample_ids(out) == ids
+
+
+def _read(path):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["prompt_id"]).to_pylist()
+
+
+def test_a_killed_task_is_reported_and_rerun_nothing_lost_or_doubled(reference, two_servers, tmp_path, ray_tmp):
+    out, gate = tmp_path / "ds", tmp_path / "gate"
+    # Shard 0's worker stops right after its first commit, until this test kills it (tests/ray_gates.py).
+    spec = {"target": "rollshard.store.writer:ShardWriter.commit", "writer_id": "gen-0-of-2", "count": 1,
+            "signal": str(gate)}  # fmt: skip
+    runtime_env = {"worker_process_setup_hook": "tests.ray_gates.install",
+                   "env_vars": {"ROLLSHARD_TEST_GATE": json.dumps(spec), "PYTHONPATH": str(REPO)}}  # fmt: skip
+    args = ["--ray", "--num-shards", 2, "--ray-runtime-env", json.dumps(runtime_env), *engine(two_servers), *COMMON,
+            "--out", out]  # fmt: skip
+    proc = start_driver(args, ray_tmp, tmp_path / "driver.log")
+    deadline = time.monotonic() + DEADLINE_S
+    while not gate.exists():
+        assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "shard 0 never reached its first commit"
+        time.sleep(0.05)  # waiting for the gate, not for time to pass
+    worker = int(gate.read_text())
+    committed = [m for m in RolloutDataset.open(out).manifests if m.writer_id == "gen-0-of-2"]
+    assert [len(m.shards) for m in committed] == [1]  # killed mid-shard: one of its 4 prompts committed
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    log = (tmp_path / "driver.log").read_text()
+    assert "shard 0 of 2 failed (attempt 1 of 3): WorkerCrashedError" in log
+    assert f"shard 0 of 2: {N_PROMPTS // 2 - 1} of {N_PROMPTS // 2} prompts done" in log and "1 already there" in log
+    assert "shard 1 of 2 failed" not in log
+    ids = sample_ids(out)
+    assert ids == sample_ids(reference) and len(ids) == len(set(ids))  # the union exact: nothing lost or doubled
+    assert validate_dataset(out).problems == []
+
+
+def test_ray_usage_errors_are_one_line(tiny_gpt2, tmp_path, capsys, monkeypatch):
+    base = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--limit", "2", "--out", str(tmp_path / "ds")]
+    cases = [
+        (["--ray", "not an address"], "--ray 'not an address': expected a Ray cluster address"),
+        (["--ray", "--shard-index", "1", "--num-shards", "2"], "--shard-index is not for --ray"),
+        (["--ray", "--ray-retries", "-1"], "--ray-retries must be >= 0"),
+        (["--ray", "--ray-runtime-env", "{nope"], "--ray-runtime-env is not JSON"),
+        (["--ray", "--ray-runtime-env", "[1]"], "--ray-runtime-env must be a JSON object, got list"),
+        (["--ray", "--prompts", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("rollshard-generate: error: ") and message in err, err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    assert main([*base, "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ray needs Ray, which is not installed: pip install 'rollshard[ray]'" in err
+    assert not (tmp_path / "ds").exists()
