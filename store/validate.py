@@ -10,7 +10,8 @@ shard it checks, in order of cost:
   problem);
 * row group by row group (memory stays bounded by one row group): every row invariant
   of :func:`rollshard.store.schema.check_table`, and the row, group, prompt-token and
-  response-token counts against the manifest.
+  response-token counts against the manifest, and each row group's rows, tokens and
+  group-id hashes against the manifest's ``row_groups`` when it lists them.
 
 Across shards: no shard is listed twice, a GRPO group lives in one shard only, and
 every ``sample_id`` is unique in the whole dataset. These keep a 64-bit hash per row
@@ -45,6 +46,7 @@ from rollshard.store.schema import (
     check_table,
 )
 from rollshard.store.storage import Storage
+from rollshard.store.writer import row_group_info
 
 HASH_SEED = 0x5EED  # any fixed seed: hashes are compared within one run only
 PROBLEMS_PER_SHARD = 20  # invariant breaks listed per shard; the count of the rest is reported
@@ -198,7 +200,7 @@ class Validator:
             if missing:
                 return
         rows = prompt_tokens = response_tokens = 0
-        row_hashes, group_hashes, n_invariant = [], [], 0
+        row_hashes, group_hashes, n_invariant, recorded_rgs = [], [], 0, []
         for i in range(pf.num_row_groups):
             try:
                 table = cast_table(pf.read_row_group(i))
@@ -216,6 +218,7 @@ class Validator:
             response_tokens += _total_len(table.column("response_tokens"))
             row_hashes.append(_hash(table.column("sample_id")))
             group_hashes.append(np.unique(_hash(table.column("group_id"))))
+            recorded_rgs.append(row_group_info(table))
         if n_invariant > PROBLEMS_PER_SHARD:
             problem("invariant", f"... {n_invariant - PROBLEMS_PER_SHARD} more invariant breaks in this shard")
         groups = np.unique(np.concatenate(group_hashes)) if group_hashes else np.zeros(0, np.uint64)
@@ -227,6 +230,11 @@ class Validator:
         ):
             if actual != recorded:
                 problem(name, f"the shard holds {actual}, the manifest says {recorded}")
+        if shard.row_groups is not None and tuple(recorded_rgs) != shard.row_groups:
+            bad = next((i for i, (a, b) in enumerate(zip(recorded_rgs, shard.row_groups)) if a != b),
+                       min(len(recorded_rgs), len(shard.row_groups)))
+            problem("row_groups", f"row group {bad}: its rows, tokens or group ids are not the manifest's row_groups "
+                                  f"entry ({len(recorded_rgs)} row groups in the file, {len(shard.row_groups)} listed)")
         self._hashed_paths.append(shard.path)
         self._row_hashes.append(np.concatenate(row_hashes) if row_hashes else np.zeros(0, np.uint64))
         self._group_hashes.append(groups)

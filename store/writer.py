@@ -146,7 +146,7 @@ class ShardWriter:
                 write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
             )
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
-        self._row_groups.append(_row_group_info(table))
+        self._row_groups.append(row_group_info(table))
         self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
         if self.storage.local:
             self._pending.file.sync_in_background()
@@ -262,7 +262,7 @@ class ShardWriter:
                 for i in range(pf.num_row_groups):
                     table = pf.read_row_group(i, columns=["group_id", "prompt_tokens", "response_tokens"])
                     counts.add(table, None)
-                    row_groups.append(_row_group_info(table))
+                    row_groups.append(row_group_info(table))
             self.manifest.shards.append(
                 ShardInfo(
                     path=rel,
@@ -327,7 +327,7 @@ class _Counts:
         self.response_tokens += _total_len(table.column("response_tokens"))
 
 
-def _row_group_info(table: pa.Table) -> RowGroupInfo:
+def row_group_info(table: pa.Table) -> RowGroupInfo:
     """What the manifest records of one row group (manifest.RowGroupInfo)."""
     ids = pc.unique(table.column("group_id")).to_pylist()  # in order of first appearance
     tokens = _total_len(table.column("prompt_tokens")) + _total_len(table.column("response_tokens"))

@@ -299,3 +299,17 @@ def test_step_metrics_are_per_rank(even):
     first: list[Step] = [s[0] for s in steps]
     assert [s.metrics["groups_examined"] for s in first] == [4.0, 4.0]  # this rank's 4, not the global 8
     assert sum(s.metrics["rows_examined"] for s in first) == 2 * 4 * ROWS
+
+
+def test_validate_checks_the_manifests_row_groups(tmp_path):
+    from rollshard.store.validate import validate_dataset
+
+    write_blocks(tmp_path, synthetic_table(12, ROWS, seed=5, **EVEN), per_block=4)
+    assert validate_dataset(tmp_path).ok
+    path = next((tmp_path / "_manifests").glob("*.json"))
+    doc = json.loads(path.read_text())
+    entry = doc["shards"][0]["row_groups"][1]
+    entry["group_hashes"] = entry["group_hashes"][16:] + entry["group_hashes"][:16]  # same ids, another order
+    path.write_text(json.dumps(doc))
+    report = validate_dataset(tmp_path)
+    assert [(p.check, p.detail.split(":")[0]) for p in report.problems] == [("row_groups", "row group 1")]
