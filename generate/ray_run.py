@@ -178,7 +178,7 @@ def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(num_cpus=1, max_retries=0)(run_shard)  # reruns are ours: each one reported
     pending: dict[Any, tuple[int, int]] = {}  # ref -> (shard, attempt)
-    results: dict[int, tuple[dict[str, Any] | None, str | None]] = {}
+    results: dict[int, tuple[dict[str, Any] | None, str | None, int]] = {}  # shard -> (result, problem, attempts)
 
     def submit(shard: int, attempt: int) -> None:
         pending[task.remote(argv, shard, n, board)] = (shard, attempt)
@@ -203,7 +203,7 @@ def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
                     )
                     submit(shard, attempt + 1)
                 else:
-                    results[shard] = (out, problem)
+                    results[shard] = (out, problem, attempt)
     except KeyboardInterrupt:
         bar.close()
         return _interrupt(ray, pending)
@@ -233,14 +233,14 @@ def _interrupt(ray, pending: dict[Any, tuple[int, int]]) -> int:
     return EXIT_INTERRUPTED
 
 
-def _report(args: argparse.Namespace, results: dict[int, tuple[dict[str, Any] | None, str | None]], seconds: float) -> int:
+def _report(args: argparse.Namespace, results: dict[int, tuple[dict[str, Any] | None, str | None, int]], seconds: float) -> int:
     n = args.num_shards
     codes = []
     for shard in range(n):
-        out, problem = results[shard]
+        out, problem, attempts = results[shard]
         prefix = f"{PROG}: shard {shard} of {n}:"
         if out is None:
-            print(f"{prefix} failed after {args.ray_retries + 1} attempts: {problem}", file=sys.stderr)
+            print(f"{prefix} failed after {attempts} attempts: {problem}", file=sys.stderr)
             codes.append(EXIT_FAILURES)
             continue
         for line in out["lines"]:

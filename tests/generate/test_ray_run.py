@@ -152,3 +152,16 @@ def test_ray_usage_errors_are_one_line(tiny_gpt2, tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ray needs Ray, which is not installed: pip install 'rollshard[ray]'" in err
     assert not (tmp_path / "ds").exists()
+
+
+def test_progress_reports_absolute_counts_at_start_and_end(tiny_gpt2, tmp_path):
+    # What each Ray task sends the driver's bar: (prompts done, prompts of the shard), absolute, so a rerun of a
+    # shard (which starts from its committed prompts) replaces its count instead of adding to it.
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--agents", "single", "--task", "toy", "--n-samples", "1",
+            "--max-new-tokens", "2", "--limit", "3", "--concurrency", "1", "--no-progress", "--out", str(tmp_path / "ds")]  # fmt: skip
+    calls = []
+    assert main([*args, "--limit", "2"], progress=lambda done, total: calls.append((done, total))) == 0
+    assert calls[0] == (0, 2) and calls[-1] == (2, 2) and all(a <= b for (a, _), (b, _) in zip(calls, calls[1:]))
+    calls.clear()
+    assert main(args, progress=lambda done, total: calls.append((done, total))) == 0  # one prompt more: resumes
+    assert calls[0] == (2, 3) and calls[-1] == (3, 3)
