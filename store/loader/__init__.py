@@ -20,6 +20,8 @@ over an epoch is the filtered dataset with each group once; a rank reads and dec
 blocks (:attr:`RolloutLoader.read_stats`). Within its share a rank cuts consecutive windows of
 ``shuffle_window`` groups, permutes each by ``(seed, epoch, window)``, and cuts steps of
 ``groups_per_step`` groups that pass the filters. A world size of 1 is exactly the stream of before.
+A dataset of fewer than ``MIN_BLOCKS_PER_RANK`` blocks per rank is not dealt: every rank reads every
+block and takes every ``world_size``-th group of the one-rank stream (plan.py).
 
 **The same number of steps on every rank** (FSDP's collectives need it). Without filters that drop
 whole groups it holds with no communication: every rank knows every rank's share, so no rank takes more

@@ -25,7 +25,7 @@ OPEN_FILES = 16  # Parquet files a reader keeps open (shards are read block by b
 SCAN_THREADS = 8  # shards scanned at once when the loader opens a dataset without row groups in its manifest
 HASH_AHEAD_BLOCKS = 8  # shards of the next blocks queued for their checksum before the reader gets there
 # Below this many blocks per rank, whole blocks would share the groups out too unevenly (and a rank might get
-# none): every rank then reads every block and keeps a 1/world_size slice of its groups (plan.py).
+# none): every rank then reads every block and takes every world_size-th group of the one stream (plan.py).
 MIN_BLOCKS_PER_RANK = 4
 _TAG_BLOCKS, _TAG_WINDOW = 1, 2  # random streams: block order, window permutation
 

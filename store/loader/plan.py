@@ -5,9 +5,12 @@
 block to the rank with the least weight so far (tokens: blocks.py; ties to the lowest rank), so the
 ranks' shares are disjoint, together the whole dataset, and balanced to within one block; each rank
 reads only its own blocks. With fewer than ``MIN_BLOCKS_PER_RANK`` blocks per rank (a small dataset)
-whole blocks would share the groups out too unevenly, so instead every rank takes a 1/world_size slice
-of every block's groups (reading every block, as small as it is). A rank's share as a list of pieces
-(block, first group, groups) is its stream; a world size of 1 is the block order itself.
+whole blocks would share the groups out too unevenly, so the ranks instead *share* one stream, that of
+a world size of 1: every rank reads every block (as small as the dataset is) and rank ``r`` takes the
+stream's groups ``r, r + w, r + 2w, ...`` (so the first step of each of ``w`` ranks together are the
+first step of one rank with ``w`` times the groups, when no filter drops one). A rank's share as a list
+of pieces (block, first group, groups) is its stream; a world size of 1, or a shared stream, is the
+block order itself.
 
 **Windows.** A rank's stream is cut into consecutive windows of ``shuffle_window`` groups, each
 permuted by ``(seed, epoch, window)``. Memory: one window of groups.
@@ -38,6 +41,16 @@ def _random_keys(n: int, *words: int) -> np.ndarray:
     return np.random.PCG64(np.random.SeedSequence(list(words))).random_raw(n)
 
 
+def shared(num_blocks: int, world_size: int) -> bool:
+    """Whether the ranks share one global stream (too few blocks to deal them out)."""
+    return world_size > 1 and num_blocks < MIN_BLOCKS_PER_RANK * world_size
+
+
+def _residues(n: int, r: int, w: int) -> int:
+    """How many of 0..n-1 are r modulo w."""
+    return max(0, (n - r + w - 1) // w)
+
+
 def deal(weights: np.ndarray, world_size: int) -> np.ndarray:
     """[n] the rank of each of ``n`` blocks, in order: each to the rank with the least weight so far (ties: the
     lowest rank)."""
@@ -59,6 +72,7 @@ class _EpochPlan:
         keys = _random_keys(n, cfg.seed, epoch, _TAG_BLOCKS)
         self.order = np.argsort(keys, kind="stable") if cfg.shuffle else np.arange(n)  # every rank's, [n]
         sizes = np.array([blocks[b].num_groups for b in self.order], np.int64)  # [n]
+        self.shared = shared(n, w)
         if w == 1:
             self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
             shares = sizes.sum(keepdims=True)
@@ -68,11 +82,9 @@ class _EpochPlan:
             self.piece_block, self.piece_groups = self.order[mine], sizes[mine]
             self.piece_start = np.zeros(len(self.piece_block), np.int64)
             shares = np.bincount(owner, weights=sizes, minlength=w).astype(np.int64)
-        else:  # slice r of every block: groups [r * g // w, (r + 1) * g // w)
-            lo, hi = rank * sizes // w, (rank + 1) * sizes // w
-            keep = hi > lo
-            self.piece_block, self.piece_start, self.piece_groups = self.order[keep], lo[keep], (hi - lo)[keep]
-            shares = np.array([((r + 1) * sizes // w - r * sizes // w).sum() for r in range(w)], np.int64)
+        else:  # shared: every rank reads every block; rank r takes the stream's groups r, r + w, r + 2w, ...
+            self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
+            shares = np.array([_residues(int(sizes.sum()), r, w) for r in range(w)], np.int64)
         self.shares = shares  # [world size] groups of each rank's share
         self.cum = np.zeros(len(self.piece_block) + 1, np.int64)  # cum[i]: groups in the pieces before piece i
         np.cumsum(self.piece_groups, out=self.cum[1:])
@@ -81,6 +93,18 @@ class _EpochPlan:
         self.num_windows = -(-self.num_groups // self.window)
         least, g = int(shares.min()), cfg.groups_per_step
         self.step_cap = least // g if cfg.tail == "drop" else -(-least // g)
+        self.rank, self.world_size = rank, w
+
+    def mine(self, position: int) -> bool:
+        """Whether the group at stream position ``position`` is this rank's (every one, unless shared)."""
+        return not self.shared or position % self.world_size == self.rank
+
+    def left(self, position: int) -> int:
+        """This rank's groups of the epoch at stream positions ``position`` and after."""
+        if not self.shared:
+            return self.num_groups - position
+        r, w = self.rank, self.world_size
+        return _residues(self.num_groups, r, w) - _residues(position, r, w)
 
     def bounds(self, k: int) -> tuple[int, int]:
         return k * self.window, min((k + 1) * self.window, self.num_groups)

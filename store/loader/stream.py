@@ -170,6 +170,8 @@ class _Stream:
                 self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
                 perm = plan.permutation(k)
                 for p in range(max(position, lo) - lo, hi - lo):
+                    if not plan.mine(lo + p):  # a shared stream: another rank's group
+                        continue
                     i, q = int(where[perm[p]]), lo + int(perm[p])
                     yield epoch, lo + p + 1, held[(epoch, i)], int(plan.piece_start[i]) + q - int(plan.cum[i])
             yield _EpochEnd(epoch=epoch, num_groups=plan.num_groups)
@@ -229,7 +231,7 @@ class _Stream:
                 continue
             epoch, after_position, bd, j = g
             if epoch_counts["steps"] >= self.step_cap(epoch):  # resumed at the cap, or a cap of 0
-                epoch_counts["left_groups"] += self.plan(epoch).num_groups - after_position + 1
+                epoch_counts["left_groups"] += self.plan(epoch).left(after_position - 1)
                 if epoch_counts["steps"] == 0:
                     self._no_step(epoch, epoch_counts)
                 yield self._end(epoch_counts, _Cursor(epoch + 1, 0, step), seg)
@@ -241,7 +243,7 @@ class _Stream:
                 self._verified(pending, stop)
                 epoch_counts.update(seg.counts)
                 epoch_counts["steps"] += 1
-                left = self.plan(epoch).num_groups - after_position
+                left = self.plan(epoch).left(after_position)
                 after = _Cursor(epoch, after_position, step + 1)
                 yield self._item(pending, seg, after, epoch, step, epoch_counts, left)
                 step += 1

@@ -105,13 +105,21 @@ def test_each_rank_reads_only_its_share_and_the_shares_are_the_dataset_once(even
             assert loader.read_stats["bytes"] <= 1.2 * whole / world_size
 
 
-def test_small_datasets_split_every_block_instead(tmp_path):
-    # 3 blocks for 2 ranks (< 4 a rank): each rank keeps half the groups of every block, so neither is left empty
+def test_small_datasets_share_one_stream_and_take_every_other_group(tmp_path, monkeypatch):
+    # 3 blocks for 2 ranks (< 4 a rank): both read every block; rank r takes groups r, r + 2, ... of the
+    # one-rank stream, so the two ranks' first steps are the one-rank step of twice the groups
+    reads = Reads(monkeypatch)
     ds = write_blocks(tmp_path, synthetic_table(12, ROWS, seed=5, **EVEN), per_block=4)
+    whole = [g for s in RolloutLoader(ds, cfg(groups_per_step=4)) for g in s.group_ids]
+    reads.by_thread.clear()
     per_rank = [list(RolloutLoader(ds, cfg(groups_per_step=2), rank=r, world_size=2)) for r in range(2)]
-    assert [len(steps) for steps in per_rank] == [3, 3]  # 6 groups each: 2 of every block
+    assert [len(steps) for steps in per_rank] == [3, 3]  # 6 groups each
+    for r in range(2):
+        assert [g for s in per_rank[r] for g in s.group_ids] == whole[r::2]
+        assert len(reads.of_rank(r)) == 3  # every block
     got = [delivered(steps) for steps in per_rank]
     assert not got[0].keys() & got[1].keys() and {**got[0], **got[1]} == rows_of_groups(ds)
+    assert [s.metrics["groups_examined"] for s in per_rank[1]] == [2.0] * 3  # its own groups only
 
 
 # -- the agreement callback -----------------------------------------------------------------------
