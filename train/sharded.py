@@ -98,7 +98,9 @@ def _split(
     model_sd: dict, optim_sd: dict, *, aliases: dict[str, str], strip: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors keyed as on disk, the JSON part)`` of the live state dicts; the tensors are the live ones."""
-    name = lambda fqn: fqn.removeprefix(strip)  # noqa: E731
+    def name(fqn: str) -> str:
+        return fqn.removeprefix(strip)
+
     tensors = {MODEL_KEY + name(k): v for k, v in model_sd.items() if k not in aliases}
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, entries in optim_sd["state"].items():

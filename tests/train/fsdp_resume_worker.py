@@ -7,7 +7,8 @@
 same run into ``OUT/resumed`` saving every step, and dies while saving step 2: rank 1 SIGKILLs
 itself as soon as its shards of step 2 are written, before the model export and the barrier, so
 rank 0 fails in the next collective and torchrun stops it (the run exits non-zero). Step 1 is
-then the latest checkpoint and ``.tmp-step_00000002`` holds rank 1's shard file.
+then the latest checkpoint and ``.tmp-step_00000002`` holds the torn save (both ranks' shards, no
+model folder or state file).
 
 ``resume`` continues ``OUT/resumed`` from there to STEPS. Each rank records the bytes it read
 from each shard file while resuming (``OUT/reads-RANK.json``: file name -> bytes), by wrapping
