@@ -46,15 +46,16 @@ whole epoch passes no group is then an error.
 **Exact resume.** The state (``format: rollshard-loader-mixture``) holds the step index,
 whether the mixture ended, and per source its name, path, weight (exact fraction), the
 dataset fingerprint and its cursor: epoch, raw position in that epoch, slots taken and
-groups kept in the epoch. Loading a state whose sources (names, in order), weights or
-datasets differ, or whose world size, seed or shuffle settings differ, raises
+groups kept in the epoch, all of this rank (a checkpoint keeps every rank's; the list of them
+loads too). Loading a state whose sources (names, in order), weights or datasets differ, or
+whose world size, rank, seed or shuffle settings differ, raises
 :class:`LoaderStateError` naming what changed; so does loading a one-dataset state into
 a mixture and the other way round.
 
 **Metrics.** Each :class:`Step` carries ``group_sources`` (``[G]``, the source of each
 group) and, for every source, ``source/<name>/groups``, ``/sequences``, ``/tokens``,
-``/loss_tokens`` (this rank's, like the packing figures) and ``source/<name>/epoch``
-(global); ``Step.epoch`` is the first source's epoch. ``epoch_stats`` (taken, as for one
+``/loss_tokens`` and ``source/<name>/epoch`` (this rank's, like every figure of a step);
+``Step.epoch`` is the first source's epoch. ``epoch_stats`` (taken, as for one
 dataset, when the step after the one in which a source finished an epoch is asked for, and at the end)
 holds the counts of the whole run so far, the mixture having no epochs of its own: the
 filter counts, ``steps`` and ``tail_dropped_groups``, each also per source as
