@@ -34,6 +34,8 @@ import io
 import json
 import os
 import re
+import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -47,6 +49,7 @@ from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 PROG = run.PROG
 INSTALL_HINT = "pip install 'rollshard[ray]' (or bash scripts/setup.sh, which installs it)"
 ADDRESS = re.compile(r"^(auto|local|ray://[\w.\-]+:\d+|[\w.\-]+:\d+)$")
+CONNECT_TIMEOUT_S = 10.0  # a TCP answer from the cluster's address, before ray.init
 POLL_S = 0.5  # how often the driver redraws the progress bar while it waits for tasks
 CANCEL_WAIT_S = 120.0  # after Ctrl-C, how long the driver waits for the tasks to commit and stop
 REPORT_LINES = 20  # of a task's stderr kept in its result
@@ -103,19 +106,36 @@ def launch(argv: list[str], args: argparse.Namespace) -> int:
     ray = _import_ray(local=address == "local")
     start = time.monotonic()
     _init(ray, address, args.num_shards, runtime_env)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops the run as Ctrl-C does
     try:
         return _drive(ray, argv, args, start)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _check_address(address: str) -> str:
-    if not ADDRESS.match(address.strip()):
+    """The address, checked for its form, and a host:port for an answer: ray.init waits minutes on a port where
+    nothing listens."""
+    address = address.strip()
+    if not ADDRESS.match(address):
         raise run.UsageError(
             f"--ray {address!r}: expected a Ray cluster address (host:port, auto, ray://host:port), or no value for a "
             "cluster of this machine"
         )
-    return address.strip()
+    if address not in ("auto", "local"):
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise run.UsageError(
+                f"--ray {address}: nothing answers there ({e}); start the cluster (`ray start --head`) or fix the address"
+            ) from e
+    return address
 
 
 def _runtime_env(text: str | None) -> dict[str, Any] | None:

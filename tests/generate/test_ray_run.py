@@ -20,6 +20,8 @@ from rollshard.generate.tasks import get_task, load_prompts
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.validate import validate_dataset
 
+from .conftest import free_port
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,6 +139,7 @@ def test_ray_usage_errors_are_one_line(tiny_gpt2, tmp_path, capsys, monkeypatch)
     base = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--limit", "2", "--out", str(tmp_path / "ds")]
     cases = [
         (["--ray", "not an address"], "--ray 'not an address': expected a Ray cluster address"),
+        (["--ray", f"127.0.0.1:{free_port()}"], "nothing answers there ("),
         (["--ray", "--shard-index", "1", "--num-shards", "2"], "--shard-index is not for --ray"),
         (["--ray", "--ray-retries", "-1"], "--ray-retries must be >= 0"),
         (["--ray", "--ray-runtime-env", "{nope"], "--ray-runtime-env is not JSON"),
