@@ -1,6 +1,7 @@
 """Benchmark: one generate job three ways over the same two ``rollshard-generate serve`` processes (tiny GPT-2 on
 CPU, 127.0.0.1): one process with both URLs; ``--ray`` with 2 tasks (a one-machine Ray cluster the command starts);
-one process through the real sglang-router in front of both.
+one process through the real sglang-router in front of both (its default
+cache_aware policy, and round_robin).
 
 Each run is the command as a user runs it, in a fresh subprocess into a fresh dataset. Two figures per run: the
 wall time (process start to exit: Python and model-info start-up, for Ray also the cluster's start and its
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--n-samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16, help="per process / per Ray task")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest (by generation time) is kept")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -71,17 +73,28 @@ def main() -> None:
     ]  # fmt: skip
     servers = [start_embedded_server(model) for _ in range(2)]
     urls = [url for _, url in servers]
-    router, router_url = start_router(urls, work / "router.log")
+    routers = {
+        policy: start_router(urls, work / f"router-{policy}.log", "--policy", policy)
+        for policy in ("cache_aware", "round_robin")  # cache_aware: the router's default
+    }
+    runs = {
+        "one process, 2 URLs": ["--engine", ",".join(urls)],
+        "ray, 2 tasks": ["--ray", "--num-shards", "2", "--engine", ",".join(urls)],
+        **{f"router, {policy}": ["--engine", url] for policy, (_, url) in routers.items()},
+    }
     try:
         # Warm-up (discarded): the servers' first forwards pay torch's start-up, which would go to the first run.
         run_job("warm-up", ["--engine", ",".join(urls)], [*job, "--limit", "2"], work / "warm-up", env)
-        figures = [
-            run_job("one process, 2 URLs", ["--engine", ",".join(urls)], job, work / "one", env),
-            run_job("ray, 2 tasks", ["--ray", "--num-shards", "2", "--engine", ",".join(urls)], job, work / "ray", env),
-            run_job("one process, router", ["--engine", router_url], job, work / "router", env),
-        ]
+        best: dict[str, dict] = {}
+        for r in range(args.repeat):  # interleaved, so a busy spell of the machine hits every kind of run
+            for name, engine_args in runs.items():
+                f = run_job(name, engine_args, job, work / f"{len(best)}-{r}-{abs(hash(name))}", env)
+                if name not in best or f["generate_s"] < best[name]["generate_s"]:
+                    best[name] = f
+        figures = list(best.values())
     finally:
-        stop_server(router)
+        for proc, _ in routers.values():
+            stop_server(proc)
         for proc, _ in servers:
             stop_server(proc)
         shutil.rmtree(work, ignore_errors=True)
@@ -97,7 +110,7 @@ def main() -> None:
             f"{f['run']:<22} {f['rows']:>5} {f['response_tokens']:>7} {f['wall_s']:>7} {f['rows_per_s_wall']:>7} "
             f"{f['tokens_per_s_wall']:>7} {f['generate_s']:>6} {f['rows_per_s_generate']:>7} {f['tokens_per_s_generate']:>7}"
         )
-    print(f"same sample ids in all three: {same}")
+    print(f"same sample ids in every run: {same} (best of {args.repeat} by generation time)")
 
 
 if __name__ == "__main__":
