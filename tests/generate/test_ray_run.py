@@ -155,6 +155,13 @@ def test_ray_usage_errors_are_one_line(tiny_gpt2, tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ray needs Ray, which is not installed: pip install 'rollshard[ray]'" in err
     assert not (tmp_path / "ds").exists()
+    # A resume with other settings is refused by the driver, before Ray (still "not installed") is needed.
+    small = [*base, "--n-samples", "1", "--max-new-tokens", "2", "--no-progress"]
+    assert main(small) == 0
+    capsys.readouterr()
+    assert main([*small, "--ray", "--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds rows generated with another sampling.temperature (1.0 there, 0.5 now" in err
 
 
 def test_progress_reports_absolute_counts_at_start_and_end(tiny_gpt2, tmp_path):
