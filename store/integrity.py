@@ -16,13 +16,23 @@ relative to the dataset), the row (sample id) where there is one, and the proble
   on the block of columns just read.
 * :func:`verify_sha256`: the file's sha256 against the manifest's. It reads the whole
   file, so the loader runs it on a background thread (:class:`Checksums`) and holds back
-  every step drawn from a shard until that shard is verified.
+  every step drawn from a shard until that shard is verified. The loader uses it only for a
+  shard whose manifest entry lacks the byte ranges (below).
+* Per block (manifest version 3: each row group's byte range and sha256, and the footer's;
+  store/manifest.py): :func:`verify_ranges` checks the bytes of a block's row groups that the
+  loader read to decode them, :func:`verify_footer` the bytes after the last row group, both on
+  the :class:`Checksums` thread. With the 4-byte magic (checked as it is) they tile the file
+  (:func:`row_group_ranges`), so a rank verifies exactly the blocks it reads and every footer it
+  opens; a damaged byte in a row group another rank owns is that rank's to find. The union of
+  the ranks verifies every byte of the dataset each epoch; ``rollshard-store validate`` checks
+  whole files (:func:`file_digests`).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import sys
 import threading
 from typing import Any, Iterable
 
@@ -34,14 +44,19 @@ from rollshard.store.manifest import ShardInfo
 from rollshard.store.schema import OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
 from rollshard.store.storage import Storage
 
-__all__ = ["Checksums", "DataError", "check_column_types", "check_rows", "open_shard", "sampling_columns", "verify_sha256"]
+__all__ = ["Checksums", "DataError", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
+           "row_group_ranges", "sampling_columns", "verify_footer", "verify_ranges", "verify_sha256"]
 
 READ_CHUNK = 8 << 20  # bytes hashed per read: large enough that hashlib releases the GIL and reads stream
 VALIDATE = "run `rollshard-store validate` on the dataset for every problem"
+MAGIC = b"PAR1"  # a Parquet file's first 4 bytes (and last 4)
 
 
-def open_shard(storage: Storage, shard: ShardInfo) -> tuple[Any, pq.ParquetFile]:
-    """``(file, ParquetFile)`` of a committed shard, after the cheap checks (the caller closes the file)."""
+def open_shard(storage: Storage, shard: ShardInfo, footer: pq.FileMetaData | None = None) -> tuple[Any, pq.ParquetFile]:
+    """``(file, ParquetFile)`` of a committed shard, after the cheap checks (the caller closes the file).
+
+    ``footer``: the shard's footer as parsed before, used instead of reading it again (the loader passes it for a
+    shard whose manifest records the footer's sha256, which its checks verify on the bytes)."""
     try:
         f = storage.fs.open_input_file(storage.path(shard.path))
     except FileNotFoundError:
@@ -51,7 +66,7 @@ def open_shard(storage: Storage, shard: ShardInfo) -> tuple[Any, pq.ParquetFile]
     try:
         size = f.size()
         try:
-            pf = pq.ParquetFile(f)
+            pf = pq.ParquetFile(f, metadata=footer)
         except (OSError, pa.ArrowException) as e:
             if size != shard.bytes:  # the likelier cause of an unreadable footer: the file was cut or replaced
                 raise _size_error(shard, size) from e
@@ -77,6 +92,85 @@ def check_row_groups(shard: ShardInfo, footer: pq.FileMetaData) -> None:
             f"{shard.path}: the manifest lists {len(listed)} row groups of {sum(listed)} rows, the file has "
             f"{len(have)} of {sum(have)}: the shard changed after it was committed; {VALIDATE}"
         )
+
+
+def row_group_ranges(footer: pq.FileMetaData) -> list[tuple[int, int]] | None:
+    """``[(offset, length)]`` of each row group's column chunks (from the first chunk's start, its dictionary page
+    if any, to the last chunk's end); None unless the chunks are contiguous, row group after row group, from byte
+    4 on (the magic before them, the footer after): then the magic, the ranges and the footer tile the file."""
+    out, pos = [], len(MAGIC)
+    for i in range(footer.num_row_groups):
+        rg, start = footer.row_group(i), pos
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            first = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            if first != pos:
+                return None
+            pos = first + col.total_compressed_size
+        out.append((start, pos - start))
+    return out
+
+
+def footer_start(shard: ShardInfo) -> int:
+    """Where the footer starts (the end of the last row group), from the manifest's ranges."""
+    rgs = shard.row_groups or ()
+    return rgs[-1].offset + rgs[-1].length if rgs else len(MAGIC)
+
+
+def file_digests(storage: Storage, rel: str, ranges: list[tuple[int, int]] | None) -> tuple[str, list[str], str]:
+    """One sequential read of the file: its sha256, each range's (``ranges`` from :func:`row_group_ranges`; none
+    when None), and the footer's (everything after the last range), as hex."""
+    whole = hashlib.sha256()
+    cuts = [(o, o + n) for o, n in ranges or []] + [(ranges[-1][0] + ranges[-1][1] if ranges else len(MAGIC), None)]
+    parts = [hashlib.sha256() for _ in cuts]
+    pos = 0
+    with storage.fs.open_input_stream(storage.path(rel)) as f:
+        while (chunk := f.read_buffer(READ_CHUNK)).size:
+            view = memoryview(chunk)
+            whole.update(view)
+            for (lo, hi), h in zip(cuts, parts):
+                a, b = max(lo, pos), len(view) + pos if hi is None else min(hi, pos + len(view))
+                if a < b:
+                    h.update(view[a - pos : b - pos])
+            pos += len(view)
+    digests = [h.hexdigest() for h in parts]
+    return whole.hexdigest(), digests[:-1] if ranges is not None else [], digests[-1]
+
+
+def verify_ranges(shard: ShardInfo, row_groups: tuple[int, ...], offset: int, data) -> None:
+    """``data``, the bytes of the file from ``offset`` on, holds row groups ``row_groups`` (consecutive) whose
+    manifest sha256 it must match; raise :class:`DataError` naming the first that does not."""
+    view = memoryview(data)
+    for r in row_groups:
+        info = shard.row_groups[r]
+        got = hashlib.sha256(view[info.offset - offset : info.offset - offset + info.length]).hexdigest()
+        if got != info.sha256:
+            raise DataError(
+                f"{shard.path} (row group {r}, bytes {info.offset}-{info.offset + info.length}): sha256 {got[:16]}... "
+                f"differs from the manifest's {info.sha256[:16]}...: the shard was damaged or changed after it was "
+                f"committed; {VALIDATE}"
+            )
+
+
+def verify_footer(storage: Storage, shard: ShardInfo, stop: threading.Event | None = None) -> bool:
+    """The magic at the start and the bytes after the last row group against the manifest's ``footer_sha256``
+    (two small ranged reads); raise :class:`DataError` when they differ."""
+    start = footer_start(shard)
+    try:
+        with storage.fs.open_input_file(storage.path(shard.path)) as f:
+            magic, tail = f.read_at(len(MAGIC), 0), f.read_at(shard.bytes - start, start)
+    except OSError as e:
+        raise DataError(f"{shard.path}: cannot read the shard to check its footer's sha256: {_one_line(e)}") from e
+    if magic != MAGIC:
+        raise DataError(f"{shard.path}: does not start with the Parquet magic {MAGIC!r}: the shard was damaged or "
+                        f"changed after it was committed; {VALIDATE}")
+    got = hashlib.sha256(tail).hexdigest()
+    if got != shard.footer_sha256:
+        raise DataError(
+            f"{shard.path} (footer, bytes {start}-{shard.bytes}): sha256 {got[:16]}... differs from the manifest's "
+            f"{shard.footer_sha256[:16]}...: the shard was damaged or changed after it was committed; {VALIDATE}"
+        )
+    return True
 
 
 def _size_error(shard: ShardInfo, size: int) -> DataError:
@@ -157,65 +251,110 @@ def verify_sha256(storage: Storage, shard: ShardInfo, stop: threading.Event | No
     return True
 
 
-class Checksums:
-    """:func:`verify_sha256` of a dataset's shards on one background thread, in the order they are touched.
+class Job:
+    """One check for :class:`Checksums`: ``run(stop)`` raises :class:`DataError`, or returns False when ``stop``
+    was set first (the job is then queued again by the next wait). ``done`` is set once it passed or failed."""
 
-    The loader's reader touches a shard when it first reads a block of it, so hashing runs
-    alongside reading and packing; the step planner waits for every shard a step draws
-    from before handing the step on. Each shard is verified once per loader: a later epoch
-    reads verified shards without hashing them again (a shard rewritten in between is
-    caught by its size, checked at every open, or not at all). The thread ends when no
-    shard is waiting, and :meth:`close` stops it mid-file.
+    def __init__(self, name: str, run):
+        self.name, self._run = name, run
+        self.done = threading.Event()
+        self.error: DataError | None = None
+        self.queued = False
+
+    def run(self, stop: threading.Event) -> bool:
+        try:
+            if not self._run(stop):
+                return False
+        except DataError as e:
+            self.error = e
+        except BaseException as e:  # anything else must reach a waiter too, not leave it waiting forever
+            self.error = DataError(f"{self.name}: checksum failed: {_one_line(e)}")
+        self._run = None  # what it held (a block's bytes) is no longer needed
+        self.done.set()
+        return True
+
+
+class Checksums:
+    """Checks on one background thread, in the order they are queued: a shard's whole-file sha256
+    (:func:`verify_sha256`) or its footer's (:func:`verify_footer`), by shard (:meth:`touch`, :meth:`wait`), and
+    any :class:`Job` (a block's bytes, :func:`verify_ranges`: :meth:`submit`, :meth:`wait_job`).
+
+    The loader's reader queues a shard's check before it reads its blocks and each block's as it reads it, so
+    hashing runs alongside reading and packing; the step planner waits for every check a step draws from before
+    handing the step on. A shard's check runs once per loader (a later epoch does not repeat it; a shard rewritten
+    in between is caught by its size, checked at every open, or not at all); a block's, once per read. The thread
+    ends when nothing is waiting, and :meth:`close` stops it mid-check.
     """
 
     POLL_S = 0.1  # how often a waiter checks whether it was told to stop
 
-    def __init__(self, storage: Storage, shards: list[ShardInfo], name: str):
+    def __init__(self, storage: Storage, shards: list[ShardInfo], name: str, by_range: bool = False):
         self._storage, self._shards, self._name = storage, shards, name
+        self._by_range = by_range  # shards with byte ranges get their footer checked, not the whole file
         self._lock = threading.Lock()
-        self._done: dict[int, threading.Event] = {}  # touched shards; set once verified (or refused)
-        self._errors: dict[int, DataError] = {}
-        self._todo: collections.deque[int] = collections.deque()
+        self._jobs: dict[int, Job] = {}  # the shards' checks
+        self._todo: collections.deque[Job] = collections.deque()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
+    def _shard_job(self, shard: int) -> Job:
+        job = self._jobs.get(shard)
+        if job is None:
+            info = self._shards[shard]
+            if self._by_range and info.has_ranges:
+                job = Job(info.path, lambda stop: verify_footer(self._storage, info, stop))
+            else:  # verify_sha256 looked up at run time (tests replace it)
+                job = Job(info.path, lambda stop: verify_sha256(self._storage, info, stop))
+            job = self._jobs.setdefault(shard, job)
+        return job
+
     def touch(self, shard: int) -> threading.Event:
-        """Queue ``shard`` for hashing unless it is queued or done (starting the thread when it is idle);
-        returns the event set once it is verified or refused."""
+        """Queue ``shard``'s check unless it is queued or done; returns the event set once it passed or failed."""
         with self._lock:
-            done = self._done.get(shard)
-            if done is not None:
-                return done
-            done = self._done[shard] = threading.Event()
-            self._todo.append(shard)
+            job = self._shard_job(shard)
+        self.submit(job)
+        return job.done
+
+    def submit(self, job: Job) -> Job:
+        """Queue ``job`` unless it is queued or done (starting the thread when it is idle)."""
+        with self._lock:
+            if job.done.is_set() or job.queued:
+                return job
+            job.queued = True
+            self._todo.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self._name, daemon=True)
                 self._thread.start()
-            return done
+        return job
 
     def wait(self, shard: int, stop: threading.Event | None = None) -> bool:
-        """Block until ``shard`` is verified; raise its :class:`DataError`; False when ``stop`` is set first."""
-        done = self.touch(shard)
-        while not done.wait(self.POLL_S):
+        """Block until ``shard``'s check passed; raise its :class:`DataError`; False when ``stop`` is set first."""
+        with self._lock:
+            job = self._shard_job(shard)
+        return self.wait_job(job, stop)
+
+    def wait_job(self, job: Job, stop: threading.Event | None = None) -> bool:
+        """Block until ``job`` passed; raise its :class:`DataError`; False when ``stop`` is set first."""
+        while not self.submit(job).done.wait(self.POLL_S):  # submitted again if close() dropped it meanwhile
             if stop is not None and stop.is_set():
                 return False
-            done = self.touch(shard)  # the same event, unless close() forgot the shard meanwhile
-        error = self._errors.get(shard)
-        if error is not None:
-            raise error
+        if job.error is not None:
+            raise job.error
         return True
 
     def close(self) -> None:
-        """Stop hashing; shards not verified yet are forgotten (touched again, they are hashed from the start)."""
+        """Stop checking; checks not done yet are dropped (waited for again, they start from the beginning)."""
         with self._lock:
             self._stop.set()
             thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
+            if sys.is_finalizing():  # a daemon thread can no longer run: joining it would wait forever
+                return
             thread.join()
         with self._lock:
+            for job in self._todo:
+                job.queued = False
             self._todo.clear()
-            for shard in [s for s, done in self._done.items() if not done.is_set()]:
-                del self._done[shard]
             self._stop = threading.Event()
 
     def _run(self, stop: threading.Event) -> None:
@@ -225,16 +364,10 @@ class Checksums:
                     if self._thread is threading.current_thread():
                         self._thread = None
                     return
-                shard = self._todo.popleft()
-                done = self._done[shard]
-            try:
-                if not verify_sha256(self._storage, self._shards[shard], stop):
-                    return  # close() forgets the shard
-            except DataError as e:
-                self._errors[shard] = e
-            except BaseException as e:  # anything else must reach a waiter too, not leave it waiting forever
-                self._errors[shard] = DataError(f"{self._shards[shard].path}: checksum failed: {_one_line(e)}")
-            done.set()
+                job = self._todo.popleft()
+            if not job.run(stop):
+                job.queued = False  # close() drops it; a later wait queues it again
+                return
 
 
 def _one_line(e: BaseException) -> str:

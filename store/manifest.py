@@ -20,6 +20,16 @@ entry without them (a version-1 manifest, or a shard adopted from a foreign writ
 loader then scans that shard's ``group_id`` column as before. They are derived from the shard's bytes
 (which its sha256 covers), so they do not enter the fingerprint; ``rollshard-store validate`` checks them.
 A manifest of version 1 reads here; one of version 2 is refused by a rollshard that only reads 1.
+
+**Byte ranges** (manifest version 3). Each row group also carries the byte range of its column chunks
+(``offset``, ``length``: from its first chunk's start, the dictionary page if any, to its last chunk's end)
+and their sha256, and the shard its ``footer_sha256``: the sha256 of everything after the last row group
+(the Thrift footer, its length and the closing magic). The ranges are contiguous, so the 4-byte magic
+``PAR1`` at the start, the ranges and the footer tile the file: the loader verifies each block it reads on
+the bytes it reads, and the footer, instead of hashing whole shards (store/integrity.py). The writer records
+them at commit, from the bytes it writes (store/storage.py :class:`~rollshard.store.storage.HashingFile`);
+an entry without them (an older manifest, or a shard pyarrow laid out otherwise) has its whole file hashed.
+The whole-file ``sha256`` stays (``validate``, copying, the fingerprint).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from rollshard.store.storage import Storage
 MANIFEST_DIR = "_manifests"
 SHARD_DIR = "shards"
 MANIFEST_FORMAT = "rollshard-manifest"
-MANIFEST_VERSION = 2  # 2: ShardInfo.row_groups
+MANIFEST_VERSION = 3  # 2: ShardInfo.row_groups; 3: their byte ranges and sha256, ShardInfo.footer_sha256
 WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -54,6 +64,13 @@ class RowGroupInfo:
     rows: int
     tokens: int  # prompt + response tokens
     group_hashes: str  # hex of :func:`group_hash` of the group ids in it, in order of first appearance
+    offset: int | None = None  # byte range of its column chunks in the file (module docstring; None: not recorded)
+    length: int | None = None
+    sha256: str | None = None  # of those bytes
+
+    def content(self) -> tuple[int, int, str]:
+        """What the row group's rows determine (``validate`` compares these with the file's rows)."""
+        return self.rows, self.tokens, self.group_hashes
 
     @property
     def groups(self) -> int:
@@ -74,6 +91,13 @@ class ShardInfo:
     writer_id: str
     created_at: str
     row_groups: tuple[RowGroupInfo, ...] | None = None  # None: not recorded (module docstring)
+    footer_sha256: str | None = None  # of the bytes after the last row group (module docstring; None: not recorded)
+
+    @property
+    def has_ranges(self) -> bool:
+        """Whether the manifest records the byte ranges and hashes that let a reader verify one block at a time."""
+        return (self.footer_sha256 is not None and self.row_groups is not None
+                and all(r.sha256 is not None for r in self.row_groups))
 
     @property
     def tokens(self) -> int:

@@ -43,6 +43,7 @@ class HashingFile(io.RawIOBase):
     """
 
     _SYNC = object()  # queue marker: flush and fsync what was written so far
+    _CUT = object()  # queue marker: end the current segment (:meth:`cut`)
     _POLL_S = 0.05  # the I/O thread's wait for work; bounds how late it notices close()
     _WAIT_S = 0.0005  # the writer's poll while the queue is full or draining
 
@@ -50,6 +51,8 @@ class HashingFile(io.RawIOBase):
         self._sink = sink
         self._pos = 0
         self.sha256 = hashlib.sha256()
+        self.segments: list[tuple[int, int, str]] = []  # (start, end, sha256 hex) of each segment cut so far
+        self._segment, self._segment_start, self._io_pos = hashlib.sha256(), 0, 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._max_pending = max_pending
         self._sent = 0  # buffers queued (the writer's thread only)
@@ -76,13 +79,26 @@ class HashingFile(io.RawIOBase):
                 elif data is self._SYNC:
                     self._sink.flush()
                     os.fsync(self._sink.fileno())
+                elif data is self._CUT:
+                    self._end_segment()
                 else:
                     self.sha256.update(data)
+                    self._segment.update(data)
+                    self._io_pos += len(data)
                     self._sink.write(data)
             except BaseException as e:  # re-raised on the writer's thread at the next call
                 self._error = e
             finally:
                 self._done += 1
+
+    def _end_segment(self) -> None:
+        self.segments.append((self._segment_start, self._io_pos, self._segment.hexdigest()))
+        self._segment, self._segment_start = hashlib.sha256(), self._io_pos
+
+    def cut(self) -> None:
+        """End the current segment here: :attr:`segments` gets its byte range and sha256 (the bytes written since
+        the last cut; the writer cuts at row group boundaries). :meth:`close` cuts the last one."""
+        self._put(self._CUT)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -139,6 +155,8 @@ class HashingFile(io.RawIOBase):
         super().close()
         if not self._abandoned:
             self._raise_pending()
+            if self._io_pos > self._segment_start:
+                self._end_segment()
 
     def abandon(self) -> None:
         """Close without writing what is still queued and without raising the I/O thread's error: for a file being

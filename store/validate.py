@@ -3,7 +3,9 @@
 ``rollshard-store validate`` runs a :class:`Validator` over a dataset directory. Per
 shard it checks, in order of cost:
 
-* the file exists, and its size and sha256 equal the manifest entry;
+* the file exists, and its size and sha256 equal the manifest entry, and (manifest version 3)
+  each row group's byte range and the footer hash as the manifest records (what the loader checks
+  block by block), all in one read of the file;
 * the file is readable Parquet of a schema major this rollshard reads (a newer major
   is refused with the version it needs) whose columns and types are those of schema v1
   (a 1.0 shard lacks the two sampling columns of 1.1: read as nulls; one of them alone is a
@@ -36,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollshard.store.dataset import DatasetNotFoundError
+from rollshard.store.integrity import file_digests
 from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo
 from rollshard.store.schema import (
     OPTIONAL_COLUMNS,
@@ -159,9 +162,17 @@ class Validator:
         size = self.storage.size(shard.path)
         if size != shard.bytes:
             problem("size", f"{size} bytes on disk, the manifest says {shard.bytes}")
-        sha = self.storage.sha256(shard.path)
+        ranges = [(r.offset, r.length) for r in shard.row_groups] if shard.has_ranges else None
+        sha, digests, footer_sha = file_digests(self.storage, shard.path, ranges)
         if sha != shard.sha256:
             problem("sha256", f"checksum {sha[:16]}... differs from the manifest's {shard.sha256[:16]}...")
+        if ranges is not None:  # what the loader checks block by block: the manifest's ranges must hash as recorded
+            bad = [i for i, (d, r) in enumerate(zip(digests, shard.row_groups)) if d != r.sha256]
+            if bad:
+                problem("ranges", f"row group {bad[0]} (bytes {ranges[bad[0]][0]}-{sum(ranges[bad[0]])}): sha256 differs "
+                                  f"from the manifest's ({len(bad)} row groups differ)")
+            if footer_sha != shard.footer_sha256:
+                problem("ranges", "footer: sha256 differs from the manifest's footer_sha256")
         try:
             with self.storage.fs.open_input_file(self.storage.path(shard.path)) as f:
                 self._check_content(pq.ParquetFile(f), shard, problem)
@@ -230,8 +241,10 @@ class Validator:
         ):
             if actual != recorded:
                 problem(name, f"the shard holds {actual}, the manifest says {recorded}")
-        if shard.row_groups is not None and tuple(recorded_rgs) != shard.row_groups:
-            bad = next((i for i, (a, b) in enumerate(zip(recorded_rgs, shard.row_groups)) if a != b),
+        listed = None if shard.row_groups is None else [r.content() for r in shard.row_groups]
+        recorded_rgs = [r.content() for r in recorded_rgs]
+        if listed is not None and recorded_rgs != listed:
+            bad = next((i for i, (a, b) in enumerate(zip(recorded_rgs, listed)) if a != b),
                        min(len(recorded_rgs), len(shard.row_groups)))
             problem("row_groups", f"row group {bad}: its rows, tokens or group ids are not the manifest's row_groups "
                                   f"entry ({len(recorded_rgs)} row groups in the file, {len(shard.row_groups)} listed)")

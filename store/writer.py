@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rollshard.store.integrity import MAGIC, file_digests, row_group_ranges
 from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
 from rollshard.store.schema import (
     LIST_COLUMNS,
@@ -145,7 +146,9 @@ class ShardWriter:
                 use_dictionary=True if o.dictionary_lists else DICTIONARY_COLUMNS,
                 write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
             )
+            self._pending.file.cut()  # the magic: the first row group starts here
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
+        self._pending.file.cut()  # the row group's bytes are written: its range ends here
         self._row_groups.append(row_group_info(table))
         self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
         if self.storage.local:
@@ -166,6 +169,9 @@ class ShardWriter:
         if [footer.row_group(i).num_rows for i in range(footer.num_row_groups)] != [r.rows for r in row_groups]:
             row_groups = None  # pyarrow cut a row group of its own: readers scan this shard instead
         sha, size = pending.commit()
+        footer_sha = None
+        if row_groups is not None:
+            row_groups, footer_sha = with_ranges(row_groups, footer, pending.file.segments, size)
         self._pq, self._pending, self._shard_stats = None, None, _Counts()
         info = ShardInfo(
             path=pending.rel,
@@ -178,6 +184,7 @@ class ShardWriter:
             writer_id=self.writer_id,
             created_at=_now(),
             row_groups=row_groups,
+            footer_sha256=footer_sha,
         )
         self.manifest.shards.append(info)
         self.manifest.save(self.storage)
@@ -263,6 +270,11 @@ class ShardWriter:
                     table = pf.read_row_group(i, columns=["group_id", "prompt_tokens", "response_tokens"])
                     counts.add(table, None)
                     row_groups.append(row_group_info(table))
+                ranges = row_group_ranges(pf.metadata)
+            sha, digests, footer_sha = file_digests(self.storage, rel, ranges)
+            if ranges is not None:
+                row_groups = [dataclasses.replace(r, offset=o, length=n, sha256=d)
+                              for r, (o, n), d in zip(row_groups, ranges, digests)]
             self.manifest.shards.append(
                 ShardInfo(
                     path=rel,
@@ -271,10 +283,11 @@ class ShardWriter:
                     prompt_tokens=counts.prompt_tokens,
                     response_tokens=counts.response_tokens,
                     bytes=self.storage.size(rel),
-                    sha256=self.storage.sha256(rel),
+                    sha256=sha,
                     writer_id=self.writer_id,
                     created_at=_now(),
                     row_groups=tuple(row_groups),
+                    footer_sha256=footer_sha if ranges is not None else None,
                 )
             )
         if orphans:
@@ -332,6 +345,20 @@ def row_group_info(table: pa.Table) -> RowGroupInfo:
     ids = pc.unique(table.column("group_id")).to_pylist()  # in order of first appearance
     tokens = _total_len(table.column("prompt_tokens")) + _total_len(table.column("response_tokens"))
     return RowGroupInfo(rows=table.num_rows, tokens=tokens, group_hashes=group_hash(ids).hex())
+
+
+def with_ranges(row_groups: tuple[RowGroupInfo, ...], footer: pq.FileMetaData, segments: list[tuple[int, int, str]],
+                size: int) -> tuple[tuple[RowGroupInfo, ...], str | None]:
+    """The row groups with their byte ranges and sha256, and the footer's sha256, from the segments the writer cut
+    (the magic, one per row group, the footer); unchanged and None unless the footer's ranges are those segments
+    and they tile the file (then readers hash this shard whole)."""
+    ranges = row_group_ranges(footer)
+    expect = [(0, len(MAGIC))] + [(o, o + n) for o, n in ranges or []]
+    if ranges is None or [s[:2] for s in segments[:-1]] != expect or segments[-1][:2] != (expect[-1][1], size):
+        return row_groups, None
+    out = tuple(dataclasses.replace(r, offset=o, length=n, sha256=seg[2])
+                for r, (o, n), seg in zip(row_groups, ranges, segments[1:-1]))
+    return out, segments[-1][2]
 
 
 def _total_len(col: pa.ChunkedArray) -> int:

@@ -53,7 +53,10 @@ class _Scanned:
 
 
 def _open(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
-    return open_shard(dataset.storage, dataset.shards[shard])  # size and schema version at every open
+    """Size and schema version at every open; the footer read again unless the manifest records its sha256 (the
+    checks then verify its bytes, store/integrity.py)."""
+    info = dataset.shards[shard]
+    return open_shard(dataset.storage, info, dataset.footer(shard) if info.has_ranges else None)
 
 
 def _hashes(group_ids: list[str]) -> np.ndarray:

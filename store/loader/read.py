@@ -35,6 +35,7 @@ class _BlockData:
     """One block in memory: the filter columns as numpy, token columns as flat values + offsets."""
 
     shard: int = -1  # index in dataset.shards (-1: read outside a loader)
+    checks: list = []  # the checks of its bytes (store/integrity.py Job) a step drawing from it waits for
 
     def __init__(self, small: pa.Table, filters: _Filters):
         enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance

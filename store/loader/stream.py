@@ -13,14 +13,20 @@ or ended by another rank through the loader's ``sync``) are counted as ``left_gr
 duplicated: over the ranks, ``groups_examined + left_groups`` is the dataset's group count each epoch.
 
 **Damaged data never reaches a step.** A step is planned from blocks as they arrive but handed on only
-once every shard it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread,
-queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard), so a shard whose bytes changed
-can cost a planned step, never a delivered one. Each shard a rank reads is hashed once per loader.
+once every block it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread), so
+a shard whose bytes changed can cost a planned step, never a delivered one. When the manifest records the
+byte ranges (manifest version 3) the reader reads each block's row groups as one ranged read, queues the
+sha256 of exactly those bytes, and decodes the block from them (:class:`_Held`: a read outside them is
+an error), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
+per loader, queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard. A rank thus verifies
+only the blocks it reads (every read of them), and the ranks together every byte each epoch. A shard
+whose entry lacks the ranges (an older manifest) is hashed whole, once per loader, as before.
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import threading
 import warnings
 from typing import Any, Iterator
@@ -30,9 +36,9 @@ import pyarrow.parquet as pq
 
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.errors import DataError
-from rollshard.store.integrity import Checksums
+from rollshard.store.integrity import Checksums, Job, verify_ranges
 from rollshard.store.loader.background import _END, _Background, _Stopped
-from rollshard.store.loader.blocks import _Block, _open
+from rollshard.store.loader.blocks import _Block, _one_line, _open
 from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_COLUMNS, LoaderConfig
 from rollshard.store.loader.filters import _Filters, _Segment, _VersionBox
 from rollshard.store.loader.pack import make_step
@@ -48,7 +54,7 @@ class _Stream:
         self.rank, self.world_size = rank, world_size
         self.filters = _Filters.of(cfg)
         self._plans: dict[int, _EpochPlan] = {}
-        self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}")
+        self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}", by_range=True)
         self.num_groups = sum(b.num_groups for b in blocks)  # the whole dataset's, every rank's shares together
         self._read_lock = threading.Lock()
         self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)
@@ -95,10 +101,22 @@ class _Stream:
 
     def _read(self, files: collections.OrderedDict, block: _Block, stop: threading.Event) -> _BlockData | None:
         """One block, checked; None when told to stop while waiting for a checksum."""
-        shard = self.dataset.shards[block.shard].path
+        info = self.dataset.shards[block.shard]
+        shard = info.path
         verify = self.cfg.verify_data  # read_blocks queued this shard's checksum already
+        jobs: list[Job] = []
         try:
-            data = _read_block(self._file(files, block.shard), block, self.filters, shard, check=verify)
+            f, pf = self._file(files, block.shard)
+            if verify and info.has_ranges:  # the block's bytes, read once: hashed as they are decoded
+                rgs = [info.row_groups[r] for r in block.row_groups]
+                offset, end = rgs[0].offset, rgs[-1].offset + rgs[-1].length
+                try:
+                    raw = f.read_at(end - offset, offset)
+                except OSError as e:
+                    raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {_one_line(e)}") from e
+                jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
+                pf = pq.ParquetFile(_Held(info.bytes, offset, raw), metadata=pf.metadata)
+            data = _read_block(pf, block, self.filters, shard, check=verify)
             if len(data.group_ids) != block.num_groups:
                 raise DataError(
                     f"{shard}: row groups {list(block.row_groups)} hold {len(data.group_ids)} groups, "
@@ -107,10 +125,12 @@ class _Stream:
                 )
         except DataError:
             # Damaged bytes show up as unreadable pages or absurd values; the checksum names the cause.
-            if verify and not self.checksums.wait(block.shard, stop):
+            if verify and not (self.checksums.wait(block.shard, stop)
+                               and all(self.checksums.wait_job(j, stop) for j in jobs)):
                 return None
             raise
         data.shard = block.shard
+        data.checks = jobs
         self._count_read(block, data)
         return data
 
@@ -128,21 +148,27 @@ class _Stream:
             self.read_stats.update(blocks=1, row_groups=len(block.row_groups), bytes=size)
 
     def _verified(self, pending: list[tuple[_BlockData, int, np.ndarray]], stop: threading.Event) -> None:
-        """Wait until every shard ``pending`` draws from is verified (raises the DataError of one that is not)."""
+        """Wait until every shard and block ``pending`` draws from is verified (raises the DataError of one that is
+        not): the shard's footer (or whole file, without ranges), then the block's bytes."""
         if not self.cfg.verify_data:
             return
-        for shard in sorted({bd.shard for bd, _, _ in pending}):
+        blocks = list({id(bd): bd for bd, _, _ in pending}.values())
+        for shard in sorted({bd.shard for bd in blocks}):
             if not self.checksums.wait(shard, stop):
                 raise _Stopped
+        for bd in blocks:
+            for job in bd.checks:
+                if not self.checksums.wait_job(job, stop):
+                    raise _Stopped
 
-    def _file(self, files: collections.OrderedDict, shard: int) -> pq.ParquetFile:
+    def _file(self, files: collections.OrderedDict, shard: int) -> tuple[Any, pq.ParquetFile]:
         if shard in files:
             files.move_to_end(shard)
         else:
             files[shard] = _open(self.dataset, shard)
             if len(files) > OPEN_FILES:
                 files.popitem(last=False)[1][0].close()
-        return files[shard][1]
+        return files[shard]
 
     def reader(self, start: _Cursor, preloaded: dict) -> _Background:
         """The block reader thread from the start of ``start``'s window on (``preloaded``: blocks in memory)."""
@@ -291,3 +317,49 @@ class _Stream:
         cut_counts.update(steps=-1, tail_dropped_groups=len(pending), left_groups=left)
         cut = self._end(cut_counts, _Cursor(epoch + 1, 0, index), seg)
         return _Item(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg, cut=cut)
+
+
+class _RangeCheck:
+    """A block's bytes against the manifest's sha256 of its row groups (a :class:`Job`'s run)."""
+
+    def __init__(self, info, row_groups: tuple[int, ...], offset: int, data: bytes):
+        self.info, self.row_groups, self.offset, self.data = info, row_groups, offset, data
+
+    def __call__(self, stop: threading.Event) -> bool:
+        verify_ranges(self.info, self.row_groups, self.offset, self.data)
+        return True
+
+
+class _Held(io.RawIOBase):
+    """A shard as Parquet sees it when only one block's bytes are in memory (the footer comes parsed): reads
+    inside ``[offset, offset + len(data))`` are served from them, any other is an error, so a block is decoded
+    from exactly the bytes that are hashed."""
+
+    def __init__(self, size: int, offset: int, data: bytes):
+        super().__init__()
+        self._size, self._offset, self._data, self._pos = size, offset, memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self._size + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def size(self) -> int:
+        return self._size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else n
+        lo = self._pos - self._offset
+        if lo < 0 or lo + n > len(self._data):
+            raise OSError(f"read of bytes {self._pos}-{self._pos + n} outside the block's {self._offset}-"
+                          f"{self._offset + len(self._data)}")
+        self._pos += n
+        return self._data[lo : lo + n].tobytes()

@@ -72,6 +72,11 @@ class _Counted:
         self.counter.add(len(data))
         return data
 
+    def read_at(self, n: int, offset: int) -> bytes:
+        data = self.f.read_at(n, offset)
+        self.counter.add(len(data))
+        return data
+
     def read_buffer(self, n: int):
         buf = self.f.read_buffer(n)
         self.counter.add(buf.size)

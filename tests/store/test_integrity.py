@@ -227,19 +227,36 @@ def test_flipped_byte_in_the_logprobs_names_the_checksum(tmp_path):
 
 
 def test_each_shard_is_hashed_once_per_loader_and_the_thread_stops(tmp_path, monkeypatch):
+    # Adapted for per-block checks: a (manifest v3, byte ranges) has its footer checked once per loader and
+    # its block's bytes at every read; only b (an entry without ranges) is hashed whole, once.
+    import rollshard.store.loader.stream as stream_mod
+
     root = dataset(tmp_path)
     hashed: list[str] = []
-    real = integrity.verify_sha256
+    footers: list[str] = []
+    blocks: list[str] = []
+    real, real_footer, real_ranges = integrity.verify_sha256, integrity.verify_footer, stream_mod.verify_ranges
 
     def counting(storage, info, stop=None):
         hashed.append(info.path)
         return real(storage, info, stop)
 
+    def counting_footer(storage, info, stop=None):
+        footers.append(info.path)
+        return real_footer(storage, info, stop)
+
+    def counting_ranges(info, row_groups, offset, data):
+        blocks.append(info.path)
+        return real_ranges(info, row_groups, offset, data)
+
     monkeypatch.setattr(integrity, "verify_sha256", counting)
+    monkeypatch.setattr(integrity, "verify_footer", counting_footer)
+    monkeypatch.setattr(stream_mod, "verify_ranges", counting_ranges)
     config = LoaderConfig(groups_per_step=1, num_epochs=3, shuffle_window=2)
     with RolloutLoader(root, config) as loader:
         assert len(list(loader)) == 3 * (CLEAN_GROUPS + 1)
-    assert sorted(hashed) == sorted(s.path for s in RolloutDataset.open(root).shards)
+    assert hashed == [BAD] and footers == ["shards/a-00000.parquet"]
+    assert blocks == ["shards/a-00000.parquet"] * 3  # a's one block, read once an epoch
     assert not [t for t in threading.enumerate() if t.name.startswith("rollshard-checksum")]
 
 

@@ -321,3 +321,169 @@ def test_validate_checks_the_manifests_row_groups(tmp_path):
     path.write_text(json.dumps(doc))
     report = validate_dataset(tmp_path)
     assert [(p.check, p.detail.split(":")[0]) for p in report.problems] == [("row_groups", "row group 1")]
+
+
+# -- per-block integrity --------------------------------------------------------------------------
+
+
+class RangeFS:
+    """A local filesystem whose reads are recorded as (path, first byte, byte count)."""
+
+    def __init__(self):
+        import pyarrow.fs as pafs
+
+        self.fs, self.reads, self.lock = pafs.LocalFileSystem(), [], threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    def open_input_file(self, path: str):
+        return _RangeFile(self.fs.open_input_file(path), path, self)
+
+    def open_input_stream(self, path: str):
+        return _RangeFile(self.fs.open_input_file(path), path, self)
+
+    def add(self, path: str, offset: int, n: int) -> None:
+        with self.lock:
+            self.reads.append((path, offset, n))
+
+    def total(self) -> int:
+        return sum(n for _, _, n in self.reads)
+
+    def touched(self, path: str, byte: int) -> bool:
+        return any(p == path and o <= byte < o + n for p, o, n in self.reads)
+
+
+class _RangeFile:
+    def __init__(self, f, path: str, fs: RangeFS):
+        self.f, self.path, self.fs, self.closed = f, path, fs, False
+
+    def read(self, n: int = -1) -> bytes:
+        at = self.f.tell()
+        data = self.f.read() if n is None or n < 0 else self.f.read(n)
+        self.fs.add(self.path, at, len(data))
+        return data
+
+    def read_at(self, n: int, offset: int) -> bytes:
+        data = self.f.read_at(n, offset)
+        self.fs.add(self.path, offset, len(data))
+        return data
+
+    def read_buffer(self, n: int):
+        at = self.f.tell()
+        buf = self.f.read_buffer(n)
+        self.fs.add(self.path, at, buf.size)
+        return buf
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def size(self) -> int:
+        return self.f.size()
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+BIG = dict(prompt_len=(20, 40), response_len=(1500, 3000))  # row groups large next to the footers
+
+
+def open_counted(root) -> tuple[RolloutDataset, RangeFS]:
+    from rollshard.store.storage import Storage
+
+    fs = RangeFS()
+    return RolloutDataset.open(Storage(str(root), filesystem=fs)), fs
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """64 row groups of 4 groups of 8 rows (~400 KB each), 32 a shard; the dataset's root."""
+    root = tmp_path_factory.mktemp("big")
+    write_blocks(root, synthetic_table(64 * 4, 8, seed=9, **BIG), per_block=4, per_shard=32)
+    return root
+
+
+def damaged_copy(src, dst, path: str, byte: int):
+    import shutil
+
+    shutil.copytree(src, dst)
+    data = bytearray((dst / path).read_bytes())
+    data[byte] ^= 0x40
+    (dst / path).write_bytes(bytes(data))
+    return dst
+
+
+def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by_another(big, tmp_path):
+    from rollshard.store.errors import DataError
+
+    ds = RolloutDataset.open(big)
+    plan = RolloutLoader(ds, cfg(num_epochs=1), rank=1, world_size=2)._stream.plan(0)
+    block = plan.piece_block[len(plan.piece_block) // 2]  # one of rank 1's whole blocks, mid-share
+    b = RolloutLoader(ds, cfg())._stream.blocks[block]
+    info = ds.shards[b.shard]
+    rg = info.row_groups[b.row_groups[0]]
+    byte = rg.offset + rg.length // 2
+    root = damaged_copy(big, tmp_path / "d", info.path, byte)
+    damaged, fs = open_counted(root)
+    with RolloutLoader(damaged, cfg(num_epochs=1), rank=0, world_size=2) as loader:
+        assert len(list(loader)) > 0  # rank 0 does not own it: it trains on, and reads nothing of it
+    assert fs.reads and not fs.touched(str(root / info.path), byte)
+    with pytest.raises(DataError) as error:
+        with RolloutLoader(damaged, cfg(num_epochs=1), rank=1, world_size=2) as loader:
+            list(loader)
+    assert str(error.value).startswith(f"{info.path} (row group {b.row_groups[0]}, bytes {rg.offset}-"
+                                       f"{rg.offset + rg.length}): sha256 ")
+    assert "\n" not in str(error.value)
+
+
+def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path):
+    from rollshard.store.errors import DataError
+
+    ds = RolloutDataset.open(big)
+    info = ds.shards[0]
+    data = (big / info.path).read_bytes()
+    at = data.rindex(b"parquet-cpp-arrow")  # created_by: the footer still parses, its bytes differ
+    assert at > info.row_groups[-1].offset + info.row_groups[-1].length
+    root = damaged_copy(big, tmp_path / "d", info.path, at)
+    with pytest.raises(DataError, match=rf"^{info.path} \(footer, bytes \d+-{info.bytes}\): sha256 "):
+        with RolloutLoader(root, cfg(num_epochs=1)) as loader:
+            list(loader)
+    from rollshard.store.validate import validate_dataset
+
+    assert [p.check for p in validate_dataset(root).problems] == ["sha256", "ranges"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_bytes_read_per_rank_with_the_checks_on(big, world_size):
+    total = sum(s.bytes for s in RolloutDataset.open(big).shards)
+    for r in range(world_size):
+        ds, fs = open_counted(big)
+        with RolloutLoader(ds, cfg(num_epochs=1, verify_data=True), rank=r, world_size=world_size) as loader:
+            list(loader)
+        assert fs.total() <= 1.2 * total / world_size, (r, fs.total() / total)
+
+
+def test_validate_catches_a_flipped_byte_in_a_row_group(big, tmp_path):
+    from rollshard.store.validate import validate_dataset
+
+    info = RolloutDataset.open(big).shards[1]
+    rg = info.row_groups[3]
+    root = damaged_copy(big, tmp_path / "d", info.path, rg.offset + rg.length // 3)
+    problems = validate_dataset(root).problems
+    assert [p.check for p in problems][:2] == ["sha256", "ranges"] and "row group 3 " in problems[1].detail
