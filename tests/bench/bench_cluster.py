@@ -36,7 +36,7 @@ DONE = re.compile(r"prompts done in ([\d.]+) s")
 
 
 def run_job(name: str, engine_args: list[str], job: list[str], out: Path, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "rollshard.generate", *engine_args, *job, "--out", str(out)]
+    cmd = [sys.executable, "-m", "rollshard.generate", *job, *engine_args, "--out", str(out)]  # engine_args last: win
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="toy prompts (16 in the task)")
     p.add_argument("--n-samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=16, help="per process / per Ray task")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (each of 2 Ray tasks: half)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest (by generation time) is kept")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -77,9 +77,11 @@ def main() -> None:
         policy: start_router(urls, work / f"router-{policy}.log", "--policy", policy)
         for policy in ("cache_aware", "round_robin")  # cache_aware: the router's default
     }
+    # Ray: each task keeps half the requests in flight, so every run has --concurrency in flight in all.
+    per_task = ["--concurrency", str(max(1, args.concurrency // 2))]
     runs = {
         "one process, 2 URLs": ["--engine", ",".join(urls)],
-        "ray, 2 tasks": ["--ray", "--num-shards", "2", "--engine", ",".join(urls)],
+        "ray, 2 tasks": ["--ray", "--num-shards", "2", "--engine", ",".join(urls), *per_task],
         **{f"router, {policy}": ["--engine", url] for policy, (_, url) in routers.items()},
     }
     try:
