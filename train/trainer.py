@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollshard.store.loader import FILTER_KEYS
 from rollshard.store.packing import PackedBatch
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.backends import build_backend
@@ -62,9 +63,11 @@ from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
 from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
-# Step.metrics of the loader that are this rank's (packing figures: summed over ranks); its filter counts are of
-# the global stream, the same on every rank (averaged).
-LOADER_PER_RANK = frozenset({"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups"})
+# Step.metrics of the loader are this rank's (each rank reads its own share of the blocks): the packing figures and
+# the filter counts are summed over ranks; anything else (a source's epoch) is averaged.
+LOADER_PER_RANK = frozenset(
+    {"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups", *FILTER_KEYS}
+)
 # The loader's warning for an epoch (or a mixture) without a step; the trainer says it in flags instead (NoStepError).
 LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
 
@@ -101,7 +104,15 @@ def build_loader(config: TrainConfig, env: DistEnv):
         tail=d.tail,
         pin_memory=torch.cuda.is_available(),
     )
-    return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size)
+    return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size, sync=_agreement(env))
+
+
+def _agreement(env: DistEnv):
+    """The loader's agreement callback: does every rank have a step? (An all-reduce of a flag, min; called on
+    the training thread inside ``next(loader)``, the same number of times on every rank.) None for one process."""
+    if not env.enabled:
+        return None
+    return lambda has_step: env.all_reduce([1.0 if has_step else 0.0], "min")[0] == 1.0
 
 
 def dummy_batch() -> PackedBatch:
@@ -338,7 +349,8 @@ class Trainer:
             kept = stats["groups_examined"] - stats.get("filtered_groups/empty", 0) - stats.get(
                 "filtered_groups/zero_variance", 0
             )
-            have = f"{kept:.0f} of {stats['groups_examined']:.0f} groups pass the filters"
+            share = " of this process's share" if w > 1 else ""
+            have = f"{kept:.0f} of {stats['groups_examined']:.0f} groups{share} pass the filters"
         else:
             have = f"the dataset holds {getattr(self.loader, 'num_groups', '?')} groups"
         takes = f"--groups-per-step {d.groups_per_step}" + (f" x {w} processes" if w > 1 else "")
