@@ -344,12 +344,13 @@ class Checksums:
 
     def close(self) -> None:
         """Stop checking; checks not done yet are dropped (waited for again, they start from the beginning)."""
+        if sys.is_finalizing():  # the interpreter is exiting: a daemon thread frozen holding the lock never lets go
+            self._stop.set()
+            return
         with self._lock:
             self._stop.set()
             thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            if sys.is_finalizing():  # a daemon thread can no longer run: joining it would wait forever
-                return
             thread.join()
         with self._lock:
             for job in self._todo:

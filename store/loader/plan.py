@@ -1,25 +1,41 @@
-"""The plan of an epoch: the block order, this rank's share of it, its windows, and the cursor.
+"""The plan of an epoch: the block order, each rank's share of it, its windows, and the cursor.
 
 **Order.** The blocks are put in an order drawn from ``(seed, epoch)`` (the file order without
-``shuffle``), the same on every rank. **Share.** They are then dealt to the ranks in that order, each
-block to the rank with the least weight so far (tokens: blocks.py; ties to the lowest rank), so the
-ranks' shares are disjoint, together the whole dataset, and balanced to within one block; each rank
-reads only its own blocks. With fewer than ``MIN_BLOCKS_PER_RANK`` blocks per rank (a small dataset)
-whole blocks would share the groups out too unevenly, so the ranks instead *share* one stream, that of
-a world size of 1: every rank reads every block (as small as the dataset is) and rank ``r`` takes the
-stream's groups ``r, r + w, r + 2w, ...`` (so the first step of each of ``w`` ranks together are the
-first step of one rank with ``w`` times the groups, when no filter drops one). A rank's share as a list
-of pieces (block, first group, groups) is its stream; a world size of 1, or a shared stream, is the
-block order itself.
+``shuffle``), the same on every rank. **Share** (:func:`share_out`). Every rank computes every rank's
+share from the order alone, so the shares are disjoint and together the whole dataset (each group once)
+with no communication. The blocks are dealt whole, in that order, each to the rank with the least weight
+so far (tokens: blocks.py; ties to the lowest rank), up to the last few: the *remainder*, the fewest last
+blocks whose groups can bring every rank up to the *target*, the groups every rank can be given
+(``tail="drop"``: the most whole steps every rank can have, ``groups // (world size x groups_per_step) x
+groups_per_step``; ``"partial"``: ``groups // world size``). The remainder's groups then go, in order, as
+one slice to each rank below the target (what it lacks: a piece (block, first group, groups) that may
+share its block with the next rank's slice), the rest of the block the slicing ends in to the rank that
+sliced it last, and the blocks after that whole again, dealt on by weight. So every rank has at least the
+target, and an epoch uses every group but the tail: under ``world size x groups_per_step`` groups
+(``"drop"``), under ``world size`` (``"partial"``), plus what the filters drop.
+
+**Reads.** A rank reads each block of its share once (a sliced block whole). With ``B`` blocks of equal
+weight and ``R`` remainder blocks, a rank reads at most ``1/W + (1 + R)/B`` of the dataset (``W``: the
+world size): the greedy deal leaves it within one block of ``1/W`` of the dealt blocks, and the remainder
+adds at most its ``R`` blocks. ``R`` is small: the dealt blocks are balanced by tokens, so their group
+counts differ by about a block, and the remainder only has to make that up (the bench's 78 blocks: ``R`` =
+1 at a world size of 8; store/loader/__init__.py gives the figures). With fewer than
+``MIN_BLOCKS_PER_RANK`` blocks per rank (a small dataset) whole blocks would share the groups out too
+unevenly, so the ranks instead *share* one stream, that of a world size of 1: every rank reads every
+block (as small as the dataset is) and rank ``r`` takes the stream's groups ``r, r + w, r + 2w, ...`` (so
+the first step of each of ``w`` ranks together are the first step of one rank with ``w`` times the
+groups, when no filter drops one). A rank's share as a list of pieces is its stream; a world size of 1,
+or a shared stream, is the block order itself.
 
 **Windows.** A rank's stream is cut into consecutive windows of ``shuffle_window`` groups, each
 permuted by ``(seed, epoch, window)``. Memory: one window of groups.
 
 **Steps per epoch.** Every rank knows every rank's share, so it knows the most steps any epoch can
 give every rank (``step_cap``: the smallest share in groups, over ``groups_per_step``, rounded down
-for ``tail="drop"``, up for ``"partial"``); no rank takes more, so without filters that drop groups
-the ranks take the same number of steps with no communication. Filters can leave a rank fewer: the
-loader's ``sync`` (loader.py) then ends the epoch on every rank at once.
+for ``tail="drop"``, up for ``"partial"``, which the target makes every share's); no rank takes more,
+so without filters that drop groups the ranks take the same number of steps with no communication.
+Filters can leave a rank fewer: the loader's ``sync`` (loader.py) then ends the epoch on every rank at
+once.
 """
 
 from __future__ import annotations
@@ -63,6 +79,54 @@ def deal(weights: np.ndarray, world_size: int) -> np.ndarray:
     return owner
 
 
+def share_out(weights: np.ndarray, sizes: np.ndarray, world_size: int, target: int) -> tuple[list, np.ndarray, int]:
+    """Every rank's pieces of the block order: ``(pieces, shares, remainder blocks)``.
+
+    ``pieces``: [world size] lists of (position in the order, first group, groups); ``shares``: [world size] groups
+    of each. The blocks are dealt whole (:func:`deal`, by ``weights``) up to the most blocks ``k`` such that the
+    groups of the blocks after them (the remainder) can bring every rank up to ``target`` groups. The remainder
+    then goes, in order, as one slice of groups to each rank below ``target`` (what it lacks), the rest of the
+    block that slicing ended in to the rank that took its last slice (which reads that block anyway), and the
+    blocks left after that whole, dealt on by ``weights`` (a sliced block counts whole: a rank reads it all).
+    """
+    w = world_size
+    owner = deal(weights, w)
+    dealt = np.bincount(owner, weights=sizes, minlength=w).astype(np.int64)
+    k, rest = len(owner), 0
+    while k > 0 and int(np.maximum(target - dealt, 0).sum()) > rest:
+        k -= 1
+        dealt[owner[k]] -= sizes[k]
+        rest += int(sizes[k])
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(w)]
+    for j in range(k):
+        pieces[int(owner[j])].append((j, 0, int(sizes[j])))
+    load = np.bincount(owner[:k], weights=weights[:k], minlength=w).astype(np.int64)
+    shares = dealt.copy()
+    j, used, last = k, 0, None  # j: the remainder block being sliced, used: its groups already given
+    for r in range(w):
+        need = max(0, target - int(shares[r]))
+        while need > 0:
+            take = min(need, int(sizes[j]) - used)
+            pieces[r].append((j, used, take))
+            if used == 0:
+                load[r] += weights[j]
+            shares[r] += take
+            need, used, last = need - take, used + take, r
+            if used == sizes[j]:
+                j, used = j + 1, 0
+    if used:  # the rest of the block the slicing ended in: the same piece, grown
+        _, first, _ = pieces[last].pop()
+        pieces[last].append((j, first, int(sizes[j]) - first))
+        shares[last] += int(sizes[j]) - used
+        j += 1
+    for j in range(j, len(owner)):  # whole again
+        r = int(np.argmin(load))
+        pieces[r].append((j, 0, int(sizes[j])))
+        load[r] += weights[j]
+        shares[r] += int(sizes[j])
+    return pieces, shares, len(owner) - k
+
+
 class _EpochPlan:
     """Block order, this rank's pieces of it and their window permutations, for one epoch."""
 
@@ -73,15 +137,18 @@ class _EpochPlan:
         self.order = np.argsort(keys, kind="stable") if cfg.shuffle else np.arange(n)  # every rank's, [n]
         sizes = np.array([blocks[b].num_groups for b in self.order], np.int64)  # [n]
         self.shared = shared(n, w)
+        self.remainder_blocks = 0  # blocks whose groups are sliced among the ranks (module docstring)
         if w == 1:
             self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
             shares = sizes.sum(keepdims=True)
         elif n >= MIN_BLOCKS_PER_RANK * w:
-            owner = deal(np.array([blocks[b].weight for b in self.order], np.int64), w)
-            mine = owner == rank
-            self.piece_block, self.piece_groups = self.order[mine], sizes[mine]
-            self.piece_start = np.zeros(len(self.piece_block), np.int64)
-            shares = np.bincount(owner, weights=sizes, minlength=w).astype(np.int64)
+            weights = np.array([blocks[b].weight for b in self.order], np.int64)
+            total, g = int(sizes.sum()), cfg.groups_per_step
+            target = total // (w * g) * g if cfg.tail == "drop" else total // w  # what every rank can be given
+            pieces, shares, self.remainder_blocks = share_out(weights, sizes, w, target)
+            at, start, count = (np.array(c, np.int64).reshape(-1) for c in zip(*pieces[rank])) if pieces[rank] else \
+                (np.zeros(0, np.int64),) * 3
+            self.piece_block, self.piece_start, self.piece_groups = self.order[at], start, count
         else:  # shared: every rank reads every block; rank r takes the stream's groups r, r + w, r + 2w, ...
             self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
             shares = np.array([_residues(int(sizes.sum()), r, w) for r in range(w)], np.int64)

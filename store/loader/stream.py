@@ -6,7 +6,8 @@ cursor, so a restart (a resume, a version change, an epoch ended by another rank
 
 **Steps.** A rank's stream is cut into steps of ``groups_per_step`` groups that pass the filters; a
 group never spans steps or epochs. An epoch ends on a rank when its share runs out, or when it has taken
-the epoch's ``step_cap`` (plan.py), the most steps every rank's share allows. ``tail="drop"`` (the
+the epoch's ``step_cap`` (plan.py), the most steps every rank's share allows (the shares are brought to
+one target, so what the cap leaves is the tail only). ``tail="drop"`` (the
 default) drops a last incomplete step (its groups counted as ``tail_dropped_groups``); ``tail="partial"``
 yields it as a smaller last step. The groups of the share not examined when the epoch ends (at the cap,
 or ended by another rank through the loader's ``sync``) are counted as ``left_groups``. Nothing is ever

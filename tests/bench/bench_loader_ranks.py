@@ -5,10 +5,11 @@
 1. Bytes read per rank, for world sizes 1, 2, 4 and 8 (ranks simulated one after the other in
    this process, no sync callback), as a fraction of the dataset's bytes on disk: every byte read
    through the dataset's filesystem while a rank's loader opens and runs one epoch (a counting
-   wrapper around pyarrow's local filesystem: footers, column chunks and the sha256 reads), with the
-   data checks on and off (off: no sha256, which reads the whole of every shard a rank touches),
-   and the loader's own count of the column chunks it decoded (``read_stats``). The goal: at most
-   1.2 / world size. Also the groups each rank trains on and what the equal step count leaves over.
+   wrapper around pyarrow's local filesystem: footers, column chunks and the checksum reads), with the
+   data checks on (per-block sha256 of the bytes read, and each shard's footer: manifest version 3) and
+   off, and the loader's own count of the column chunks it decoded (``read_stats``). The goal: at most
+   1.2 / world size. Also the groups each rank trains on, the groups of the epoch no rank uses (left
+   over: the tail, under world size x groups_per_step) and the remainder blocks sliced among the ranks.
 2. Open time of a dataset of ``--row-groups`` row groups (tiny ones, 100 to a shard): the loader's
    constructor on the manifest's row groups (manifest version 2: no row group read) and on the same
    dataset with the row groups stripped from its manifests (version 1: the ``group_id`` scan), best of 3.
@@ -124,7 +125,8 @@ def bytes_bench(tmp: Path, args) -> dict:
     blocks = sum(ds.footer(i).num_row_groups for i in range(len(ds.shards)))
     total = ds.num_bytes
     decoded_all = None
-    out = {"groups": ds.num_groups, "shards": len(ds.shards), "row_groups": blocks, "bytes": total, "runs": []}
+    out = {"groups": ds.num_groups, "shards": len(ds.shards), "row_groups": blocks, "bytes": total, "runs": [],
+           "groups_per_step": LoaderConfig().groups_per_step}
     for verify in (True, False):
         config = LoaderConfig(shuffle_window=256, verify_data=verify)
         for w in WORLD_SIZES:
@@ -138,6 +140,7 @@ def bytes_bench(tmp: Path, args) -> dict:
                 "max_decoded_fraction": max(r["decoded"] for r in ranks) / decoded_all,
                 "groups_per_rank": [r["groups"] for r in ranks],
                 "left_groups": sum(r["left"] for r in ranks),
+                "remainder_blocks": RolloutLoader(ds, config, rank=0, world_size=w)._stream.plan(0).remainder_blocks,
             })
     return out
 
@@ -191,13 +194,13 @@ def main() -> None:
     print(f"{b['groups']} groups, {b['shards']} shards, {b['row_groups']} row groups, {b['bytes'] / 2**20:.0f} MiB; "
           "one epoch per rank\n")
     print("| data checks | world size | bytes read, max rank | mean rank | goal 1.2/W | decoded, max rank | "
-          "groups per rank | left over |")
-    print("|---|---|---|---|---|---|---|---|")
+          "groups per rank | left over (tail < W x groups_per_step) | remainder blocks |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in b["runs"]:
         w = r["world_size"]
         print(f"| {'on' if r['verify_data'] else 'off'} | {w} | {r['max_fraction']:.3f} | {r['mean_fraction']:.3f} | "
               f"{1.2 / w:.3f} | {r['max_decoded_fraction']:.3f} | {', '.join(map(str, r['groups_per_rank']))} | "
-              f"{r['left_groups']} |")
+              f"{int(r['left_groups'])} (< {w * b['groups_per_step']}) | {r['remainder_blocks']} |")
     o = result["open"]
     print(f"\nopen of {o['row_groups']} row groups in {o['shards']} shards, best of 3: RolloutDataset.open "
           f"{o['dataset_open_s']:.3f} s; RolloutLoader on the manifest's row groups {o['loader_open_manifest_s']:.3f} s, "

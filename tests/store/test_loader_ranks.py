@@ -487,3 +487,52 @@ def test_validate_catches_a_flipped_byte_in_a_row_group(big, tmp_path):
     root = damaged_copy(big, tmp_path / "d", info.path, rg.offset + rg.length // 3)
     problems = validate_dataset(root).problems
     assert [p.check for p in problems][:2] == ["sha256", "ranges"] and "row group 3 " in problems[1].detail
+
+
+# -- complete epochs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> RolloutDataset:
+    """48 blocks of 1 to 7 groups (of uneven tokens), 6 row groups a shard."""
+    root = tmp_path_factory.mktemp("uneven")
+    sizes = np.random.default_rng(3).integers(1, 8, size=48).tolist()
+    groups = groups_of(synthetic_table(sum(sizes), ROWS, seed=11, prompt_len=(2, 30), response_len=(2, 60)))
+    with ShardWriter(root, writer_id="w0", options=WriterOptions(row_group_bytes=1 << 30)) as w:
+        at = 0
+        for i, n in enumerate(sizes):
+            for g in groups[at : at + n]:
+                w.write_group(g)
+            at += n
+            w.flush()
+            if i % 6 == 5:
+                w.commit()
+    return RolloutDataset.open(root)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("tail", ["drop", "partial"])
+def test_an_epoch_over_the_ranks_is_every_group_once_but_the_tail(uneven, world_size, tail):
+    # the tail: under world_size x groups_per_step groups dropped ("drop"), under world_size ("partial": the
+    # ranks' shares are level to a group, and each takes as many steps as the smallest)
+    gps = 2
+    all_groups = rows_of_groups(uneven)
+    config = cfg(groups_per_step=gps, num_epochs=2, tail=tail)
+    per_rank, stats = [], []
+    for r in range(world_size):
+        with RolloutLoader(uneven, config, rank=r, world_size=world_size) as loader:
+            steps = list(loader)
+            per_rank.append(steps)
+            stats.append(loader.epoch_stats)
+    assert len({len(steps) for steps in per_rank}) == 1  # the same number of steps on every rank
+    for epoch in (0, 1):
+        union: dict[str, set[str]] = {}
+        for steps in per_rank:
+            got = delivered([s for s in steps if s.epoch == epoch])
+            assert not union.keys() & got.keys()  # disjoint
+            union.update(got)
+        assert all(all_groups[g] == rows for g, rows in union.items())  # whole groups
+        unused = len(all_groups) - len(union)
+        assert unused < (world_size * gps if tail == "drop" else world_size), (epoch, unused)  # all but the tail
+    unused_last = sum(s["left_groups"] + s["tail_dropped_groups"] for s in stats)  # the last epoch's counts
+    assert unused_last == unused

@@ -202,8 +202,9 @@ def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank, grou
     # 10 slots a step are the schedule's period (7 + 3); 6 a step (2 x 3) stop it mid-period
     config = cfg(groups_per_step=groups_per_step, num_epochs=2, tail="partial")
     full = run(mix(two), config, rank, world_size)
-    # rank 1 of 2 draws from its own shares: a's 29 + 30 groups of the two epochs are used up by slot 84, 28 steps
-    assert len(full) == (18 if groups_per_step == 10 else 28)
+    # rank 1 of 2 draws from its own shares: a's 30 + 30 groups of the two epochs (the remainder's blocks level the
+    # shares; whole blocks alone gave 29 + 30) are used up in 29 steps
+    assert len(full) == (18 if groups_per_step == 10 else 29)
     # with 10 a step, b (40 groups, 3 a step) crosses its first epoch end in step 14 (index 13): both sides of it
     for k in sorted({1, 5, 13, 14, 20, len(full) - 1, len(full)} & set(range(len(full) + 1))):
         with MixtureLoader(mix(two), config, rank=rank, world_size=world_size) as loader:
