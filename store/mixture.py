@@ -327,6 +327,8 @@ class MixtureLoader(_StepLoader):
             "seed": self.config.seed,
             "shuffle": self.config.shuffle,
             "shuffle_window": self.config.shuffle_window,
+            "groups_per_step": self.config.groups_per_step,  # the shares' target depends on these two (plan.py)
+            "tail": self.config.tail,
             "step": c.step,
             "ended": c.ended,
             "sources": [

@@ -221,6 +221,9 @@ def check_state_settings(state: dict, mine: dict) -> None:
     }
     if mine["shuffle"]:
         why["shuffle_window"] = "the order depends on it"
+    if mine["world_size"] > 1:  # the ranks' shares are brought to a target of whole steps (plan.py)
+        why["groups_per_step"] = why["tail"] = ("each rank's share of the blocks depends on it at a world size above 1; "
+                                                "resume with the setting of the checkpoint")
     for key, reason in why.items():
         if key == "rank" and mine["world_size"] == 1:
             continue  # a world size of 1 is rank 0
@@ -270,6 +273,8 @@ class RolloutLoader(_StepLoader):
             "dataset": self.dataset.fingerprint,
             "shuffle": self.config.shuffle,
             "shuffle_window": self.config.shuffle_window,
+            "groups_per_step": self.config.groups_per_step,  # the shares' target depends on these two (plan.py)
+            "tail": self.config.tail,
             "epoch": c.epoch,
             "cursor": {"position": c.position, "step": c.step},
             "current_version": self._version.current.text,

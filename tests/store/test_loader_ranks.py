@@ -536,3 +536,17 @@ def test_an_epoch_over_the_ranks_is_every_group_once_but_the_tail(uneven, world_
         assert unused < (world_size * gps if tail == "drop" else world_size), (epoch, unused)  # all but the tail
     unused_last = sum(s["left_groups"] + s["tail_dropped_groups"] for s in stats)  # the last epoch's counts
     assert unused_last == unused
+
+
+def test_a_state_of_other_groups_per_step_is_refused_above_one_rank(even):
+    from rollshard.store.loader import LoaderStateError
+
+    with RolloutLoader(even, cfg(), rank=1, world_size=2) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with pytest.raises(LoaderStateError, match=r"^loader state has groups_per_step=4, this loader groups_per_step=2: "
+                                               r"each rank's share of the blocks depends on it"):
+        RolloutLoader(even, cfg(groups_per_step=2), rank=1, world_size=2).load_state_dict(state)
+    one = RolloutLoader(even, cfg())
+    one_state = one.state_dict()
+    RolloutLoader(even, cfg(groups_per_step=2)).load_state_dict(one_state)  # one rank: the stream does not depend on it
