@@ -3,6 +3,7 @@ shards as tasks against two real ``rollshard-generate serve`` processes; compare
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 N_PROMPTS = 8
 DEADLINE_S = 600.0  # for a broken run, not an expectation of speed
+STOP_S = 150.0  # a driver left running by a failed test: its tasks' cancellation, then SIGKILL
 COMMON = [
     "--agents", "single", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "6", "--limit", str(N_PROMPTS),
     "--concurrency", "2", "--commit-every", "1", "--no-progress",
@@ -45,12 +47,25 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def start_driver(args, ray_tmp, log: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def driver(args, ray_tmp, log: Path):
+    """``rollshard-generate ARGS`` in a subprocess; stopped (SIGTERM: it stops its tasks and its cluster, then
+    SIGKILL) if the test leaves it running, so a failed assertion leaves no cluster behind."""
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "rollshard.generate", *map(str, args)], cwd=REPO, env=env, stdout=f, stderr=f
         )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def sample_ids(path) -> list[str]:
@@ -68,8 +83,8 @@ def reference(two_servers, tmp_path_factory):
 def test_ray_run_equals_one_process_and_reruns_as_a_no_op(reference, two_servers, tmp_path, ray_tmp):
     out = tmp_path / "ds"
     args = ["--ray", "--num-shards", 2, *engine(two_servers), *COMMON, "--out", out]
-    proc = start_driver(args, ray_tmp, tmp_path / "driver.log")
-    assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    with driver(args, ray_tmp, tmp_path / "driver.log") as proc:
+        assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     log = (tmp_path / "driver.log").read_text()
     ids = sample_ids(out)
     assert ids == sample_ids(reference) and len(ids) == len(set(ids)) == 2 * N_PROMPTS
@@ -93,8 +108,8 @@ def test_ray_run_equals_one_process_and_reruns_as_a_no_op(reference, two_servers
     assert "2 Ray tasks in " in log and f"holds {N_PROMPTS} of {N_PROMPTS} prompts, {2 * N_PROMPTS} rows" in log
     assert "failed" not in log
 
-    rerun = start_driver(args, ray_tmp, tmp_path / "rerun.log")
-    assert rerun.wait(timeout=DEADLINE_S) == 0
+    with driver(args, ray_tmp, tmp_path / "rerun.log") as rerun:
+        assert rerun.wait(timeout=DEADLINE_S) == 0
     log = (tmp_path / "rerun.log").read_text()
     assert f"shard 0 of 2: 0 of {N_PROMPTS // 2} prompts done" in log and f"{N_PROMPTS // 2} already there" in log
     assert sample_ids(out) == ids
@@ -115,17 +130,19 @@ def test_a_killed_task_is_reported_and_rerun_nothing_lost_or_doubled(reference, 
                    "env_vars": {"ROLLSHARD_TEST_GATE": json.dumps(spec), "PYTHONPATH": str(REPO)}}  # fmt: skip
     args = ["--ray", "--num-shards", 2, "--ray-runtime-env", json.dumps(runtime_env), *engine(two_servers), *COMMON,
             "--out", out]  # fmt: skip
-    proc = start_driver(args, ray_tmp, tmp_path / "driver.log")
-    deadline = time.monotonic() + DEADLINE_S
-    while not gate.exists():
-        assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "shard 0 never reached its first commit"
-        time.sleep(0.05)  # waiting for the gate, not for time to pass
-    worker = int(gate.read_text())
-    committed = [m for m in RolloutDataset.open(out).manifests if m.writer_id == "gen-0-of-2"]
-    assert [len(m.shards) for m in committed] == [1]  # killed mid-shard: one of its 4 prompts committed
-    os.kill(worker, signal.SIGKILL)
-    assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    with driver(args, ray_tmp, tmp_path / "driver.log") as proc:
+        deadline = time.monotonic() + DEADLINE_S
+        while not gate.exists():
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "shard 0 never reached its first commit"
+            time.sleep(0.05)  # waiting for the gate, not for time to pass
+        worker = int(gate.read_text())
+        try:
+            committed = [m for m in RolloutDataset.open(out).manifests if m.writer_id == "gen-0-of-2"]
+            assert [len(m.shards) for m in committed] == [1]  # killed mid-shard: one of its 4 prompts committed
+        finally:
+            os.kill(worker, signal.SIGKILL)  # a worker held at the gate stops no other way
+        assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     log = (tmp_path / "driver.log").read_text()
     assert "shard 0 of 2 failed (attempt 1 of 3): WorkerCrashedError" in log
     assert f"shard 0 of 2: {N_PROMPTS // 2 - 1} of {N_PROMPTS // 2} prompts done" in log and "1 already there" in log
