@@ -16,8 +16,10 @@ compute. The boundaries come from the ``position_ids`` the model passes down to 
 (GPT-2, Llama/Qwen and the other models of transformers' attention interface do), by ``masking_utils``' rule
 (a new sequence wherever the position does not advance by 1), so it sees the sequences the dense mask would.
 Grouped-query attention runs on sdpa's ``enable_gqa`` (no ``repeat_kv`` copy); a sliding window (Qwen2/3,
-Mistral) becomes a per-sequence ``[L, L]`` band mask. It refuses, each with the fix, what it could not
-honour: a padding mask, a KV cache (decoding), attention-logit softcapping and attention sinks; it is the
+Mistral) runs in query tiles of the window, each against its band of keys (``O(window^2)`` mask and scores;
+on CUDA the grouped heads are repeated there, since the fused kernels that take a mask do not take them). It
+refuses, each with the fix, what it could not honour: a padding mask, a KV cache (decoding), multimodal
+(3-D) position ids, attention-logit softcapping and attention sinks; it is the
 trainer's packed forward, not a generation backend.
 
 Measured (``tests/bench/bench_attention.py``, fp32 CPU, 2 threads, one micro-batch of 16,384 tokens in 29
@@ -92,26 +94,49 @@ def varlen_attention_forward(
             f"{VARLEN}: {type(module).__name__} does not pass position_ids to its attention function, so the "
             "packed sequences cannot be told apart; use --attn-implementation sdpa"
         )
+    if position_ids.dim() != 2:
+        raise ValueError(
+            f"{VARLEN} takes position ids of shape [batch, tokens], got {tuple(position_ids.shape)} (multimodal "
+            "rotary positions); use --attn-implementation sdpa"
+        )
     gqa = query.shape[1] != key.shape[1]
     rows = []
     for b in range(B):
         lengths = sequence_lengths(position_ids[b if position_ids.shape[0] > 1 else 0])  # [S]
         parts = []
         for q, k, v in zip(*(t[b : b + 1].split(lengths, dim=2) for t in (query, key, value))):  # [1, H, L, D]
-            L = q.shape[2]
-            mask = None
-            if sliding_window is not None and L > sliding_window:
-                i = torch.arange(L, device=q.device)
-                d = i[:, None] - i[None, :]  # [L, L] query minus key position
-                mask = (d >= 0) & (d < sliding_window)  # masking_utils: causal and kv_idx > q_idx - window
-            parts.append(
-                F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
-                )
-            )  # [1, Hq, L, Dv]
+            if sliding_window is not None and q.shape[2] > sliding_window:
+                parts.append(_banded(q, k, v, sliding_window, dropout, scaling, gqa))
+            else:
+                parts.append(
+                    F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+                )  # [1, Hq, L, Dv]
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     out = torch.cat(rows) if B > 1 else rows[0]  # [B, Hq, T, Dv]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _banded(q, k, v, window: int, dropout: float, scaling: float | None, gqa: bool) -> torch.Tensor:  # [1, Hq, L, Dv]
+    """Causal attention within a sliding window (``masking_utils``: key ``j`` is seen by query ``i`` when
+    ``i - window < j <= i``), in query tiles of ``window``: tile ``[s, e)`` attends to keys ``[s - window + 1, e)``
+    through a ``[e - s, e - s + window - 1]`` band mask, so memory is ``O(window^2)``, not ``O(L^2)``."""
+    if gqa and q.is_cuda:  # the fused kernels that take a mask do not take grouped heads: repeat them
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = False
+    L, out = q.shape[2], []
+    for s in range(0, L, window):
+        e, ks = min(s + window, L), max(0, s - window + 1)
+        qi = torch.arange(s, e, device=q.device)[:, None]  # [e-s, 1] query positions
+        kj = torch.arange(ks, e, device=q.device)[None, :]  # [1, e-ks] key positions
+        band = (kj <= qi) & (kj > qi - window)  # [e-s, e-ks]
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], attn_mask=band, dropout_p=dropout, scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(out, dim=2)
 
 
 def no_dense_mask(

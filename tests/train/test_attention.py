@@ -254,3 +254,24 @@ def test_backend_loads_the_default_as_varlen(tiny_gpt2):
     backend = HFBackend(ModelConfig(path=str(tiny_gpt2)), OptimConfig(), env=DistEnv(), total_updates=None)
     assert backend.hf_model.config._attn_implementation == VARLEN
     assert max(backend.model_check.values()) <= TOL
+
+
+@pytest.mark.parametrize("L,window", [(11, 4), (16, 4), (9, 8), (23, 5), (7, 1)])
+def test_banded_tiles_equal_one_band_mask(L, window):
+    # The sliding window in query tiles of `window` equals one [L, L] band mask (masking_utils' rule), GQA too.
+    from rollshard.train.attention import _banded
+
+    torch.manual_seed(L * 31 + window)
+    q, k, v = torch.randn(1, 4, L, 8), torch.randn(1, 2, L, 8), torch.randn(1, 2, L, 8)
+    i = torch.arange(L)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [L, L]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
+    torch.testing.assert_close(_banded(q, k, v, window, 0.0, None, True), want, atol=1e-6, rtol=0)
+
+
+def test_refuses_multimodal_position_ids():
+    from rollshard.train.attention import varlen_attention_forward
+
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        varlen_attention_forward(torch.nn.Module(), q, q, q, None, position_ids=torch.zeros(3, 1, 5, dtype=torch.long))
