@@ -17,8 +17,7 @@ duplicated: over the ranks, ``groups_examined + left_groups`` is the dataset's g
 once every block it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread), so
 a shard whose bytes changed can cost a planned step, never a delivered one. When the manifest records the
 byte ranges (manifest version 3) the reader reads each block's row groups as one ranged read, queues the
-sha256 of exactly those bytes, and decodes the block from them (:class:`_Held`: a read outside them is
-an error), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
+sha256 of exactly those bytes, and decodes the block from them (:func:`_held`), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
 per loader, queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard. A rank thus verifies
 only the blocks it reads (every read of them), and the ranks together every byte each epoch. A shard
 whose entry lacks the ranges (an older manifest) is hashed whole, once per loader, as before.
@@ -27,12 +26,13 @@ whose entry lacks the ranges (an older manifest) is hashed whole, once per loade
 from __future__ import annotations
 
 import collections
-import io
+import mmap
 import threading
 import warnings
 from typing import Any, Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollshard.store.dataset import RolloutDataset
@@ -116,7 +116,7 @@ class _Stream:
                 except OSError as e:
                     raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {_one_line(e)}") from e
                 jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
-                pf = pq.ParquetFile(_Held(info.bytes, offset, raw), metadata=pf.metadata)
+                pf = pq.ParquetFile(_held(info.bytes, offset, raw), metadata=pf.metadata)
             data = _read_block(pf, block, self.filters, shard, check=verify)
             if len(data.group_ids) != block.num_groups:
                 raise DataError(
@@ -331,36 +331,12 @@ class _RangeCheck:
         return True
 
 
-class _Held(io.RawIOBase):
-    """A shard as Parquet sees it when only one block's bytes are in memory (the footer comes parsed): reads
-    inside ``[offset, offset + len(data))`` are served from them, any other is an error, so a block is decoded
-    from exactly the bytes that are hashed."""
-
-    def __init__(self, size: int, offset: int, data: bytes):
-        super().__init__()
-        self._size, self._offset, self._data, self._pos = size, offset, memoryview(data), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self._size + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def size(self) -> int:
-        return self._size
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._size - self._pos if n is None or n < 0 else n
-        lo = self._pos - self._offset
-        if lo < 0 or lo + n > len(self._data):
-            raise OSError(f"read of bytes {self._pos}-{self._pos + n} outside the block's {self._offset}-"
-                          f"{self._offset + len(self._data)}")
-        self._pos += n
-        return self._data[lo : lo + n].tobytes()
+def _held(size: int, offset: int, data: bytes) -> pa.BufferReader:
+    """A shard as Parquet sees it when only one block's bytes are in memory (the footer comes parsed): an anonymous
+    mapping of the shard's size (pages never written take no memory) holding ``data`` at ``offset``, so the block
+    is decoded from exactly the bytes that are hashed, natively (a Python file object would be called from
+    Arrow's threads, which can then hang the interpreter's exit). A read elsewhere sees zeros: a decode error,
+    which waits for the checksums to name the cause."""
+    mm = mmap.mmap(-1, max(size, 1))
+    mm[offset : offset + len(data)] = data
+    return pa.BufferReader(pa.py_buffer(mm))
