@@ -20,20 +20,28 @@ Layout of ``OUT/checkpoints/step_00000012/`` (format 2):
 Format 1 (rollshard before sharded checkpoints) kept the whole optimizer state in
 ``optimizer/state.safetensors`` + ``optimizer/meta.json``, gathered to rank 0; it still resumes
 (weights from its model folder, the optimizer state loaded whole on every rank), and the next save
-writes format 2.
+writes format 2. One written under torchrun resumes at world size 1 only: its loader states are of loader
+state version 1 (every rank read the whole stream), which the loader's state check refuses above one rank
+(rollshard.store.loader), so a run of more processes has to start its data anew.
 
-A checkpoint is written under ``.tmp-step_...``: rank 0 clears a leftover one, every rank writes its
-shards into it, rank 0 the model folder and the state files; after a barrier (every rank's files
-written and fsynced) rank 0 fsyncs every file and folder of it and renames it when complete (the
-parent folder fsynced after, as ``rollshard.store.storage`` does, so the rename survives a power
-cut); then ``OUT/checkpoints/latest``, a relative symlink to it, is replaced by
-create-then-rename, so ``--model OUT/checkpoints/latest`` (or an engine's ``model_path``) always
-names a complete checkpoint. A crash while saving, on any rank, leaves the previous checkpoint as
-the latest one. Saving a step that already exists (a resumed run repeating it) renames the old
+A checkpoint is written under ``.tmp-step_...``: rank 0 clears every leftover ``.tmp-step_*`` (a save
+of this step or another that a crash tore), every rank writes its shards into it, rank 0 the model folder
+and the state files; after a barrier (every rank's files written and fsynced) rank 0 checks that every
+rank's shard files are there (refusing to publish, on every rank, where one is missing: ``--out`` is not
+shared), fsyncs every file and folder of it and renames it when complete (the parent folder fsynced
+after, as ``rollshard.store.storage`` does, so the rename survives a power cut); then
+``OUT/checkpoints/latest``, a relative symlink to it, is replaced by create-then-rename, so
+``--model OUT/checkpoints/latest`` (or an engine's ``model_path``) always names a complete checkpoint.
+A crash while saving, on any rank, leaves the previous checkpoint as the latest one. Saving a step that already exists (a resumed run repeating it) renames the old
 folder aside to ``.old-step_...``, renames the new one in and deletes the old one last: ``latest``
 names a complete folder except for the instant between those two renames, never for the length of
-a delete. Every rank writes into the folder, so under torchrun ``--out`` must be on a file system
-all ranks see.
+a delete; a crash in that instant is recovered (the old folder moved back) before a resume reads
+``latest`` (:func:`recover`), and by the next save. Every rank writes into the folder, so under torchrun
+``--out`` must be on a file system all ranks see.
+
+Pruning keeps the ``--keep-last`` newest checkpoints up to the one just published, which it never deletes.
+A checkpoint of a later step than that one is an abandoned future, deleted first: a crash after its rename
+but before the ``latest`` link left it, and this run, resumed from an earlier one, trains those steps again.
 """
 
 from __future__ import annotations
@@ -132,10 +140,10 @@ def save_checkpoint(
     if env.is_main:
         root.mkdir(parents=True, exist_ok=True)
         _recover_aside(root)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for leftover in root.glob(".tmp-step_*"):  # torn saves, of this step or another; none is being written now
+            shutil.rmtree(leftover)
         tmp.mkdir()
-    env.barrier()  # a leftover tmp folder is gone before any rank writes into it
+    env.barrier()  # the leftover tmp folders are gone before any rank writes into one
     backend.save_state(tmp / SHARDS_DIR)
     backend.export_model(tmp)
     if env.is_main:
@@ -149,8 +157,11 @@ def save_checkpoint(
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         (tmp / CONFIG_FILE).write_text(config_yaml)
-    env.barrier()  # every rank's shards are written before rank 0 publishes the folder
+    env.barrier()  # every rank's shards are written before rank 0 checks and publishes the folder
+    refused = None
     if env.is_main:
+        refused = _missing_shards(tmp / SHARDS_DIR, env.world_size)
+    if env.is_main and refused is None:
         _fsync_tree(tmp)
         replaced = final.exists()
         if replaced:
@@ -160,9 +171,34 @@ def save_checkpoint(
         _link_atomic(root / LATEST, final.name)
         if replaced:
             shutil.rmtree(aside)
-        _prune(root, keep_last)
-    env.barrier()  # no rank goes on (to the next save of this folder) before it is published
+        _prune(root, keep_last, final)
+    # No rank goes on (to the next save of this folder) before it is published; a refusal stops every rank.
+    refused = env.all_gather_json(refused)[0]
+    if refused:
+        raise ValueError(refused)
     return final
+
+
+def recover(out: str | Path, env: DistEnv) -> None:
+    """Finish a re-save that a crash interrupted (:func:`_recover_aside`) before a resume reads ``latest``, which
+    names the folder moved aside (collective: rank 0 recovers, every rank waits for it)."""
+    root = Path(out) / CKPT_DIR
+    if env.is_main and root.is_dir():
+        _recover_aside(root)
+    env.barrier()
+
+
+def _missing_shards(folder: Path, world_size: int) -> str | None:
+    """Why ``folder`` may not be published (a one-line error), or None when every rank of ``world_size`` has
+    a shard file in it (rank R's are ``shard-{R + 1:05d}-model-...``, rollshard.train.sharded)."""
+    written = {f.name.split("-model-")[0] for f in folder.glob("shard-*-model-*.safetensors")}
+    missing = [r for r in range(world_size) if f"shard-{r + 1:05d}" not in written]
+    if not missing:
+        return None
+    return (
+        f"{folder} holds no shard file of rank {', '.join(map(str, missing))} (world size {world_size}), so the "
+        "checkpoint is not published: under torchrun --out must be on a file system every rank shares"
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -209,9 +245,13 @@ def _link_atomic(link: Path, target: str) -> None:
     _fsync_dir(link.parent)
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, published: Path) -> None:
+    """Delete the checkpoints of later steps than ``published`` (an abandoned future, see the module docstring),
+    then all but the ``keep_last`` newest up to it; ``published`` itself is always kept."""
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[: max(len(done) - max(keep_last, 1), 0)]:
+    future = [p for p in done if p.name > published.name]  # zero-padded step numbers: name order is step order
+    kept = [p for p in done if p.name <= published.name]
+    for old in future + kept[: max(len(kept) - max(keep_last, 1), 0)]:
         shutil.rmtree(old)
 
 

@@ -73,6 +73,21 @@ def _dcp_quiet():
         yield
 
 
+def _dcp_reason(e: BaseException) -> str:
+    """One line of what DCP found wrong. DCP wraps each rank's exception, traceback included, in a
+    ``CheckpointException`` (a BaseException; one process too): the first failed rank's message, re-raised
+    as it is when it is no error (an interrupt)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    where = ""
+    if isinstance(e, CheckpointException):
+        rank = min(e.failures)
+        e, where = e.failures[rank][0], f"rank {rank}: "
+        if not isinstance(e, Exception):
+            raise e
+    return where + " ".join(str(e).split())
+
+
 def tied_aliases(module: nn.Module) -> dict[str, str]:
     """Every second name of a parameter -> its first name (state-dict names of ``module``)."""
     first: dict[int, str] = {}
@@ -152,6 +167,7 @@ def load_sharded(
     each rank reads the slices of its own shards, whatever the world size that wrote the folder)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model_sd, optim_sd = _live_state(module, optimizer)
@@ -165,8 +181,10 @@ def load_sharded(
     try:
         with _dcp_quiet():
             dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not env.enabled)  # in place
-    except RuntimeError as e:  # DCP names the first tensor the folder lacks
-        raise ValueError(f"{folder} does not match this model and optimizer ({e}); resume with the run's --model") from e
+    except (RuntimeError, ValueError, CheckpointException) as e:  # a tensor the folder lacks, or of another size
+        raise ValueError(
+            f"{folder} does not match this model and optimizer ({_dcp_reason(e)}); resume with the run's --model"
+        ) from e
     for alias, name in aliases.items():
         model_sd[alias] = model_sd[name]
     for group, saved_group in zip(optim_sd["param_groups"], saved["param_groups"]):

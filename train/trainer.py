@@ -56,7 +56,7 @@ from rollshard.store.packing import PackedBatch
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
-from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, save_checkpoint
+from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, recover, save_checkpoint
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
@@ -224,6 +224,7 @@ class Trainer:
         return self.out / CKPT_DIR / checkpoint_name(self.last_saved if step is None else step)
 
     def _resume_point(self) -> Checkpoint | None:
+        recover(self.out, self.env)  # a re-save torn between its renames: latest names the folder set aside
         ckpt = latest_checkpoint(self.out)
         say = print if self.env.is_main else (lambda *a, **k: None)
         if ckpt is None:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py first DATA MODEL OUT STEPS
     torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py resume DATA MODEL OUT STEPS
+    torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py unshared DATA MODEL OUT STEPS
 
 ``first`` trains STEPS steps straight into ``OUT/straight`` (one checkpoint, at the end), then the
 same run into ``OUT/resumed`` saving every step, and dies while saving step 2: rank 1 SIGKILLs
@@ -13,6 +14,10 @@ model folder or state file).
 ``resume`` continues ``OUT/resumed`` from there to STEPS. Each rank records the bytes it read
 from each shard file while resuming (``OUT/reads-RANK.json``: file name -> bytes), by wrapping
 ``safetensors.safe_open``, which DCP's safetensors reader opens the files with.
+
+``unshared`` trains one step into ``OUT/unshared`` and saves it, rank 1's shard files lost as they would be on
+a disk of its own (an ``--out`` not shared): rank 1 deletes them once written. Every rank raises the refusal;
+each writes its message to ``OUT/refused-RANK.txt`` (the run exits non-zero).
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ def crash_on_rank1_after_its_shards(env) -> None:
     HFBackend.save_state = save_state
 
 
+def lose_rank1_shards(env) -> None:
+    real = HFBackend.save_state
+
+    def save_state(self, folder):
+        real(self, folder)
+        if env.rank == 1:
+            for f in Path(folder).glob("shard-00002-*.safetensors"):
+                f.unlink()
+
+    HFBackend.save_state = save_state
+
+
 def record_reads(out: Path, env) -> None:
     """Count the bytes each tensor slice read takes from each file (DCP reads with ``get_slice(name)[...]``)."""
     real_open = safetensors.safe_open
@@ -118,6 +135,13 @@ if __name__ == "__main__":
             run(config(data, model, str(out / "straight"), steps, save_every=0), env)
             crash_on_rank1_after_its_shards(env)
             run(config(data, model, str(out / "resumed"), steps, save_every=1), env)
+        elif mode == "unshared":
+            lose_rank1_shards(env)
+            try:
+                run(config(data, model, str(out / "unshared"), 1, save_every=1), env)
+            except ValueError as e:
+                (out / f"refused-{env.rank}.txt").write_text(str(e))
+                raise
         else:
             record_reads(out, env)
             run(config(data, model, str(out / "resumed"), steps, save_every=1, resume=True), env)

@@ -1,22 +1,26 @@
 """Checkpoints: sharded state (safetensors, no pickle) that resumes exactly, the engines' model folder written
-tensor by tensor, format-1 checkpoints resuming, latest link, pruning, a crash while saving."""
+tensor by tensor, format-1 checkpoints resuming, latest link, pruning, a crash while saving, every rank's shards
+checked before publishing."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.hf import HFBackend
-from rollshard.train.checkpoint import latest_checkpoint, save_checkpoint
+from rollshard.train.checkpoint import CKPT_DIR, latest_checkpoint, save_checkpoint
 from rollshard.train.config import ModelConfig, OptimConfig
-from rollshard.train.sharded import SHARDS_DIR, read_sharded
-from rollshard.train.trainer import dummy_batch
+from rollshard.train.sharded import SHARDS_DIR, load_sharded, read_sharded, save_sharded
+from rollshard.train.trainer import Trainer, dummy_batch
 from tests.train import v1_checkpoint
+from tests.train.test_trainer import make_config, train
 
 
 def backend(model, weights_from=None) -> HFBackend:
@@ -121,13 +125,19 @@ def test_model_folder_is_what_save_pretrained_writes(model, request, tmp_path, m
     for name in names:
         assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "pretrained" / name).read_bytes(), name
 
-    # A model whose class converts weights on load is exported by save_pretrained (which reverts them) instead.
+    # A model whose class converts weights on load is exported by save_pretrained (which reverts them) instead:
+    # loaded from a checkpoint's "norm_saved", the final norm is saved under that name again.
     from transformers.core_model_loading import WeightRenaming
 
-    monkeypatch.setattr(b.hf_model, "_weight_conversions", [WeightRenaming("no_such_weight", "other")], raising=False)
+    norm, saved = {"tiny_gpt2": ("transformer.ln_f.", "transformer.ln_f_saved."),
+                   "tiny_qwen3": ("model.norm.", "model.norm_saved.")}[model]
+    monkeypatch.setattr(b.hf_model, "_weight_conversions", [WeightRenaming(saved, norm)], raising=False)
     b.export_model(tmp_path / "converted")
-    streamed = (tmp_path / "streamed" / "model.safetensors").read_bytes()
-    assert (tmp_path / "converted" / "model.safetensors").read_bytes() == streamed
+    streamed = load_file(str(tmp_path / "streamed" / "model.safetensors"))
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    assert norm + "weight" in streamed and saved + "weight" in converted and norm + "weight" not in converted
+    assert set(converted) == {k.replace(norm, saved) for k in streamed}
+    assert all(torch.equal(v, converted[k.replace(norm, saved)]) for k, v in streamed.items())
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_latest(tiny_gpt2, tmp_path, monkeypatch):
@@ -159,11 +169,28 @@ def test_shards_of_another_model_are_refused(tiny_gpt2, tiny_qwen3, tmp_path):
         backend(tiny_qwen3).load_state(path / SHARDS_DIR)
 
 
+def test_shards_of_other_sizes_are_refused_in_one_line(tmp_path):
+    # The same parameter names, other shapes: DCP's planner raises a ValueError, which DCP wraps (with every rank's
+    # traceback) in a CheckpointException, a BaseException, in one process too.
+    def linear(rows):
+        m = torch.nn.Linear(4, rows)
+        return m, torch.optim.AdamW(m.parameters())
+
+    save_sharded(tmp_path, *linear(2), env=DistEnv())
+    with pytest.raises(ValueError, match=r"does not match this model and optimizer \(rank 0: Size mismatch .* for "
+                                         r"model/\w+\); resume with the run's --model") as e:
+        load_sharded(tmp_path, *linear(3), env=DistEnv())
+    assert "\n" not in str(e.value)  # what the CLI prints: one line, no traceback
+
+
 def test_latest_link_pruning_and_leftover_tmp(tiny_gpt2, tmp_path):
     b = backend(tiny_gpt2)
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_00000003").mkdir(parents=True)  # what a crash while saving step 3 leaves
-    for step in (1, 2, 3):
+    (root / ".tmp-step_00000009" / SHARDS_DIR).mkdir(parents=True)  # and of a step this run does not reach
+    save(b, tmp_path, 1)
+    assert not list(root.glob(".tmp-*"))  # the first save clears the torn ones of every step
+    for step in (2, 3):
         save(b, tmp_path, step)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     assert (root / "latest").is_symlink() and (root / "latest").resolve() == root / "step_00000003"
@@ -171,9 +198,30 @@ def test_latest_link_pruning_and_leftover_tmp(tiny_gpt2, tmp_path):
     assert latest_checkpoint(tmp_path / "elsewhere") is None
 
 
-def test_saving_a_step_again_keeps_latest_loadable(tiny_gpt2, tmp_path, monkeypatch):
-    import shutil
+def test_pruning_keeps_the_checkpoint_just_published_and_drops_a_later_one(tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.checkpoint as ckpt_mod
 
+    b = backend(tiny_gpt2)
+    save(b, tmp_path, 1, keep_last=1)
+
+    def crash(link, target):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt_mod, "_link_atomic", crash)  # step 3 renamed in, then a crash before the latest link
+    with pytest.raises(OSError, match="Input/output"):
+        save(b, tmp_path, 3, keep_last=1)
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path).step == 1 and (root / "step_00000003").is_dir()
+    # The run resumes from step 1 and saves step 2: step 3 is an abandoned future; step 2 is kept and latest.
+    path = save(b, tmp_path, 2, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+    assert latest_checkpoint(tmp_path).path == path
+    save(b, tmp_path, 4, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_saving_a_step_again_keeps_latest_loadable(tiny_gpt2, tmp_path, monkeypatch):
     import rollshard.train.checkpoint as ckpt_mod
 
     b = backend(tiny_gpt2)
@@ -242,6 +290,22 @@ def test_interrupted_resave_is_recovered(tiny_gpt2, tmp_path):
     assert latest_checkpoint(tmp_path).step == 2
 
 
+def test_resume_recovers_a_resave_torn_between_its_renames(tiny_dataset, tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    train(make_config(tiny_dataset, tiny_gpt2, out, trainer={"max_steps": 2, "save_every": 1}))
+    root = out / CKPT_DIR
+    # A resumed run saving step 2 again: its new folder complete, the old one moved aside, then a crash before the
+    # new one is renamed in. latest names step_00000002, which is not there.
+    shutil.copytree(root / "step_00000002", root / ".tmp-step_00000002")
+    os.replace(root / "step_00000002", root / ".old-step_00000002")
+    trainer = Trainer(make_config(tiny_dataset, tiny_gpt2, out, trainer={"max_steps": 3, "resume": True}))
+    try:
+        assert trainer.step == 2 and trainer.backend.updates == 2
+        assert latest_checkpoint(out).step == 2 and not (root / ".old-step_00000002").exists()
+    finally:
+        trainer.close()
+
+
 def test_a_rank_state_spreads_over_files_of_bounded_size(tiny_gpt2, tmp_path, monkeypatch):
     import rollshard.train.sharded as sharded
 
@@ -263,3 +327,34 @@ def test_a_rank_state_spreads_over_files_of_bounded_size(tiny_gpt2, tmp_path, mo
     b = backend(tiny_gpt2)
     latest_checkpoint(tmp_path).restore(b)
     assert_same_state(a, b)
+
+
+def test_a_checkpoint_without_every_rank_shards_is_not_published(tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.checkpoint as ckpt_mod
+
+    # Rank R's files are shard-{R + 1:05d}-model-...; ranks 1 and 3 wrote theirs to a disk rank 0 does not see.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("shard-00001-model-00001-of-00002", "shard-00001-model-00002-of-00002",
+                 "shard-00003-model-00002-of-00002"):
+        (shards / f"{name}.safetensors").touch()
+    assert ckpt_mod._missing_shards(shards, 1) is None
+    why = ckpt_mod._missing_shards(shards, 4)
+    assert f"{shards} holds no shard file of rank 1, 3 (world size 4)" in why and "\n" not in why
+    assert why.endswith("under torchrun --out must be on a file system every rank shares")
+
+    # In a save: the files this rank wrote are not in the folder rank 0 publishes.
+    b = backend(tiny_gpt2)
+    save(b, tmp_path, 1)
+    real = b.save_state
+
+    def written_elsewhere(folder):
+        real(folder)
+        for f in folder.glob("shard-*.safetensors"):
+            f.unlink()
+
+    monkeypatch.setattr(b, "save_state", written_elsewhere)
+    with pytest.raises(ValueError, match=r"no shard file of rank 0 \(world size 1\), so the checkpoint is not published"):
+        save(b, tmp_path, 2)
+    root = tmp_path / CKPT_DIR
+    assert latest_checkpoint(tmp_path).step == 1 and not (root / "step_00000002").exists()

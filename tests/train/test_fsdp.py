@@ -1,5 +1,6 @@
 """FSDP2 over a gloo world of 2 CPU processes: the same gradient as one process on the same global batch; sharded
-checkpoints (each rank its half) that resume bit for bit after a crash while saving, and load into one process."""
+checkpoints (each rank its half) that resume bit for bit after a crash while saving, and load into one process; a
+save whose shards did not all reach rank 0's file system is refused on every rank."""
 
 from __future__ import annotations
 
@@ -147,12 +148,15 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
     torn = root / ".tmp-step_00000002" / SHARDS_DIR
     assert len(list(torn.glob("shard-*.safetensors"))) == 2 and not (root / "step_00000002").exists()
 
-    # 2. Resume to step 3 in new processes.
+    # 2. Resume to step 3 in new processes (a torn save of a step the run does not reach left there too).
+    (root / ".tmp-step_00000007" / SHARDS_DIR).mkdir(parents=True)
     second = subprocess.run(torchrun + ["resume", *args], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     straight, resumed = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
     assert straight.step == resumed.step == steps and straight.version == resumed.version == 2
-    assert not (root / ".tmp-step_00000002").exists()  # the next save of step 2 cleared the torn one
+    # Rank 0 cleared the torn saves before the first barrier of the resumed run's first save, and found both ranks'
+    # shards in every folder it published.
+    assert not list(root.glob(".tmp-*"))
 
     # Bitwise: the weights (model folder) and every rank's shards of weights and AdamW state.
     a, b = load_file(str(straight.path / "model.safetensors")), load_file(str(resumed.path / "model.safetensors"))
@@ -209,3 +213,20 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
     })
     with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1; resume with the same number"):
         Trainer(cfg)
+
+
+def test_a_save_missing_a_rank_shards_is_refused_on_every_rank(tiny_dataset, tiny_gpt2, tmp_path):
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                str(HERE / "fsdp_resume_worker.py")]
+    proc = subprocess.run(torchrun + ["unshared", str(tiny_dataset), str(tiny_gpt2), str(tmp_path), "1"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and all((tmp_path / f"refused-{r}.txt").exists() for r in (0, 1)), proc.stderr[-4000:]
+    refused = [(tmp_path / f"refused-{r}.txt").read_text() for r in (0, 1)]
+    assert refused[0] == refused[1] and "\n" not in refused[0]
+    assert refused[0] == (
+        f"{tmp_path / 'unshared' / 'checkpoints' / '.tmp-step_00000001' / SHARDS_DIR} holds no shard file of rank 1 "
+        "(world size 2), so the checkpoint is not published: under torchrun --out must be on a file system every "
+        "rank shares"
+    )
+    assert latest_checkpoint(tmp_path / "unshared") is None
+    assert not (tmp_path / "unshared" / "checkpoints" / "step_00000001").exists()
