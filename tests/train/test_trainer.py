@@ -289,7 +289,7 @@ def test_loader_figures_of_each_rank_add_up():
         ranks.append(acc.state())
     merged = MetricAccumulator.merged(ranks).result()
     assert merged["loader/zero_variance_groups"] == 1.0 and merged["loader/groups"] == 4.0  # this rank's: summed
-    assert merged["loader/groups_examined"] == 4.0  # the global stream's, the same on each rank: not summed
+    assert merged["loader/groups_examined"] == 8.0  # each rank examines its own share: summed too
 
 
 def test_advantages_use_the_store_definition_of_reward_spread():
