@@ -108,11 +108,12 @@ def build_loader(config: TrainConfig, env: DistEnv):
 
 
 def _agreement(env: DistEnv):
-    """The loader's agreement callback: does every rank have a step? (An all-reduce of a flag, min; called on
-    the training thread inside ``next(loader)``, the same number of times on every rank.) None for one process."""
+    """The loader's agreement callback: the least of every rank's state (a step, its epoch ended, its loader
+    raised; store/loader), an all-reduce with min, called on the training thread inside ``next(loader)`` the
+    same number of times on every rank. None for one process."""
     if not env.enabled:
         return None
-    return lambda has_step: env.all_reduce([1.0 if has_step else 0.0], "min")[0] == 1.0
+    return lambda state: int(env.all_reduce([float(state)], "min")[0])
 
 
 def dummy_batch() -> PackedBatch:

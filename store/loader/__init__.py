@@ -32,11 +32,15 @@ every block and takes every ``world_size``-th group of the one-rank stream (plan
 **The same number of steps on every rank** (FSDP's collectives need it). Without filters that drop
 whole groups it holds with no communication: every rank knows every rank's share, so no rank takes more
 than the smallest share allows (``step_cap``, plan.py). Filters can leave one rank fewer steps, which
-no rank knows without reading, so the loader takes an agreement callback ``sync(has_step: bool) ->
-bool`` from the trainer: whether every rank has a step (an all-reduce of the flag with min). It is
-called on the iterating thread before each step is yielded and at each end of a rank's epoch; when it
-answers False the epoch ends on every rank at once, and a rank that had a step drops it (its groups
-counted as ``tail_dropped_groups``, its share's groups not yet examined as ``left_groups``). Without a
+no rank knows without reading, so the loader takes an agreement callback ``sync(state: int) -> int``
+from the trainer: this rank's state (``SYNC_STEP`` it has a step, ``SYNC_END`` its epoch ended,
+``SYNC_FAILED`` its loader raised) in, the least state of every rank out (an all-reduce with min). It
+is called on the iterating thread before each step is yielded, at each end of a rank's epoch, and once
+by a rank whose loader raises (a damaged block only its share holds, an epoch without a step) before
+it raises, so the others raise :class:`PeerFailedError` instead of waiting in the collective. When no
+rank failed but one has no step, the epoch ends on every rank at once, and a rank that had a step drops
+it (its groups counted as ``tail_dropped_groups``, its share's groups not yet examined as
+``left_groups``). Without a
 callback (a world size of 1, or ranks simulated in one process) each rank yields every step of its own
 share up to the cap: deterministic, but with filters ranks may then take different numbers of steps.
 
@@ -100,9 +104,13 @@ from rollshard.store.loader.config import (  # noqa: F401
     SOURCE_KEYS,
     STATE_FORMAT,
     STATE_VERSION,
+    SYNC_END,
+    SYNC_FAILED,
+    SYNC_STEP,
     TOKEN_COLUMNS,
     LoaderConfig,
     LoaderStateError,
+    PeerFailedError,
     Step,
     Sync,
 )

@@ -43,7 +43,14 @@ FILTER_KEYS = (
 )
 SOURCE_KEYS = ("groups", "sequences", "tokens", "loss_tokens")  # a mixture's per-source figures of a step (this rank)
 
-Sync = Callable[[bool], bool]  # has this rank a step -> has every rank one (the trainer's all-reduce of a flag, min)
+# The agreement between ranks (steps.py): this rank's state -> the least state of any rank (the trainer's
+# all-reduce with min). A rank whose loader raised says so before raising, so no rank waits for it.
+SYNC_FAILED, SYNC_END, SYNC_STEP = 0, 1, 2  # raised / no step (its epoch ended) / has a step
+Sync = Callable[[int], int]
+
+
+class PeerFailedError(ValueError):
+    """Another rank's loader raised (its own error is in its log); this one stops with it."""
 
 
 class LoaderStateError(ValueError):

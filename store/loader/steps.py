@@ -20,7 +20,11 @@ from rollshard.store.loader.config import (
     STATE_FORMAT,
     STATE_VERSION,
     LoaderConfig,
+    SYNC_END,
+    SYNC_FAILED,
+    SYNC_STEP,
     LoaderStateError,
+    PeerFailedError,
     Step,
     Sync,
 )
@@ -51,7 +55,7 @@ class _StepLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if sync is not None and not callable(sync):
-            raise ValueError(f"sync must be a function of one bool (has this rank a step) or None, got {sync!r}")
+            raise ValueError(f"sync must be a function of this rank's state (an int: SYNC_*) or None, got {sync!r}")
         self.rank, self.world_size, self._sync = rank, world_size, sync
         return config
 
@@ -126,7 +130,12 @@ class _StepLoader:
             while True:
                 if self._producer is not producer:
                     raise RuntimeError("this loader iterator was replaced by a newer iter() or load_state_dict()")
-                item = producer.get()
+                try:
+                    item = producer.get()
+                except Exception:
+                    if self._sync is not None:  # the others are waiting in the agreement: release them
+                        self._sync(SYNC_FAILED)
+                    raise
                 if item is _END:
                     return
                 if not item.segment.holds_for(self._version.current.threshold):
@@ -150,14 +159,22 @@ class _StepLoader:
                 self._held = {}
 
     def _agree(self, has_step: bool) -> bool:
-        """Whether every rank has a step (the trainer's ``sync``); without one, this rank's own answer."""
+        """Whether every rank has a step (the trainer's ``sync``); without one, this rank's own answer. Raises
+        :class:`PeerFailedError` when another rank's loader raised."""
         if self._sync is None:
             return has_step
-        every = self._sync(has_step)
-        if every and not has_step:
-            raise RuntimeError("the loader's sync callback answered True for a rank without a step: it must return "
-                               "whether every rank has one (an all-reduce of the flag with min)")
-        return bool(every)
+        mine = SYNC_STEP if has_step else SYNC_END
+        least = int(self._sync(mine))
+        if least == SYNC_FAILED:
+            raise PeerFailedError(
+                f"rank {self.rank}: another rank's loader failed (its error is in its log); stopping with it"
+            )
+        if least > mine or least not in (SYNC_END, SYNC_STEP):
+            raise RuntimeError(
+                f"the loader's sync callback answered {least} to state {mine}: it must return the least state of "
+                f"every rank ({SYNC_FAILED} failed, {SYNC_END} no step, {SYNC_STEP} a step; an all-reduce with min)"
+            )
+        return least == SYNC_STEP
 
     def _take(self, item: _Item) -> None:
         """Move the cursor past ``item``; an epoch end also becomes ``epoch_stats``."""

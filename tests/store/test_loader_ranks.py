@@ -11,7 +11,7 @@ import pytest
 
 import rollshard.store.loader.stream as stream_mod
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.loader import LoaderConfig, RolloutLoader, Step
+from rollshard.store.loader import SYNC_STEP, LoaderConfig, RolloutLoader, Step
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import ShardWriter, WriterOptions
 from tests.store.test_loader import assert_steps_equal, delivered, groups_of, rows_of_groups, with_columns
@@ -126,22 +126,22 @@ def test_small_datasets_share_one_stream_and_take_every_other_group(tmp_path, mo
 
 
 class Agreement:
-    """``world_size`` ranks on threads: ``sync(rank)(has_step)`` waits for every rank, then returns whether all
-    have a step (what the trainer's all-reduce with min returns); counts the calls."""
+    """``world_size`` ranks on threads: ``sync(rank)(state)`` waits for every rank, then returns the least state
+    (what the trainer's all-reduce with min returns); counts the calls."""
 
     def __init__(self, world_size: int):
-        self.flags = [False] * world_size
+        self.states = [SYNC_STEP] * world_size
         self.calls = [0] * world_size
         self.gather, self.release = threading.Barrier(world_size), threading.Barrier(world_size)
 
     def sync(self, rank: int):
-        def agree(has_step: bool) -> bool:
+        def agree(state: int) -> int:
             self.calls[rank] += 1
-            self.flags[rank] = has_step
+            self.states[rank] = state
             self.gather.wait(timeout=60)
-            every = all(self.flags)
-            self.release.wait(timeout=60)  # nobody overwrites a flag before every rank has read them
-            return every
+            least = min(self.states)
+            self.release.wait(timeout=60)  # nobody overwrites a state before every rank has read them
+            return least
 
         return agree
 
@@ -244,8 +244,8 @@ def test_resume_mid_epoch_with_sync_continues_every_rank_exactly(filtered):
 
 
 def test_a_sync_that_says_yes_without_a_step_is_refused(even):
-    with RolloutLoader(even, cfg(), rank=0, world_size=2, sync=lambda has: True) as loader:
-        with pytest.raises(RuntimeError, match="sync callback answered True for a rank without a step"):
+    with RolloutLoader(even, cfg(), rank=0, world_size=2, sync=lambda state: SYNC_STEP) as loader:
+        with pytest.raises(RuntimeError, match="sync callback answered 2 to state 1"):
             list(loader)
 
 
@@ -450,6 +450,41 @@ def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by
     assert str(error.value).startswith(f"{info.path} (row group {b.row_groups[0]}, bytes {rg.offset}-"
                                        f"{rg.offset + rg.length}): sha256 ")
     assert "\n" not in str(error.value)
+
+
+def test_a_rank_whose_loader_raises_releases_the_others_from_the_agreement(big, tmp_path):
+    # Only rank 1 owns the damaged block: it raises its DataError, and rank 0, waiting in the agreement for it,
+    # raises PeerFailedError at once instead of waiting (a real collective would wait for its timeout).
+    from rollshard.store.errors import DataError
+    from rollshard.store.loader import PeerFailedError
+
+    ds = RolloutDataset.open(big)
+    plan = RolloutLoader(ds, cfg(num_epochs=1), rank=1, world_size=2)._stream.plan(0)
+    b = RolloutLoader(ds, cfg())._stream.blocks[plan.piece_block[len(plan.piece_block) // 2]]
+    info = ds.shards[b.shard]
+    rg = info.row_groups[b.row_groups[0]]
+    damaged = RolloutDataset.open(damaged_copy(big, tmp_path / "d", info.path, rg.offset + rg.length // 2))
+    agreement = Agreement(2)
+    errors: list = [None, None]
+    steps = [0, 0]
+
+    def rank_main(r: int) -> None:
+        try:
+            with RolloutLoader(damaged, cfg(num_epochs=1), rank=r, world_size=2, sync=agreement.sync(r)) as loader:
+                for _ in loader:
+                    steps[r] += 1
+        except Exception as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(errors[1], DataError), errors
+    assert isinstance(errors[0], PeerFailedError) and "another rank's loader failed" in str(errors[0]), errors
+    assert agreement.calls[0] == agreement.calls[1] == steps[0] + 1  # every agreement paired, the last one failing
+    assert steps[0] == steps[1] > 0
 
 
 def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path):

@@ -15,7 +15,7 @@ from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm
 from rollshard.train.metrics import read_metrics
 from rollshard.train.trainer import Trainer, prepare_config
-from tests.train.conftest import MAX_NEW_TOKENS, generation_config, write_rows
+from tests.train.conftest import generation_config, write_rows
 
 # Trainer logprobs (packed, no cache) vs the sampler's (KV cache): fp32 rounding only.
 FP32_LOGPROB_TOL = 1e-5
