@@ -126,16 +126,12 @@ class _StepLoader:
             self._producer = None
 
     def _steps(self, producer: _Background) -> Iterator[Step]:
+        self._agreement_done = False  # the agreement itself failed or answered "a rank failed": say nothing more
         try:
             while True:
                 if self._producer is not producer:
                     raise RuntimeError("this loader iterator was replaced by a newer iter() or load_state_dict()")
-                try:
-                    item = producer.get()
-                except Exception:
-                    if self._sync is not None:  # the others are waiting in the agreement: release them
-                        self._sync(SYNC_FAILED)
-                    raise
+                item = producer.get()
                 if item is _END:
                     return
                 if not item.segment.holds_for(self._version.current.threshold):
@@ -153,6 +149,11 @@ class _StepLoader:
                 self._take(item)
                 if item.step is not None:
                     yield item.step
+        except Exception:
+            if self._sync is not None and not self._agreement_done:  # the others wait in the agreement: release them
+                self._agreement_done = True
+                self._sync(SYNC_FAILED)
+            raise
         finally:
             if self._producer is producer:
                 self._stop_producer()
@@ -164,12 +165,18 @@ class _StepLoader:
         if self._sync is None:
             return has_step
         mine = SYNC_STEP if has_step else SYNC_END
-        least = int(self._sync(mine))
+        try:
+            least = int(self._sync(mine))
+        except BaseException:
+            self._agreement_done = True
+            raise
         if least == SYNC_FAILED:
+            self._agreement_done = True
             raise PeerFailedError(
                 f"rank {self.rank}: another rank's loader failed (its error is in its log); stopping with it"
             )
         if least > mine or least not in (SYNC_END, SYNC_STEP):
+            self._agreement_done = True
             raise RuntimeError(
                 f"the loader's sync callback answered {least} to state {mine}: it must return the least state of "
                 f"every rank ({SYNC_FAILED} failed, {SYNC_END} no step, {SYNC_STEP} a step; an all-reduce with min)"

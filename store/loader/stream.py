@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import sys
 import threading
 import warnings
 from typing import Any, Iterator
@@ -64,7 +65,7 @@ class _Stream:
         plan = self._plans.get(epoch)
         if plan is None:  # two threads may both build it; plans are pure, so either copy is right
             plan = self._plans[epoch] = _EpochPlan(self.blocks, self.cfg, epoch, self.rank, self.world_size)
-            for old in [e for e in self._plans if e < epoch - 1]:
+            for old in [e for e in list(self._plans) if e < epoch - 1]:  # a copy: the other thread may insert
                 self._plans.pop(old, None)
         return plan
 
@@ -337,6 +338,9 @@ def _held(size: int, offset: int, data: bytes) -> pa.BufferReader:
     is decoded from exactly the bytes that are hashed, natively (a Python file object would be called from
     Arrow's threads, which can then hang the interpreter's exit). A read elsewhere sees zeros: a decode error,
     which waits for the checksums to name the cause."""
-    mm = mmap.mmap(-1, max(size, 1))
+    # MAP_NORESERVE (0x4000 on Linux; no constant in Python 3.11): the size is not charged to the commit limit
+    # (strict overcommit, ulimit -v), since only the block's pages are ever written.
+    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+    mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
     mm[offset : offset + len(data)] = data
     return pa.BufferReader(pa.py_buffer(mm))
