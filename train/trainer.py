@@ -107,6 +107,21 @@ def build_loader(config: TrainConfig, env: DistEnv):
     return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size, sync=_agreement(env))
 
 
+def check_same_data(loader, env: DistEnv) -> None:
+    """Every rank deals the shares from its own open of the dataset: refuse ranks that opened different ones (a
+    writer committed between their opens, or paths that differ per node), which would deal different shares."""
+    datasets = [loader.dataset] if hasattr(loader, "dataset") else list(getattr(loader, "datasets", []))
+    mine = [d.fingerprint for d in datasets]
+    every = env.all_gather_json(mine)
+    differ = [r for r, other in enumerate(every) if other != mine]
+    if differ:
+        raise ValueError(
+            f"the ranks opened different datasets (rank {env.rank} and ranks {differ}): a writer committed between "
+            "their opens, or --data names other data on other nodes; start once the data is complete, on a path "
+            "every rank sees"
+        )
+
+
 def _agreement(env: DistEnv):
     """The loader's agreement callback: the least of every rank's state (a step, its epoch ended, its loader
     raised; store/loader), an all-reduce with min, called on the training thread inside ``next(loader)`` the
@@ -195,6 +210,7 @@ class Trainer:
         ckpt = self._resume_point()
         self.step = ckpt.step if ckpt else 0
         self.loader = loader if loader is not None else build_loader(config, self.env)
+        check_same_data(self.loader, self.env)
         if ckpt:
             self.loader.load_state_dict(ckpt.loader_states[self.env.rank])
         self.loader.set_current_version(self.version)

@@ -372,3 +372,26 @@ def test_a_config_built_in_python_is_validated_too(tiny_dataset, tiny_gpt2, tmp_
     )
     with pytest.raises(ValueError, match="--ratio-level sequence .* with --mode bypass"):
         prepare_config(config)
+
+
+def test_ranks_that_opened_different_datasets_are_refused(tiny_dataset, tmp_path):
+    # Each rank deals the shares from its own open: a shard committed between two ranks' opens would deal
+    # different shares (groups doubled or lost), so the trainer compares the fingerprints first.
+    import dataclasses
+
+    from rollshard.store.loader import RolloutLoader
+    from rollshard.train.backends.distributed import DistEnv
+    from rollshard.train.trainer import check_same_data
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TwoRanks(DistEnv):
+        other: list
+
+        def all_gather_json(self, obj):
+            return [obj, self.other]
+
+    with RolloutLoader(tiny_dataset) as loader:
+        mine = [loader.dataset.fingerprint]
+        check_same_data(loader, TwoRanks(rank=0, world_size=2, other=mine))  # the same data: passes
+        with pytest.raises(ValueError, match=r"the ranks opened different datasets \(rank 0 and ranks \[1\]\)"):
+            check_same_data(loader, TwoRanks(rank=0, world_size=2, other=["another"]))
