@@ -34,7 +34,7 @@ import collections
 import hashlib
 import sys
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -152,9 +152,12 @@ def verify_ranges(shard: ShardInfo, row_groups: tuple[int, ...], offset: int, da
             )
 
 
-def verify_footer(storage: Storage, shard: ShardInfo, stop: threading.Event | None = None) -> bool:
+def verify_footer(
+    storage: Storage, shard: ShardInfo, stop: threading.Event | None = None, parsed: pq.FileMetaData | None = None
+) -> bool:
     """The magic at the start and the bytes after the last row group against the manifest's ``footer_sha256``
-    (two small ranged reads); raise :class:`DataError` when they differ."""
+    (two small ranged reads); raise :class:`DataError` when they differ. ``parsed``: the footer a reader decodes
+    with (read when the dataset was opened), which must be the one those verified bytes hold."""
     start = footer_start(shard)
     try:
         with storage.fs.open_input_file(storage.path(shard.path)) as f:
@@ -169,6 +172,11 @@ def verify_footer(storage: Storage, shard: ShardInfo, stop: threading.Event | No
         raise DataError(
             f"{shard.path} (footer, bytes {start}-{shard.bytes}): sha256 {got[:16]}... differs from the manifest's "
             f"{shard.footer_sha256[:16]}...: the shard was damaged or changed after it was committed; {VALIDATE}"
+        )
+    if parsed is not None and not pq.read_metadata(pa.BufferReader(tail)).equals(parsed):
+        raise DataError(
+            f"{shard.path} (footer): the footer read when the dataset was opened differs from the verified one on "
+            f"disk: the shard changed or was misread since; open the dataset again, or {VALIDATE}"
         )
     return True
 
@@ -288,9 +296,17 @@ class Checksums:
 
     POLL_S = 0.1  # how often a waiter checks whether it was told to stop
 
-    def __init__(self, storage: Storage, shards: list[ShardInfo], name: str, by_range: bool = False):
+    def __init__(
+        self,
+        storage: Storage,
+        shards: list[ShardInfo],
+        name: str,
+        by_range: bool = False,
+        footers: Callable[[int], pq.FileMetaData] | None = None,
+    ):
         self._storage, self._shards, self._name = storage, shards, name
         self._by_range = by_range  # shards with byte ranges get their footer checked, not the whole file
+        self._footers = footers  # shard -> the footer the reader decodes with, checked against the verified bytes
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}  # the shards' checks
         self._todo: collections.deque[Job] = collections.deque()
@@ -302,7 +318,8 @@ class Checksums:
         if job is None:
             info = self._shards[shard]
             if self._by_range and info.has_ranges:
-                job = Job(info.path, lambda stop: verify_footer(self._storage, info, stop))
+                parsed = self._footers(shard) if self._footers is not None else None
+                job = Job(info.path, lambda stop: verify_footer(self._storage, info, stop, parsed))
             else:  # verify_sha256 looked up at run time (tests replace it)
                 job = Job(info.path, lambda stop: verify_sha256(self._storage, info, stop))
             job = self._jobs.setdefault(shard, job)

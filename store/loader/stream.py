@@ -56,7 +56,9 @@ class _Stream:
         self.rank, self.world_size = rank, world_size
         self.filters = _Filters.of(cfg)
         self._plans: dict[int, _EpochPlan] = {}
-        self.checksums = Checksums(dataset.storage, dataset.shards, f"rollshard-checksum-{rank}", by_range=True)
+        self.checksums = Checksums(
+            dataset.storage, dataset.shards, f"rollshard-checksum-{rank}", by_range=True, footers=dataset.footer
+        )
         self.num_groups = sum(b.num_groups for b in blocks)  # the whole dataset's, every rank's shares together
         self._read_lock = threading.Lock()
         self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)

@@ -241,9 +241,9 @@ def test_each_shard_is_hashed_once_per_loader_and_the_thread_stops(tmp_path, mon
         hashed.append(info.path)
         return real(storage, info, stop)
 
-    def counting_footer(storage, info, stop=None):
+    def counting_footer(storage, info, stop=None, parsed=None):
         footers.append(info.path)
-        return real_footer(storage, info, stop)
+        return real_footer(storage, info, stop, parsed)
 
     def counting_ranges(info, row_groups, offset, data):
         blocks.append(info.path)

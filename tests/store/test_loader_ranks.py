@@ -504,6 +504,28 @@ def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path):
     assert [p.check for p in validate_dataset(root).problems] == ["sha256", "ranges"]
 
 
+def test_a_footer_that_changed_after_the_open_is_found(big, tmp_path):
+    # The loader decodes every block with the footer parsed when the dataset was opened: a footer misread (or
+    # changed) then and whole again on disk when its sha256 is checked must not decode verified bytes.
+    from rollshard.store.errors import DataError
+
+    import shutil
+
+    root = shutil.copytree(big, tmp_path / "d")
+    info = RolloutDataset.open(big).shards[0]
+    good = (big / info.path).read_bytes()
+    bad = bytearray(good)
+    bad[good.rindex(b"parquet-cpp-arrow")] ^= 0x40  # created_by: the footer still parses, its bytes differ
+    (root / info.path).write_bytes(bytes(bad))
+    opened = RolloutDataset.open(root)  # parses the changed footer
+    (root / info.path).write_bytes(good)  # and the shard is whole again by the time its footer is checked
+    with pytest.raises(DataError, match=rf"^{info.path} \(footer\): the footer read when the dataset was opened"):
+        with RolloutLoader(opened, cfg(num_epochs=1)) as loader:
+            list(loader)
+    with RolloutLoader(RolloutDataset.open(root), cfg(num_epochs=1)) as loader:
+        assert len(list(loader)) > 0  # opened again: whole
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_bytes_read_per_rank_with_the_checks_on(big, world_size):
     total = sum(s.bytes for s in RolloutDataset.open(big).shards)
