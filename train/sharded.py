@@ -21,9 +21,9 @@ A ``shards/`` folder:
 * ``optimizer.json``: the parameter groups (hyperparameters, parameter names) and any non-tensor
   per-parameter state.
 
-No pickle. DCP's default ``FileSystemWriter`` pickles its ``.metadata`` file (``pickle.dump`` of
-the ``Metadata`` dataclass; the reader ``pickle.load``-s it) and writes tensors with ``torch.save``;
-its safetensors storage writes neither. A hand-written per-rank safetensors format was the
+No pickle. DCP's default ``FileSystemWriter`` stores its ``.metadata`` file as a serialized Python
+object (loaded back as one) and its tensors in torch's own container format; its safetensors
+storage writes neither: only safetensors files and JSON. A hand-written per-rank safetensors format was the
 alternative; DCP's already is one, and brings the resharding planner with it.
 
 Tied parameters (GPT-2's ``lm_head.weight`` = ``wte.weight``) are one tensor: stored under the first

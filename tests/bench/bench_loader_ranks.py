@@ -24,12 +24,11 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-import pyarrow.fs as pafs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.store.range_fs
 from bench_loader import BASE_GROUPS, GROUP_SIZE, best_of, make_dataset  # noqa: E402
 
 from rollshard.store.dataset import RolloutDataset  # noqa: E402
@@ -37,85 +36,18 @@ from rollshard.store.loader import LoaderConfig, RolloutLoader  # noqa: E402
 from rollshard.store.storage import Storage  # noqa: E402
 from rollshard.store.synthetic import synthetic_table  # noqa: E402
 from rollshard.store.writer import ShardWriter, WriterOptions  # noqa: E402
+from tests.store.range_fs import RangeFS  # noqa: E402
 
 WORLD_SIZES = (1, 2, 4, 8)
 
 
-class CountingFS:
-    """A pyarrow filesystem's reads, counted in bytes (everything else passes through)."""
-
-    def __init__(self, fs: pafs.FileSystem):
-        self.fs, self.bytes, self.lock = fs, 0, threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.fs, name)
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.bytes += n
-
-    def open_input_file(self, path: str):
-        return _Counted(self.fs.open_input_file(path), self)
-
-    def open_input_stream(self, path: str):
-        return _Counted(self.fs.open_input_stream(path), self)
-
-
-class _Counted:
-    """A file whose reads count (a Python file object: pyarrow wraps it for Parquet)."""
-
-    def __init__(self, f, counter: CountingFS):
-        self.f, self.counter = f, counter
-        self.closed = False
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read() if n is None or n < 0 else self.f.read(n)
-        self.counter.add(len(data))
-        return data
-
-    def read_at(self, n: int, offset: int) -> bytes:
-        data = self.f.read_at(n, offset)
-        self.counter.add(len(data))
-        return data
-
-    def read_buffer(self, n: int):
-        buf = self.f.read_buffer(n)
-        self.counter.add(buf.size)
-        return buf
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.f.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def size(self) -> int:
-        return self.f.size()
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def rank_bytes(root: Path, config: LoaderConfig, rank: int, world_size: int) -> dict:
-    fs = CountingFS(pafs.LocalFileSystem())
+    fs = RangeFS()
     ds = RolloutDataset.open(Storage(str(root), filesystem=fs))
     with RolloutLoader(ds, config, rank=rank, world_size=world_size) as loader:
         groups = sum(len(s.group_ids) for s in loader)
         stats = loader.epoch_stats
-        return {"bytes": fs.bytes, "decoded": loader.read_stats["bytes"], "groups": groups,
+        return {"bytes": fs.total(), "decoded": loader.read_stats["bytes"], "groups": groups,
                 "left": stats.get("left_groups", 0) + stats.get("tail_dropped_groups", 0)}
 
 

@@ -14,6 +14,7 @@ from rollshard.store.dataset import RolloutDataset
 from rollshard.store.loader import SYNC_STEP, LoaderConfig, RolloutLoader, Step
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.writer import ShardWriter, WriterOptions
+from tests.store.range_fs import RangeFS
 from tests.store.test_loader import assert_steps_equal, delivered, groups_of, rows_of_groups, with_columns
 
 BLOCKS, GROUPS_PER_BLOCK, ROWS = 32, 3, 2  # 96 groups; equal blocks, so the deal gives equal shares
@@ -82,11 +83,7 @@ def test_each_rank_reads_only_its_share_and_the_shares_are_the_dataset_once(even
     share = BLOCKS * GROUPS_PER_BLOCK // world_size  # 48 or 24 groups: 12 or 6 steps of 4 an epoch
     assert [len(steps) for steps in per_rank] == [2 * share // 4] * world_size
     for epoch in (0, 1):
-        union: dict[str, set[str]] = {}
-        for steps in per_rank:
-            got = delivered([s for s in steps if s.epoch == epoch])
-            assert not union.keys() & got.keys()  # disjoint
-            union.update(got)
+        union = epoch_union(per_rank, epoch)
         assert union == all_groups  # together, every group once, whole
     # each rank read only blocks of its share: 32 / world_size blocks an epoch, none read by another rank
     blocks = [reads.of_rank(r) for r in range(world_size)]
@@ -120,6 +117,16 @@ def test_small_datasets_share_one_stream_and_take_every_other_group(tmp_path, mo
     got = [delivered(steps) for steps in per_rank]
     assert not got[0].keys() & got[1].keys() and {**got[0], **got[1]} == rows_of_groups(ds)
     assert [s.metrics["groups_examined"] for s in per_rank[1]] == [2.0] * 3  # its own groups only
+
+
+def epoch_union(per_rank: list[list[Step]], epoch: int) -> dict[str, set[str]]:
+    """The groups every rank delivered in ``epoch`` (group id -> sample ids), checking the ranks' are disjoint."""
+    union: dict[str, set[str]] = {}
+    for steps in per_rank:
+        got = delivered([s for s in steps if s.epoch == epoch])
+        assert not union.keys() & got.keys()  # disjoint
+        union.update(got)
+    return union
 
 
 # -- the agreement callback -----------------------------------------------------------------------
@@ -326,81 +333,6 @@ def test_validate_checks_the_manifests_row_groups(tmp_path):
 # -- per-block integrity --------------------------------------------------------------------------
 
 
-class RangeFS:
-    """A local filesystem whose reads are recorded as (path, first byte, byte count)."""
-
-    def __init__(self):
-        import pyarrow.fs as pafs
-
-        self.fs, self.reads, self.lock = pafs.LocalFileSystem(), [], threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.fs, name)
-
-    def open_input_file(self, path: str):
-        return _RangeFile(self.fs.open_input_file(path), path, self)
-
-    def open_input_stream(self, path: str):
-        return _RangeFile(self.fs.open_input_file(path), path, self)
-
-    def add(self, path: str, offset: int, n: int) -> None:
-        with self.lock:
-            self.reads.append((path, offset, n))
-
-    def total(self) -> int:
-        return sum(n for _, _, n in self.reads)
-
-    def touched(self, path: str, byte: int) -> bool:
-        return any(p == path and o <= byte < o + n for p, o, n in self.reads)
-
-
-class _RangeFile:
-    def __init__(self, f, path: str, fs: RangeFS):
-        self.f, self.path, self.fs, self.closed = f, path, fs, False
-
-    def read(self, n: int = -1) -> bytes:
-        at = self.f.tell()
-        data = self.f.read() if n is None or n < 0 else self.f.read(n)
-        self.fs.add(self.path, at, len(data))
-        return data
-
-    def read_at(self, n: int, offset: int) -> bytes:
-        data = self.f.read_at(n, offset)
-        self.fs.add(self.path, offset, len(data))
-        return data
-
-    def read_buffer(self, n: int):
-        at = self.f.tell()
-        buf = self.f.read_buffer(n)
-        self.fs.add(self.path, at, buf.size)
-        return buf
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.f.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def size(self) -> int:
-        return self.f.size()
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 BIG = dict(prompt_len=(20, 40), response_len=(1500, 3000))  # row groups large next to the footers
 
 
@@ -583,11 +515,7 @@ def test_an_epoch_over_the_ranks_is_every_group_once_but_the_tail(uneven, world_
             stats.append(loader.epoch_stats)
     assert len({len(steps) for steps in per_rank}) == 1  # the same number of steps on every rank
     for epoch in (0, 1):
-        union: dict[str, set[str]] = {}
-        for steps in per_rank:
-            got = delivered([s for s in steps if s.epoch == epoch])
-            assert not union.keys() & got.keys()  # disjoint
-            union.update(got)
+        union = epoch_union(per_rank, epoch)
         assert all(all_groups[g] == rows for g, rows in union.items())  # whole groups
         unused = len(all_groups) - len(union)
         assert unused < (world_size * gps if tail == "drop" else world_size), (epoch, unused)  # all but the tail
