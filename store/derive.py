@@ -254,7 +254,7 @@ def _copy_shard(storage: Storage, shard: ShardInfo, w: ShardWriter) -> ShardInfo
         raise
     info = dataclasses.replace(shard, path=rel, bytes=size, sha256=sha, writer_id=w.writer_id, created_at=_now())
     w.manifest.shards.append(info)
-    w.manifest.save(w.storage)
+    w.save_manifest()
     return info
 
 

@@ -120,7 +120,9 @@ class Manifest:
     def rel_path(writer_id: str) -> str:
         return f"{MANIFEST_DIR}/{writer_id}.json"
 
-    def to_json(self) -> bytes:
+    def to_json(self, *, owner: str | None = None) -> bytes:
+        """The manifest file; ``owner`` names the writer process (on S3 it also makes each owner's writes differ
+        in content, so that their ETags differ and ``If-Match`` fences them: store/s3.py)."""
         doc = {
             "format": MANIFEST_FORMAT,
             "manifest_version": MANIFEST_VERSION,
@@ -130,6 +132,8 @@ class Manifest:
             "config": self.config,
             "shards": [dataclasses.asdict(s) for s in self.shards],
         }
+        if owner is not None:
+            doc["owner"] = owner
         return json.dumps(doc, indent=1, sort_keys=True, default=str).encode()
 
     @classmethod

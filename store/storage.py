@@ -1,19 +1,28 @@
-"""Where a dataset lives: a local directory, or any pyarrow filesystem URI (``s3://...``).
+"""Where a dataset lives: a local directory, ``s3://bucket/prefix``, or any other pyarrow filesystem.
 
-The commit protocol needs three operations: write a file so that it appears whole or
-not at all, list files, and read them. Locally that is write-temp, fsync, rename (plus
-an fsync of the directory so the rename itself survives a power cut). On object stores
-an upload becomes visible only when it completes, so the file is written straight to
-its final key.
+The commit protocol needs: write a file so that it appears whole or not at all, list files, read
+them, and one process at a time per writer id. What each kind of store guarantees:
+
+* **Local** (and a POSIX file system shared by hosts): write-temp, fsync, rename (plus an fsync of
+  the directory so the rename survives a power cut); a writer id is held with ``flock`` on
+  ``_manifests/<writer_id>.lock`` (on NFS only as far as its server honours locks).
+* **S3** (store/s3.py): shards uploaded in parts and completed with ``If-None-Match`` (created once,
+  visible whole on commit, an aborted upload never visible), manifests rewritten with ``If-Match`` on
+  the ETag their writer last wrote, a writer id held by a lease object.
+* **Other pyarrow filesystems** (GCS, HDFS, Azure): shards written under ``_tmp/`` and moved into
+  place on commit, so an aborted or crashed upload is never adopted; nothing stops two processes
+  from writing as one writer id: give each its own.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import os
 import queue
 import re
+import socket
 import threading
 import time
 import uuid
@@ -180,7 +189,27 @@ class Storage:
         else:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(root).resolve())
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.s3 = isinstance(self.fs, pafs.S3FileSystem)
         self.uri = root
+        self._bucket = None
+
+    @property
+    def bucket(self):
+        """The boto3 side of an S3 dataset (store/s3.py), made on first use."""
+        if self._bucket is None:
+            from rollshard.store.s3 import Bucket
+
+            self._bucket = Bucket(self.fs)
+        return self._bucket
+
+    def claim(self, writer_id: str, manifest_rel: str, *, lease_seconds: float | None = None) -> "Claim":
+        """Hold ``writer_id`` for this process (module docstring) until the claim's ``release``."""
+        if self.s3:
+            from rollshard.store.s3 import LEASE_SECONDS, Claim as S3Claim
+
+            return S3Claim(self.bucket, self.root, uri=self.uri, writer_id=writer_id, manifest_rel=manifest_rel,
+                           lease_seconds=lease_seconds or LEASE_SECONDS)
+        return Claim(self, writer_id, manifest_rel)
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -189,7 +218,8 @@ class Storage:
         return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
 
     def makedirs(self, rel: str) -> None:
-        self.fs.create_dir(self.path(rel), recursive=True)
+        if not self.s3:  # S3 has no directories: pyarrow would only add empty marker objects
+            self.fs.create_dir(self.path(rel), recursive=True)
 
     def list(self, rel_dir: str, suffix: str) -> list[str]:
         """Relative paths of the files directly under ``rel_dir`` ending in ``suffix``, sorted."""
@@ -249,49 +279,102 @@ class Storage:
         _fsync_dir(final.parent)
 
 
+class Claim:
+    """What a writer holds while it writes as one writer id, on a local or other filesystem (S3: store/s3.py):
+    a ``flock`` locally, nothing elsewhere (module docstring); its manifest is written with :meth:`Storage.write_atomic`."""
+
+    took_over = False  # S3 only: the writer id was another (dead) process's lease
+
+    def __init__(self, storage: Storage, writer_id: str, manifest_rel: str):
+        self.storage, self.writer_id, self._manifest = storage, writer_id, manifest_rel
+        self.token = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"  # this process's claim
+        self._fd: int | None = None
+        storage.makedirs(str(Path(manifest_rel).parent))
+        if storage.local:
+            fd = os.open(storage.path(f"{Path(manifest_rel).parent}/{writer_id}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                os.close(fd)
+                raise ClaimError(
+                    f"another process is writing into {storage.uri} as writer {writer_id!r}; "
+                    "give each process its own writer id"
+                ) from e
+            self._fd = fd
+
+    def load_manifest(self) -> bytes | None:
+        return self.storage.read_bytes(self._manifest) if self.storage.exists(self._manifest) else None
+
+    def save_manifest(self, data: bytes) -> None:
+        self.storage.write_atomic(self._manifest, data)
+
+    def check(self) -> None:
+        pass
+
+    def clean_uploads(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+class ClaimError(RuntimeError):
+    """Another process holds the writer id."""
+
+
 class PendingFile:
-    """A file being written that becomes visible at ``rel`` only on :meth:`commit`."""
+    """A file being written that becomes visible at ``rel`` only on :meth:`commit` (module docstring)."""
 
     def __init__(self, storage: Storage, rel: str):
         self.storage, self.rel = storage, rel
-        if storage.local:
-            storage.makedirs(TMP_DIR)
-            self._tmp = Path(storage.path(f"{TMP_DIR}/{uuid.uuid4().hex}~{Path(rel).name}"))
-            self._raw: BinaryIO = open(self._tmp, "wb")
+        self._tmp: str | None = None  # local and other filesystems: written here, moved to rel on commit
+        self._upload = None  # S3: completed on commit
+        if storage.s3:
+            from rollshard.store.s3 import Upload
+
+            self._upload = Upload(storage.bucket, storage.path(rel))
+            self._raw: Any = self._upload
         else:
-            self._tmp = None
-            self._raw = storage.fs.open_output_stream(storage.path(rel))
+            storage.makedirs(TMP_DIR)
+            self._tmp = f"{TMP_DIR}/{uuid.uuid4().hex}~{Path(rel).name}"
+            self._raw = (open(storage.path(self._tmp), "wb") if storage.local
+                         else storage.fs.open_output_stream(storage.path(self._tmp)))
         self.file = HashingFile(self._raw)
 
     def commit(self) -> tuple[str, int]:
         """Make the file visible; returns (sha256 hex, size in bytes)."""
         size = self.file.tell()
         self.file.close()  # drains the background writes and hash
-        if self._tmp is not None:
+        if self._upload is not None:
+            self._upload.complete()
+        elif self.storage.local:
             self._raw.flush()
             os.fsync(self._raw.fileno())
             self._raw.close()
             final = Path(self.storage.path(self.rel))
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self._tmp, final)
+            os.replace(self.storage.path(self._tmp), final)
             _fsync_dir(final.parent)
         else:
-            self._raw.close()  # completes the upload
+            self._raw.close()  # completes the upload of the temporary file
+            self.storage.fs.move(self.storage.path(self._tmp), self.storage.path(self.rel))
         return self.file.sha256.hexdigest(), size
 
     def discard(self) -> None:
-        """Drop the file; nothing becomes visible. Object stores only abort an upload on close
-        when it has not completed, which pyarrow cannot express, so a remote partial is deleted."""
+        """Drop the file; nothing becomes visible at ``rel``."""
         try:
             try:
                 self.file.abandon()
             finally:
-                self._raw.close()
+                if self._upload is not None:
+                    self._upload.abort()
+                else:
+                    self._raw.close()
         finally:
             if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
-            else:
-                self.storage.delete(self.rel)
+                self.storage.delete(self._tmp)
 
 
 def _fsync_dir(path: Path) -> None:

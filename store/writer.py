@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import fcntl
 import os
 import re
 import socket
@@ -52,6 +51,7 @@ from rollshard.store.schema import (
     file_metadata,
     rows_to_table,
 )
+from rollshard.store.s3 import PreconditionFailed, S3Error
 from rollshard.store.storage import PendingFile, Storage, TMP_DIR
 
 DICTIONARY_COLUMNS = [n for n in ROW_SCHEMA.names if n not in LIST_COLUMNS]
@@ -67,6 +67,7 @@ class WriterOptions:
     shard_bytes: int = 512 << 20  # a shard is committed once this many bytes are on disk
     dictionary_lists: bool = False  # dictionary-encode the list columns too (measured: worse)
     validate: bool = True  # check every invariant before a row is buffered
+    lease_seconds: float | None = None  # S3: the term of the writer id's lease (store/s3.py; None: its default)
 
 
 def default_writer_id() -> str:
@@ -94,13 +95,21 @@ class ShardWriter:
         self.config = config or {}
         self._schema = ROW_SCHEMA.with_metadata(file_metadata(self.config))
         self.storage.makedirs(SHARD_DIR)
-        self._lock = self._acquire_lock()
-        existing = Manifest.load(self.storage, self.writer_id)
-        self.manifest = existing or Manifest(writer_id=self.writer_id)
-        self.manifest.config = self.config or self.manifest.config
-        if existing is None:  # the dataset exists (empty) from the moment a writer opens it
-            self.manifest.save(self.storage)
-        self._adopt_orphans()
+        rel = Manifest.rel_path(self.writer_id)
+        self._claim = self.storage.claim(self.writer_id, rel, lease_seconds=self.options.lease_seconds)
+        try:
+            data = self._claim.load_manifest()
+            existing = None if data is None else Manifest.from_json(data, self.storage.path(rel))
+            self.manifest = existing or Manifest(writer_id=self.writer_id)
+            self.manifest.config = self.config or self.manifest.config
+            # The dataset exists (empty) from the moment a writer opens it. A writer id taken over from a dead
+            # process is written at once, so that process cannot commit behind this one's back (S3's fencing).
+            if existing is None or self._claim.took_over:
+                self.save_manifest()
+            self._adopt_orphans()
+        except BaseException:
+            self._claim.release()
+            raise
         self._buffer: list[pa.Table] = []
         self._buffer_bytes = 0
         self._pending: PendingFile | None = None
@@ -159,6 +168,7 @@ class ShardWriter:
     def commit(self) -> ShardInfo | None:
         """Flush and commit the open shard: after this returns its rows survive a crash."""
         self._check_open()
+        self._claim.check()  # S3: a writer whose lease was taken stops before it uploads more
         self.flush()
         if self._pq is None:
             return None
@@ -168,7 +178,12 @@ class ShardWriter:
         footer = self._pq.writer.metadata
         if [footer.row_group(i).num_rows for i in range(footer.num_row_groups)] != [r.rows for r in row_groups]:
             row_groups = None  # pyarrow cut a row group of its own: readers scan this shard instead
-        sha, size = pending.commit()
+        try:
+            sha, size = pending.commit()
+        except PreconditionFailed as e:
+            raise S3Error(f"{self.storage.uri}/{pending.rel} exists already: another process wrote it as writer "
+                          f"{self.writer_id!r}; this writer stopped (what it committed stays); give each process its "
+                          "own writer id, and rerun this one to adopt that shard") from e
         footer_sha = None
         if row_groups is not None:
             row_groups, footer_sha = with_ranges(row_groups, footer, pending.file.segments, size)
@@ -187,8 +202,12 @@ class ShardWriter:
             footer_sha256=footer_sha,
         )
         self.manifest.shards.append(info)
-        self.manifest.save(self.storage)
+        self.save_manifest()
         return info
+
+    def save_manifest(self) -> None:
+        """Write this writer's manifest (fenced on S3: store/s3.py)."""
+        self._claim.save_manifest(self.manifest.to_json(owner=self._claim.token))
 
     def close(self) -> None:
         """Commit what is buffered and release the writer id."""
@@ -291,34 +310,18 @@ class ShardWriter:
                 )
             )
         if orphans:
-            self.manifest.save(self.storage)
-        if self.storage.local:  # temp files of an earlier crashed run of this writer id are garbage
-            mine = re.compile(rf"^{TMP_DIR}/[0-9a-f]+~{re.escape(self.writer_id)}-\d+\.parquet$")
-            for rel in self.storage.list(TMP_DIR, ".parquet"):
-                if mine.match(rel):
-                    self.storage.delete(rel)
-            self.storage.remove_atomic_leftovers(Manifest.rel_path(self.writer_id))
-
-    def _acquire_lock(self):
-        if not self.storage.local:
-            return None
-        self.storage.makedirs("_manifests")
-        fd = os.open(self.storage.path(f"_manifests/{self.writer_id}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            os.close(fd)
-            raise RuntimeError(
-                f"another process is writing into {self.storage.uri} as writer {self.writer_id!r}; "
-                "give each process its own writer id"
-            ) from e
-        return fd
+            self.save_manifest()
+        # What an earlier crashed run of this writer id left unfinished is garbage: temporary files, uploads.
+        mine = re.compile(rf"^{TMP_DIR}/[0-9a-f]+~{re.escape(self.writer_id)}-\d+\.parquet$")
+        for rel in self.storage.list(TMP_DIR, ".parquet"):
+            if mine.match(rel):
+                self.storage.delete(rel)
+        self._claim.clean_uploads()
+        self.storage.remove_atomic_leftovers(Manifest.rel_path(self.writer_id))
 
     def _release(self) -> None:
         self._closed = True
-        if self._lock is not None:
-            os.close(self._lock)  # releases the flock
-            self._lock = None
+        self._claim.release()
 
     def _check_open(self) -> None:
         if self._closed:

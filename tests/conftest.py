@@ -90,3 +90,62 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+    """A real S3-protocol server (moto's standalone server) on 127.0.0.1 for the session; yields its URL."""
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("s3") / "moto.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _s3_up(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto's S3 server did not start (exit {proc.poll()}); log:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _s3_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/moto-api/", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.fixture
+def s3_dataset(s3_endpoint, request) -> Iterator[str]:
+    """``s3://<a fresh bucket>/data`` on the session's S3 server; the environment points every client
+    (pyarrow, boto3, subprocesses) at it, as a user's would with ``AWS_ENDPOINT_URL``."""
+    import re
+    import uuid
+
+    import boto3
+
+    with pytest.MonkeyPatch.context() as env:  # its own: a test's monkeypatch.undo() keeps the endpoint
+        for k, v in {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}.items():
+            env.setenv(k, v)
+        env.delenv("AWS_PROFILE", raising=False)
+        name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+        boto3.client("s3").create_bucket(Bucket=name)
+        yield f"s3://{name}/data"

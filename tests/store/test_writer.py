@@ -126,12 +126,12 @@ def test_reopened_writer_continues_its_manifest(tmp_path):
 def test_crash_between_rename_and_manifest_is_adopted(tmp_path, monkeypatch):
     table = synthetic_table(3, 2, seed=7, **SMALL)
 
-    def crash(self, storage):
+    def crash(self):
         raise OSError("disk vanished")
 
     with pytest.raises(OSError):
         with ShardWriter(tmp_path, writer_id="w0") as w:
-            monkeypatch.setattr(Manifest, "save", crash)
+            monkeypatch.setattr(ShardWriter, "save_manifest", crash)
             w.write_groups(table)
     monkeypatch.undo()
     assert os.listdir(tmp_path / "shards") == ["w0-00000.parquet"]  # renamed, not in a manifest
