@@ -12,8 +12,10 @@ Presets:
 * ``tiny-gpt2`` (alias ``tiny``): GPT-2 architecture, which SGLang runs on CPU
   (``--device cpu --attention-backend torch_native``).
 * ``tiny-qwen3``: Qwen3 architecture (grouped-query attention, RoPE, RMSNorm).
+* ``tiny-qwen3-moe``: Qwen3-MoE architecture (the same attention; 4 experts, top-2 router), for the
+  megatron backend's mixture-of-experts path.
 
-Both have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
+All have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
 a function of the seed alone; the tokenizer is a function of the corpus alone.
 
 Special tokens and chat format (ChatML, as Qwen):
@@ -31,9 +33,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-PRESETS = ("tiny-gpt2", "tiny-qwen3")
+PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe")
 PRESET_ALIASES = {"tiny": "tiny-gpt2"}
-PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3"}
+PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe"}
 
 VOCAB_SIZE = 1024  # target of BPE training; 256 byte symbols + special tokens + merges
 CONTEXT = 1024  # positions; multi-agent prompts reach ~1k tokens
@@ -117,7 +119,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
 
 
 def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
-    from transformers import GPT2Config, Qwen3Config
+    from transformers import GPT2Config, Qwen3Config, Qwen3MoeConfig
 
     if preset == "tiny-gpt2":
         return GPT2Config(
@@ -134,6 +136,25 @@ def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+        )
+    if preset == "tiny-qwen3-moe":
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=CONTEXT,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            tie_word_embeddings=True,
         )
     return Qwen3Config(
         vocab_size=vocab_size,

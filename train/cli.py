@@ -64,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
     from rollshard.store.dataset import DatasetNotFoundError
+    from rollshard.train.backends import close_env, parallel_env
     from rollshard.train.backends.distributed import close_distributed, init_distributed
     from rollshard.train.trainer import NonFiniteError, Trainer
 
     env = init_distributed()
     trainer = None
     try:
+        env = parallel_env(config, env)  # megatron: the data-parallel ranks
         trainer = Trainer(config, env=env)
         trainer.run()
     except NonFiniteError as e:
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        close_env(env)
         close_distributed(env)
     if trainer.stopped_by is not None:
         if env.is_main:

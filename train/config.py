@@ -104,7 +104,12 @@ class ModelConfig:
     """The policy model and its backend."""
 
     path: str = _f("", "Hugging Face model folder of the policy (the one that generated the data)", flag="model")
-    backend: Literal["hf"] = _f("hf", "model backend: hf (transformers; FSDP2 under torchrun)")
+    backend: Literal["hf", "megatron"] = _f(
+        "hf", "model backend: hf (transformers; FSDP2 under torchrun) or megatron (megatron-core; --tp, --pp, --ep)"
+    )
+    tp: int = _f(1, "megatron backend: tensor-parallel size (torchrun processes = tp x pp x data-parallel)")
+    pp: int = _f(1, "megatron backend: pipeline-parallel size (stages of the decoder layers)")
+    ep: int = _f(1, "megatron backend: expert-parallel size (mixture-of-experts models)")
     dtype: DType = _f("auto", "compute dtype: auto = bfloat16 autocast where the device supports it, else float32")
     attn_implementation: str = _f(
         ATTN_AUTO,
@@ -333,6 +338,11 @@ class TrainConfig:
             (tr.max_steps is None or tr.max_steps >= 1, "--max-steps must be >= 1 (or 'none': until the data ends)"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
             (self.model.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
+            (min(self.model.tp, self.model.pp, self.model.ep) >= 1, "--tp, --pp and --ep must be >= 1"),
+            (
+                self.model.backend == "megatron" or (self.model.tp, self.model.pp, self.model.ep) == (1, 1, 1),
+                "--tp, --pp and --ep split a megatron model; add --backend megatron (the hf backend shards with FSDP)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,0 +1,106 @@
+"""Worker of tests/train/test_megatron.py: the megatron backend against the hf backend on the same weights and batch.
+
+    torchrun --standalone --nproc_per_node N megatron_step_worker.py MODEL DATA OUT TP PP
+
+(or in process, one rank). Every rank builds both backends: hf on one process (no FSDP), megatron split by
+``--tp TP --pp PP``. On the first micro-batches of the dataset's first step (two temperatures among them) both
+compute logprobs and entropies, then the same loss (a fixed per-token weighting of logp plus an entropy term),
+backward and one AdamW step. Rank 0 writes ``OUT/report.json``: the largest differences of logprobs and
+entropies, of the gradients (megatron's pieces joined into Hugging Face names by weights.to_hf) and of the
+exported weights after the step, with the largest gradient and weight change for scale.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollshard.store.loader import LoaderConfig, RolloutLoader
+from rollshard.train.backends.distributed import DistEnv, init_distributed
+from rollshard.train.backends.hf import HFBackend
+from rollshard.train.backends.megatron import weights as W
+from rollshard.train.backends.megatron.backend import MegatronBackend
+from rollshard.train.backends.megatron.parallel import close_parallel, init_parallel
+from rollshard.train.config import ModelConfig, OptimConfig
+
+LR = 1e-3
+MICRO_BATCHES = 2
+
+
+def loss_of(logp: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    w = torch.sin(torch.arange(logp.numel(), dtype=torch.float32)) * mask  # [T] fixed "advantages"
+    return -(logp * w).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
+
+
+def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
+    out_dir = Path(out)
+    env = init_parallel(init_distributed(), tp=tp, pp=pp, ep=1)
+    optim = OptimConfig(lr=LR, max_grad_norm=1.0)
+    hf = HFBackend(ModelConfig(path=model), optim, env=DistEnv(), total_updates=None)
+    mg = MegatronBackend(ModelConfig(path=model, backend="megatron", tp=tp, pp=pp), optim, env=env, total_updates=None)
+    with RolloutLoader(data, LoaderConfig(groups_per_step=4, micro_batch_tokens=96)) as loader:
+        mbs = next(iter(loader)).micro_batches[:MICRO_BATCHES]
+    diffs = {"logp": 0.0, "entropy": 0.0}
+    temps = set()
+    for mb in mbs:
+        lp_h, ent_h = hf.logprobs(mb, grad=True, entropy=True)
+        lp_m, ent_m = mg.logprobs(mb, grad=True, entropy=True)
+        mask = mb.loss_mask
+        temps |= set(mb.temperature[mask > 0].tolist())
+        diffs["logp"] = max(diffs["logp"], float(((lp_h - lp_m).detach() * mask).abs().max()))
+        diffs["entropy"] = max(diffs["entropy"], float(((ent_h - ent_m).detach() * mask).abs().max()))
+        hf.backward(loss_of(lp_h, ent_h, mask))
+        mg.backward(loss_of(lp_m, ent_m, mask))
+    name = f"pp{mg.pp_rank}-tp{mg.tp_rank}-ep0.safetensors"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_grads: dict[str, torch.Tensor] = {}
+
+    def capture(backend, save):  # the gradients the update uses: reduced and clipped
+        real = backend.optimizer.step
+
+        def step():
+            save()
+            return real()
+
+        backend.optimizer.step = step
+
+    capture(hf, lambda: hf_grads.update({n: p.grad.detach().clone() for n, p in hf.hf_model.named_parameters()}))
+    capture(mg, lambda: save_file(
+        {n: p.grad.contiguous() for n, p in mg.model.named_parameters()}, str(out_dir / f"grad-{name}")
+    ))
+    norms = (hf.optimizer_step()["optim/grad_norm"], mg.optimizer_step()["optim/grad_norm"])
+    mg.export_model(out_dir / "megatron")
+    env.barrier()
+    if env.is_main:
+        hf.export_model(out_dir / "hf")
+        parts = {(s, r, 0): load_file(str(out_dir / f"grad-pp{s}-tp{r}-ep0.safetensors")) for s in range(pp) for r in range(tp)}
+        grads = W.to_hf(parts, mg.arch, tp=tp, pp=pp, ep=1)
+        a, b = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(str(out_dir / "megatron" / "model.safetensors"))
+        before = load_file(str(Path(model) / "model.safetensors"))
+        report = {
+            **diffs,
+            "temperatures": sorted(temps),
+            "grad_names": sorted(grads) == sorted(k for k in hf_grads if k in grads) and len(grads),
+            "grad": max(float((grads[k] - hf_grads[k]).abs().max()) for k in grads),
+            "grad_by_name": {k: float((grads[k] - hf_grads[k]).abs().max()) for k in grads},
+            "grad_max": max(float(hf_grads[k].abs().max()) for k in grads),
+            "grad_norm": list(norms),
+            "weight_names": sorted(a) == sorted(b),
+            "weight": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "step_max": max(float((a[k] - before[k].float()).abs().max()) for k in a),
+            # AdamW's first update is lr * g / (|g| + eps): where |g| is near eps (1e-8) a gradient difference of
+            # fp32 rounding moves it by a fraction of lr; elsewhere it is lr * sign(g) on both.
+            "weight_big_grad": max(
+                float(((a[k] - b[k]).abs() * (hf_grads[k].abs() > 1e-6)).max()) for k in a if k in hf_grads
+            ),
+        }
+        (out_dir / "report.json").write_text(json.dumps(report))
+    close_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -1,0 +1,395 @@
+"""The ``megatron`` backend: a megatron-core GPTModel with tensor, pipeline and data parallelism.
+
+* Weights come from the Hugging Face safetensors of ``--model`` (or a checkpoint), each rank reading only
+  the tensors its piece needs (:mod:`.weights`), as fp32 master weights; compute is fp32 on CPU and
+  bf16 autocast on GPUs (the head and log softmax in fp32 either way).
+* Logprobs: :mod:`.forward` (packed sequences, explicit block-diagonal mask, vocabulary-parallel log
+  softmax of ``logits / temperature``). Every rank returns the same ``logp [T]``; the trainer's loss is
+  computed on each of them (one replica per model-parallel group).
+* Pipeline parallel: stage by stage per micro-batch. A stage receives the previous stage's hidden states
+  (``[T, 1, H]``, its size known from the batch), runs its layers and sends them on; the last stage
+  computes the logprobs and broadcasts them over the pipeline group. ``backward`` runs the last stage's
+  backward from the loss and hands each stage's input gradient back down. The trainer computes its loss
+  outside the model, one micro-batch at a time, so megatron-core's pipeline schedules (which own the loss
+  function and interleave micro-batches) are not used: stages run in turn, for memory, not overlap.
+* Gradients of the q/k norms (Qwen3) are summed over the tensor-parallel group: each rank applies them to its
+  own heads only (megatron-core's ``finalize_model_grads`` does the same).
+* Data parallel: gradients are summed over the data-parallel group before the update (each rank's loss
+  is normalized by the global token count, so the sum is the global gradient); the tied embedding's
+  gradient is summed over megatron's embedding group (first and last stage) when ``pp > 1``.
+* Optimizer: torch AdamW over the local parameters (elementwise, so a split parameter's update is the
+  slice of the whole one's), global gradient-norm clipping over every model-parallel rank (a parameter
+  held whole by every tensor-parallel rank counted once), a non-finite norm skipping the update.
+  megatron-core's distributed optimizer needs CUDA and its DDP buffers; this one runs on both.
+* Checkpoints: ``save_state`` writes each rank's fp32 weights (megatron names) and AdamW state to its own
+  safetensors file in ``shards/`` (``shard-{global rank + 1:05d}-model-00001-of-00001.safetensors``, its
+  tp/pp/ep layout in the header); ``load_state`` reads it back bit for bit, refusing another layout.
+  ``export_model`` writes the Hugging Face model folder: each model-parallel rank of data-parallel rank 0
+  writes its piece, rank 0 joins them (:func:`.weights.to_hf`, the whole model in its memory once) and
+  writes ``model.safetensors`` with the source folder's config and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from rollshard.train.backends.megatron import weights as W
+from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
+from rollshard.train.backends.megatron.model import arch_of, build_model, check_layout, transformer_config
+from rollshard.train.backends.megatron.parallel import ParallelEnv
+from rollshard.train.backends.schedule import lr_factor
+from rollshard.train.config import ModelConfig, OptimConfig
+from rollshard.train.logprobs import Support, chunk_rows, loss_positions, sampling_temperature
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PIECES_DIR = ".megatron-pieces"  # each model-parallel rank's piece while an export joins them
+MODEL_KEY, OPTIM_KEY, OPTIM_META = "model/", "optim/", "optimizer.json"
+
+
+class HFWeights:
+    """The tensors of a Hugging Face safetensors folder by name, each read when asked (one file or an index)."""
+
+    def __init__(self, folder: Path):
+        index = folder / SAFE_INDEX
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+            self.where = {k: folder / f for k, f in files.items()}
+        elif (folder / SAFE_WEIGHTS).is_file():
+            with safe_open(str(folder / SAFE_WEIGHTS), framework="pt") as f:
+                self.where = {k: folder / SAFE_WEIGHTS for k in f.keys()}
+        else:
+            raise ValueError(f"{folder} holds no {SAFE_WEIGHTS} (or index); --backend megatron loads safetensors weights")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"the checkpoint lacks weight {name!r}, which this architecture needs; is --model complete?")
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return f.get_tensor(name).float()
+
+
+def _shard_file(rank: int) -> str:
+    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+
+
+class MegatronBackend:
+    """Policy (and optional reference) model split over tensor/pipeline ranks, AdamW, and the update step."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        *,
+        env: ParallelEnv,
+        total_updates: int | None,
+        weights_from: str | Path | None = None,
+        need_reference: bool = False,
+    ):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        self.cfg, self.optim_cfg, self.env = model_cfg, optim_cfg, env
+        self.source = Path(model_cfg.path)
+        self.device = env.device()
+        self.total_updates, self.updates = total_updates, 0
+        try:
+            self.hf_config = AutoConfig.from_pretrained(str(self.source))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read a model config from {self.source}: {e}; --model takes a Hugging Face model folder") from e
+        self.arch = arch_of(self.hf_config)
+        check_layout(self.arch, tp=env.tp, pp=env.pp, ep=env.ep)
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank() if self.arch.moe else 0
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == env.pp - 1
+        self.bf16 = self.device.type == "cuda" and model_cfg.dtype in ("auto", "bfloat16") and torch.cuda.is_bf16_supported()
+        self.mcfg = transformer_config(self.arch, tp=env.tp, pp=env.pp, ep=env.ep, bf16=self.bf16)
+        self.chunk = chunk_rows(self.arch.vocab // env.tp, model_cfg.logprob_chunk_mib)
+        self.model = self._load(Path(weights_from) if weights_from else self.source)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in self.model.named_parameters()}
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.adam_eps,
+            weight_decay=optim_cfg.weight_decay,
+        )
+        self.reference = None
+        if need_reference:
+            self.reference = self._load(self.source)
+            self.reference.requires_grad_(False)
+        self._freqs = self.model.rotary_pos_emb(self.arch.max_positions)  # [P, 1, 1, D]
+        self._pending: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # (stage input, stage output)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _load(self, folder: Path):
+        model = build_model(self.arch, self.mcfg, pre_process=self.first, post_process=self.last).to(self.device)
+        piece = W.to_megatron(
+            HFWeights(folder), self.arch, tp_rank=self.tp_rank, tp=self.env.tp, pp_rank=self.pp_rank, pp=self.env.pp,
+            ep_rank=self.ep_rank, ep=self.env.ep,
+        )
+        self._assign(model, piece)
+        return model
+
+    def _assign(self, model, piece: dict[str, torch.Tensor]) -> None:
+        from rollshard.train.backends.megatron.model import have_transformer_engine
+
+        if have_transformer_engine():
+            piece = W.te_names(piece, to_te=True)
+        params = dict(model.named_parameters())
+        missing = sorted(set(params) - set(piece))
+        extra = sorted(set(piece) - set(params))
+        assert not missing and not extra, (missing, extra)  # weights.py and model.py describe one layout
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(piece[name])
+
+    def local_weights(self, model=None) -> dict[str, torch.Tensor]:
+        """This rank's weights under megatron's local-spec names (fp32, detached)."""
+        from rollshard.train.backends.megatron.model import have_transformer_engine
+
+        sd = {n: p.detach() for n, p in (model or self.model).named_parameters()}
+        return W.te_names(sd, to_te=False) if have_transformer_engine() else sd
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def _p2p(self, tensor: torch.Tensor, *, send: bool, peer_stage: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        ranks = ps.get_pipeline_model_parallel_group()
+        peer = dist.get_global_rank(ranks, peer_stage)
+        (dist.send if send else dist.recv)(tensor, peer)
+
+    def logprobs(self, batch: Any, *, grad: bool, entropy: bool = False, reference: bool = False, support: bool = False):
+        """``(logp [T], entropy [T] | None)`` of one packed micro-batch (the same on every rank); with ``support``
+        a third element, None: sampling supports are refused (see :meth:`_refuse_support`)."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: it is built only when kl_coef > 0")
+        if support and Support.of(batch) is not None:
+            self._refuse_support()
+        dev = self.device
+        ids, pos = batch.input_ids.to(dev), batch.position_ids.to(dev)
+        at = loss_positions(batch.loss_mask.to(dev))  # [K]
+        temp = sampling_temperature(batch.temperature.to(dev).float()).index_select(0, at)  # [K]
+        T = ids.numel()
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
+        with torch.set_grad_enabled(grad), autocast:
+            inp = None
+            if not self.first:
+                inp = torch.empty(T, 1, self.arch.hidden, device=dev, dtype=torch.float32)
+                self._p2p(inp, send=False, peer_stage=self.pp_rank - 1)
+                inp.requires_grad_(grad)
+                model.set_input_tensor(inp)
+            out = stage_hidden(model, ids, pos, self._freqs)  # [T, 1, H]
+            if not self.last:
+                self._p2p(out.detach().float().contiguous(), send=True, peer_stage=self.pp_rank + 1)
+                lp = torch.empty(at.numel(), device=dev)
+                ent = torch.empty(at.numel(), device=dev) if entropy else None
+            else:
+                lp, ent = head_logprobs(
+                    model, out.float(), ids, at, temp, with_entropy=entropy, chunk_tokens=self.chunk
+                )
+        if grad:
+            self._pending.append((inp, out))
+        if self.env.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+            for t in (lp, ent) if ent is not None else (lp,):
+                shared = t.detach().clone() if self.last else t
+                dist.broadcast(shared, src, group=group)
+                if not self.last:
+                    t.copy_(shared)
+
+        def scatter(v: torch.Tensor) -> torch.Tensor:  # [K] -> [T]
+            return torch.zeros(T, dtype=v.dtype, device=v.device).index_copy(0, at, v)
+
+        out_t = (scatter(lp), None if ent is None else scatter(ent))
+        return (*out_t, None) if support else out_t
+
+    def _refuse_support(self) -> None:
+        raise ValueError(
+            "--backend megatron does not yet renormalize over stored sampling supports (top-p/top-k rows of schema "
+            "1.1); train this dataset with --backend hf"
+        )
+
+    def set_gradient_sync(self, sync: bool) -> None:
+        """Gradients are summed over the data-parallel group in :meth:`optimizer_step`, once per update."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's loss replica through its stage; the stages hand input gradients down."""
+        inp, out = self._pending.pop(0)
+        if self.last:
+            loss.backward()
+        else:
+            grad = torch.empty(out.shape, device=self.device, dtype=torch.float32)
+            self._p2p(grad, send=False, peer_stage=self.pp_rank + 1)
+            torch.autograd.backward(out, grad.to(out.dtype))
+        if not self.first:
+            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self._p2p(g.contiguous(), send=True, peer_stage=self.pp_rank - 1)
+
+    def lr(self, update: int | None = None) -> float:
+        o = self.optim_cfg
+        total = o.decay_steps if o.decay_steps is not None else self.total_updates
+        u = self.updates if update is None else update
+        return o.lr * lr_factor(u, warmup=o.warmup_steps, total=total, decay=o.lr_decay, min_ratio=o.min_lr_ratio)
+
+    def _is_tied_copy(self, name: str) -> bool:
+        """The last stage's copy of a tied embedding (pp > 1): counted on the first stage only."""
+        return self.arch.tied and not self.first and name == "output_layer.weight"
+
+    def _reduce_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.env.tp > 1 and self.arch.qk_norm:
+            # Each rank's q/k norms saw its own heads only: the whole gradient is the sum (megatron-core's
+            # finalize_model_grads does the same).
+            for p in self.params:
+                if "q_layernorm" in self.names[p] or "k_layernorm" in self.names[p]:
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.env.world_size > 1:
+            group = ps.get_data_parallel_group()
+            for p in self.params:
+                dist.all_reduce(p.grad, group=group)
+        if self.arch.tied and self.env.pp > 1 and (self.first or self.last):
+            shared = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+
+    def grad_norm(self) -> float:
+        """The global gradient norm: every element of the whole model once."""
+        from megatron.core import parallel_state as ps
+
+        split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if self._is_tied_copy(self.names[p]):
+                continue
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if W.is_split(self.names[p]):
+                split += sq
+            else:
+                whole += sq
+        # Summed over the model-parallel group (tp x pp): a whole parameter is held by each of the tp ranks.
+        total = (split + whole / self.env.tp).to(self.device)
+        if self.env.tp * self.env.pp > 1:
+            dist.all_reduce(total, group=ps.get_model_parallel_group())
+        return float(total.sqrt())
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Sum gradients over data-parallel ranks, clip, step (unless the norm is not finite), zero them."""
+        lr = self.lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._reduce_grads()
+        norm = self.grad_norm()
+        finite = norm == norm and norm != float("inf")
+        max_norm = self.optim_cfg.max_grad_norm
+        if finite and max_norm is not None:
+            coef = min(max_norm / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s factor
+            for p in self.params:
+                p.grad.mul_(coef)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        return {"optim/grad_norm": norm, "optim/lr": lr, "optim/skipped": 0.0 if finite else 1.0}
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, str]:
+        e = self.env
+        return {"tp": str(e.tp), "pp": str(e.pp), "ep": str(e.ep), "tp_rank": str(self.tp_rank),
+                "pp_rank": str(self.pp_rank), "ep_rank": str(self.ep_rank), "dp_rank": str(e.rank)}
+
+    def save_state(self, folder: Path) -> None:
+        """Every rank's weights and AdamW state, each in its own file (collective only through the caller's barriers)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {MODEL_KEY + n: t.contiguous() for n, t in self.local_weights().items()}
+        scalars: dict[str, dict[str, Any]] = {}
+        for p, name in self.names.items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIM_KEY}{name}/{key}"] = value.detach().contiguous()
+                else:
+                    scalars.setdefault(name, {})[key] = value
+        save_file(tensors, str(folder / _shard_file(self.env.global_rank)), metadata=self._layout())
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        meta = {"param_groups": groups, "scalars": scalars}
+        (folder / f"optimizer-{self.env.global_rank + 1:05d}.json").write_text(json.dumps(meta, indent=1))
+        if self.env.is_main:
+            (folder / OPTIM_META).write_text(json.dumps({"backend": "megatron", **self._layout()}, indent=1))
+
+    def load_state(self, folder: Path) -> None:
+        """This rank's file of a :meth:`save_state` folder, bit for bit; ValueError for another parallel layout."""
+        path = folder / _shard_file(self.env.global_rank)
+        if not path.is_file():
+            raise ValueError(f"{folder} holds no {path.name}: it was not written by --backend megatron with this layout")
+        with safe_open(str(path), framework="pt") as f:
+            layout = f.metadata() or {}
+        mine = self._layout()
+        keys = ("tp", "pp", "ep", "tp_rank", "pp_rank", "ep_rank")
+        if any(layout.get(k) != mine[k] for k in keys):
+            raise ValueError(
+                f"{folder} was written with --tp {layout.get('tp')} --pp {layout.get('pp')} --ep {layout.get('ep')}; "
+                f"resume with the same layout (this run: --tp {mine['tp']} --pp {mine['pp']} --ep {mine['ep']})"
+            )
+        tensors = load_file(str(path))
+        meta = json.loads((folder / f"optimizer-{self.env.global_rank + 1:05d}.json").read_text())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(tensors[MODEL_KEY + name])
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+            group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items()})
+        for p, name in self.names.items():
+            state = {k[len(f"{OPTIM_KEY}{name}/"):]: v for k, v in tensors.items() if k.startswith(f"{OPTIM_KEY}{name}/")}
+            state.update(meta["scalars"].get(name, {}))
+            if state:
+                self.optimizer.state[p] = state
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        raise ValueError("format-1 checkpoints hold hf backend optimizer state; resume them with --backend hf")
+
+    def export_model(self, folder: Path) -> None:
+        """The Hugging Face model folder of the fp32 master weights (collective: rank 0 joins every piece)."""
+        pieces = folder / PIECES_DIR
+        if self.env.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            if pieces.exists():
+                shutil.rmtree(pieces)
+            pieces.mkdir()
+        self.env.barrier()
+        if self.env.rank == 0:  # data-parallel rank 0: one replica of every piece
+            name = f"pp{self.pp_rank}-tp{self.tp_rank}-ep{self.ep_rank}.safetensors"
+            save_file({n: t.contiguous() for n, t in self.local_weights().items()}, str(pieces / name))
+        self.env.barrier()
+        if self.env.is_main:
+            e = self.env
+            parts = {
+                (s, r, x): load_file(str(pieces / f"pp{s}-tp{r}-ep{x}.safetensors"))
+                for s in range(e.pp) for r in range(e.tp) for x in range(e.ep if self.arch.moe else 1)
+            }
+            ep = e.ep if self.arch.moe else 1
+            hf = W.to_hf(parts, self.arch, tp=e.tp, pp=e.pp, ep=ep)
+            save_file({k: v.contiguous() for k, v in hf.items()}, str(folder / SAFE_WEIGHTS), metadata={"format": "pt"})
+            shutil.rmtree(pieces)
+            for f in self.source.iterdir():
+                if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
+                    shutil.copy2(f, folder / f.name)
+            cfg_path = folder / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["dtype"] = cfg["torch_dtype"] = "float32"  # the master weights written
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,68 @@
+"""megatron-core 0.16.1 on CPU with gloo: the few things it assumes of a CUDA device, and what is done instead.
+
+Applied by :func:`apply` only where CUDA is absent (``torch.cuda.is_available()`` False); on a GPU nothing
+here runs and megatron-core is used as it ships.
+
+* **Device lookup.** megatron-core allocates buffers with ``device=torch.cuda.current_device()``
+  (rotary frequencies, token dispatcher counts, tensor-parallel gathers). On a CPU-only torch that call
+  raises; here it returns the CPU device, so those tensors land where the model is.
+* **RNG tracker.** The default tracker forks and restores CUDA generator states around every
+  tensor-parallel initialization and dropout (``get_cuda_rng_tracker().fork()``), which needs CUDA.
+  :func:`init_rng_tracker` selects megatron-core's inference tracker (``inference_rng_tracker=True``), whose
+  ``fork`` is a no-op. Harmless here: weights are loaded from the Hugging Face checkpoint, never drawn,
+  and dropout is off (the engines that sampled have none).
+* **Attention mask.** The local (non-Transformer-Engine) attention takes no packed-sequence
+  parameters (THD); the packed sequences of a micro-batch get an explicit block-diagonal causal mask
+  instead (:func:`rollshard.train.backends.megatron.forward.packed_causal_mask`). Transformer Engine's
+  spec on GPUs could take ``PackedSeqParams``; this backend uses the mask on every device (one code path).
+* **MoE router without Transformer Engine.** ``moe_utils.RouterGatingLinearFunction`` tests
+  ``te_general_gemm is not None``, a name only bound when Transformer Engine imports (a NameError without it);
+  :func:`apply` binds it to None, which selects the function's own ``torch.mm`` path. The alltoall token
+  dispatcher creates a CUDA stream in its constructor, so on CPU the MoE layers use the allgather dispatcher
+  (``rollshard.train.backends.megatron.model``).
+* **vocab_parallel_cross_entropy** overwrites its logits argument in place (it subtracts the max and
+  exponentiates into the same storage). This backend never calls it: its logprobs come from its own
+  vocab-parallel log softmax (``forward.vocab_parallel_logprobs``), which also divides by each row's
+  temperature and gives the entropy. :func:`cross_entropy` is a safe wrapper for anyone who needs the
+  library's function here (it passes a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+
+def cpu_only() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Patch the device lookup (idempotent; nothing where CUDA is present)."""
+    global _APPLIED
+    if _APPLIED or not cpu_only():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # megatron-core allocates on it
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # its torch.mm fallback
+    _APPLIED = True
+
+
+def init_rng_tracker() -> None:
+    """The inference RNG tracker on CPU (no CUDA generator states to fork); the default one on GPUs, seeded."""
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
+
+    if cpu_only():
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:
+        model_parallel_cuda_manual_seed(0)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy`` without touching ``logits`` (it works in place on its input)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits.clone(), target)

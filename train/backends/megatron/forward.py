@@ -1,0 +1,103 @@
+"""One pipeline stage's forward over a packed micro-batch, and the logprobs from vocabulary-split logits.
+
+Packing: the micro-batch's sequences run laid end to end as one sequence of ``T`` tokens (batch 1),
+with an explicit block-diagonal causal mask (:func:`packed_causal_mask`: no token attends across a
+sequence boundary) and rotary embeddings taken at each token's own position id (restarting at 0 per
+sequence), exactly the positions the hf backend and the engines use.
+
+Logprobs (:func:`vocab_parallel_logprobs`): each tensor-parallel rank holds the logits of its slice of the
+vocabulary, ``[K, V / tp]``, and never the whole ``[K, V]``: of ``z = logits / temperature`` (each row's own
+temperature, greedy rows at 1, as :func:`rollshard.train.logprobs.sampling_temperature`) the row max, the
+sum of ``exp(z - max)`` and the target's ``z`` are all-reduced over the tensor-parallel group, giving
+``logp = z[target] - logsumexp(z)``; the entropy ``logsumexp(z) - sum p z`` takes one more all-reduce. The
+reductions are megatron's ``reduce_from_tensor_model_parallel_region`` (sum forward, identity backward):
+every rank computes the same loss, and each rank's backward carries the gradient of its own slice. All in
+fp32, the head too (``fp32_lm_head``), as the hf backend. Response positions are scored in chunks of
+``chunk_tokens`` rows (activation-checkpointed in backward when there is more than one).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:  # [1, 1, T, T] bool, True = masked
+    """Causal within each packed sequence (a sequence starts where the position id is 0), nothing across."""
+    seq = torch.cumsum((position_ids == 0).long(), 0)  # [T] sequence index of each token
+    T = position_ids.numel()
+    idx = torch.arange(T, device=position_ids.device)
+    masked = (seq[:, None] != seq[None, :]) | (idx[None, :] > idx[:, None])  # [T, T]
+    return masked[None, None]
+
+
+def stage_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """This stage's output ``[T, 1, H]``: embedding (first stage) or the tensor set by ``set_input_tensor``,
+    then its decoder layers (and, on the last stage, the final norm)."""
+    x = None
+    if model.pre_process:
+        x = model.embedding(input_ids=input_ids[None], position_ids=position_ids[None])  # [T, 1, H]
+    rope = freqs.index_select(0, position_ids)  # [T, 1, 1, D] each token at its own position
+    return model.decoder(hidden_states=x, attention_mask=packed_causal_mask(position_ids), rotary_pos_emb=rope)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,  # [C, V/tp] fp32, this rank's vocabulary slice
+    targets: torch.Tensor,  # [C] global token ids
+    temperature: torch.Tensor,  # [C]
+    vocab_start: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [C], [C] or None
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce
+
+    z = logits / temperature.unsqueeze(-1)  # [C, V/tp]
+    peak = z.detach().amax(-1)  # [C] any constant gives the same value and gradient
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    e = torch.exp(z - peak.unsqueeze(-1))  # [C, V/tp]
+    total = reduce(e.sum(-1))  # [C]
+    lse = torch.log(total) + peak  # [C]
+    local = targets - vocab_start  # [C]
+    mine = (local >= 0) & (local < z.shape[-1])  # [C] targets in this rank's slice
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)  # [C]
+    picked = reduce(torch.where(mine, picked, torch.zeros_like(picked)))  # [C] exactly one rank contributes
+    logp = picked - lse
+    entropy = None
+    if with_entropy:
+        entropy = lse - reduce((e * z).sum(-1)) / total  # [C] H = lse - E_p[z]
+    return logp, entropy
+
+
+def head_logprobs(
+    model,
+    hidden: torch.Tensor,  # [T, 1, H] the last stage's output (after the final norm)
+    input_ids: torch.Tensor,  # [T]
+    at: torch.Tensor,  # [K] scored positions
+    temperature: torch.Tensor,  # [K]
+    *,
+    with_entropy: bool,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [K], [K] or None
+    from megatron.core import parallel_state as ps
+
+    h = hidden.index_select(0, at - 1)  # [K, 1, H] the state at t-1 predicts token t
+    targets = input_ids.index_select(0, at)  # [K]
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    start = ps.get_tensor_model_parallel_rank() * (model.vocab_size // ps.get_tensor_model_parallel_world_size())
+
+    def chunk(h_c: torch.Tensor, t_c: torch.Tensor, temp_c: torch.Tensor):
+        with torch.autocast(h_c.device.type, enabled=False):
+            logits, _ = model.output_layer(h_c.float(), weight=weight)  # [C, 1, V/tp] fp32
+        return vocab_parallel_logprobs(logits[:, 0], t_c, temp_c, start, with_entropy)
+
+    K = targets.numel()
+    if K <= chunk_tokens:
+        return chunk(h, targets, temperature)
+    parts = []
+    for s in range(0, K, chunk_tokens):
+        args = (h[s : s + chunk_tokens], targets[s : s + chunk_tokens], temperature[s : s + chunk_tokens])
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+    logp = torch.cat([p[0] for p in parts])
+    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
