@@ -7,7 +7,8 @@ SGLang refuses it), max_new_tokens an integer >= 0 (null is refused: SGLang read
 "up to the context", which the embedded engine does not implement). Types are strict:
 a boolean is refused where a number is expected (``True == 1`` in Python), and a number
 where a boolean is. SGLang parameters the engine does not implement are accepted only
-at their neutral value (:data:`NEUTRAL_SAMPLING`). Departures from SGLang, to keep the
+at their neutral value (:data:`NEUTRAL_SAMPLING`); ``ignore_eos`` (a boolean) is SGLang's: no token ends
+the request, neither an eos nor ``stop_token_ids``. Departures from SGLang, to keep the
 worker cheap for everyone: at most :data:`MAX_STOP_STRINGS` stop strings of at most
 :data:`MAX_STOP_CHARS` characters, and sampling_seed in [0, 2**63).
 
@@ -31,7 +32,6 @@ from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 NEUTRAL_SAMPLING: dict[str, Any] = {
     **ENGINE_NEUTRAL_SAMPLING,
     "n": 1,
-    "ignore_eos": False,
     "spaces_between_special_tokens": True,
     "json_schema": None,
     "regex": None,
@@ -59,6 +59,7 @@ class GenerateRequest:
     rid: str | None
     return_logprob: bool
     return_sampling_mask: bool = False
+    ignore_eos: bool = False  # sampling_params.ignore_eos (SGLang's): no token ends the request
 
 
 def _is_int(v: Any) -> bool:
@@ -87,15 +88,15 @@ def _neutral_ok(v: Any, neutral: Any) -> bool:
     return _is_number(v) and v == neutral
 
 
-def parse_sampling(raw: Any) -> SamplingParams:
-    """``sampling_params`` -> SamplingParams, or RequestError naming the field."""
+def parse_sampling(raw: Any) -> tuple[SamplingParams, bool]:
+    """``sampling_params`` -> (SamplingParams, ignore_eos), or RequestError naming the field."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be a JSON object, got {type(raw).__name__}")
     # return_sampling_mask is a request-level key in SGLang, unknown inside sampling_params (400 there too).
     fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"return_sampling_mask"}
-    unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING)
+    unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING and k != "ignore_eos")
     if unsupported:
         names = ", ".join(f"sampling_params.{k}" for k in unsupported)
         raise RequestError(f"{names}: not a sampling parameter the embedded engine supports")
@@ -142,7 +143,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
     out.update(stop=stop, stop_token_ids=ids, sampling_seed=seed)
     out["no_stop_trim"] = _bool(raw, "no_stop_trim", default.no_stop_trim, where)
     out["skip_special_tokens"] = _bool(raw, "skip_special_tokens", default.skip_special_tokens, where)
-    return SamplingParams(**out)
+    return SamplingParams(**out), _bool(raw, "ignore_eos", False, where)
 
 
 def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) -> GenerateRequest:
@@ -184,7 +185,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
     lp_start = body.get("logprob_start_len", -1)
     if not _is_int(lp_start):
         raise RequestError(f"logprob_start_len must be an integer, got {lp_start!r}")
-    sampling = parse_sampling(body.get("sampling_params"))
+    sampling, ignore_eos = parse_sampling(body.get("sampling_params"))
     mask = _bool(body, "return_sampling_mask", False)
     mode = body.get("sampling_logprobs_mode")
     if mode is not None and (mode != "selected" or not mask):
@@ -200,6 +201,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
         rid=rid,
         return_logprob=_bool(body, "return_logprob", False),
         return_sampling_mask=mask,
+        ignore_eos=ignore_eos,
     )
 
 

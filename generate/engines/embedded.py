@@ -57,8 +57,8 @@ import torch
 
 from rollshard.generate.engines import kv_cache
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
-from rollshard.generate.engines.kv_cache import Batch
-from rollshard.generate.engines.sampler import sample_tokens, sample_tokens_with_support
+from rollshard.generate.engines.batch import Batch
+from rollshard.generate.engines.sampler import SamplingRows, sample_tokens  # noqa: F401 (sample_tokens: re-exported)
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
 from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
@@ -143,8 +143,10 @@ class EmbeddedEngine(Engine):
     # ---- public API -------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
+        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None, ignore_eos: bool = False
     ) -> GenerateResult:
+        """``ignore_eos``: SGLang's sampling parameter: no token ends the request (neither the model's eos
+        tokens nor ``stop_token_ids``); stop strings and ``max_new_tokens`` still do."""
         rid = rid or uuid.uuid4().hex
         if self._closed.is_set():
             raise EngineError(f"request {rid}: the embedded engine is closed")
@@ -185,7 +187,7 @@ class EmbeddedEngine(Engine):
             loop=loop,
             future=loop.create_future(),
             start=time.perf_counter(),
-            stop_ids=frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
+            stop_ids=frozenset() if ignore_eos else frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
             max_new_tokens=sampling.max_new_tokens,
             generator=generator,
         )
@@ -367,63 +369,55 @@ class EmbeddedEngine(Engine):
             chunks[-1].append(req)
         for chunk in chunks:
             if chunk:
-                batch = kv_cache.merge(batch, self._prefill(chunk))
+                batch = batch.merge(self._prefill(chunk), _columns_wanted(batch.rows + chunk))
         return batch
 
     def _prefill(self, rows: list[_Request]) -> Batch:
+        """One left-padded forward over ``rows``' prompts; their cache, sampling state and first tokens."""
         length = max(len(r.input_ids) for r in rows)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor(
             [[pad] * (length - len(r.input_ids)) + r.input_ids for r in rows], device=self.device
         )  # [n, L]
-        mask = torch.tensor(
+        valid = torch.tensor(
             [[False] * (length - len(r.input_ids)) + [True] * len(r.input_ids) for r in rows], device=self.device
         )  # [n, L]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
         out = self.model(
-            input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True, **self._last_logit_kw
+            input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=True, **self._last_logit_kw
         )
-        # Padding slots never influence a real token, but zero them so a NaN there cannot leak through 0 * NaN.
-        keep = mask[:, None, :, None]  # [n, 1, L, 1]
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
-        kv = [(torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)) for k, v in layers]
-        new = Batch()
-        new.rows, new.kv, new.mask = list(rows), kv, mask
-        new.pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)
-        new.last = self._sample(rows, out.logits[:, -1, :])
-        return new
+        kv = kv_cache.from_prefill(layers, valid, out.logits.dtype, _columns_wanted(rows))
+        vocab = out.logits.shape[-1]
+        sampling = SamplingRows.of(
+            # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
+            [(r.sampling.temperature, r.sampling.top_p, max(min(r.sampling.top_k, vocab), -1), r.sampling.return_sampling_mask) for r in rows],
+            [r.generator for r in rows],
+            self.device,
+        )
+        first = sampling.sample_first(out.logits[:, -1, :])
+        self._record(rows, *first)
+        next_pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)  # [n]
+        return Batch(list(rows), kv, sampling, next_pos, first[0])
 
     def _decode(self, batch: Batch) -> None:
-        batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)  # [B, L+1]
+        """One token for every row of ``batch``: a forward over the column cache, written in place."""
+        batch.kv = kv = kv_cache.reserve(batch.kv, 1)
         out = self.model(
-            input_ids=batch.last[:, None],
-            attention_mask=batch.mask.long(),
-            position_ids=batch.pos[:, None],
+            input_ids=batch.last[:, None],  # [B, 1]
+            attention_mask=kv.mask[..., : kv.n + 1],  # [B, 1, 1, n + 1] prepared: transformers builds none
+            position_ids=batch.pos[:, None],  # [B, 1]
             use_cache=True,
-            **{self._cache_kw: kv_cache.make_cache(batch.kv)},
+            **{self._cache_kw: kv_cache.column_cache(kv)},
         )
-        batch.kv = kv_cache.cache_tensors(kv_cache.out_cache(out))
         batch.pos = batch.pos + 1
-        batch.last = self._sample(batch.rows, out.logits[:, -1, :])
+        step = batch.sampling.sample(out.logits[:, -1, :])
+        self._record(batch.rows, *step)
+        batch.last = step[0]
 
-    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sample one token per row, append it and its logprob to the row, check the stop rules."""
-        dev, vocab = logits.device, logits.shape[-1]
-        s = [r.sampling for r in rows]
-        args = (
-            logits.float(),
-            torch.tensor([p.temperature for p in s], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_p for p in s], dtype=torch.float32, device=dev),
-            # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
-            torch.tensor([max(min(p.top_k, vocab), -1) for p in s], dtype=torch.long, device=dev),
-            # on the CPU: the sampler moves it to where its float64 CDF is
-            torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]),
-        )
-        want = [p.return_sampling_mask for p in s]
-        if any(want):
-            tokens, logprobs, supports = sample_tokens_with_support(*args, want)
-        else:
-            (tokens, logprobs), supports = sample_tokens(*args), [None] * len(rows)
+    def _record(self, rows: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor, supports) -> None:
+        """Append each row's token and logprob (and support, when it asked), and apply its stop rules."""
+        supports = supports or [None] * len(rows)
         for req, tok, lp, support in zip(rows, tokens.tolist(), logprobs.tolist(), supports):
             req.out_ids.append(tok)
             req.out_lps.append(lp)
@@ -431,7 +425,6 @@ class EmbeddedEngine(Engine):
                 req.out_support.append(support[0])
                 req.out_sampling_lps.append(support[1])
             self._check_stop(req, tok)
-        return tokens
 
     def _check_stop(self, req: _Request, tok: int) -> None:
         if tok in req.stop_ids:
@@ -455,7 +448,7 @@ class EmbeddedEngine(Engine):
                 self._answer(req)
             elif not req.cancelled:
                 keep.append(i)
-        return kv_cache.select(batch, keep)
+        return batch.select(keep)
 
     # ---- answers ----------------------------------------------------------------------------
 
@@ -493,6 +486,11 @@ class EmbeddedEngine(Engine):
             sampling_logprobs=list(req.out_sampling_lps) if asked else None,
             sampling_support=[list(x) for x in req.out_support] if asked else None,
         )
+
+
+def _columns_wanted(rows: list[_Request]) -> int:
+    """Cache columns to reserve beyond the used ones: the most tokens a row may still generate, up to one growth."""
+    return min(max((r.max_new_tokens - len(r.out_ids) for r in rows), default=0), kv_cache.GROW_COLUMNS)
 
 
 def _truncates_or_greedy(sp: SamplingParams) -> bool:

@@ -1,28 +1,81 @@
-"""The embedded engine's running batch: rows, their KV cache, attention mask and positions, and its reshaping.
+"""The embedded engine's KV cache: preallocated column buffers that a decode step writes one column of.
 
-The scheduler (:mod:`.embedded`) prefills new rows left-padded, merges them into the
-running batch and drops finished rows; these helpers do the tensor work, and hide the
-transformers cache API, which changed between 4.x and 5.x (``DynamicCache.layers``
-replaced ``key_cache``/``value_cache``; ``cache`` replaced ``past_key_values`` in
-model outputs).
+Layout: per layer, keys and values ``[B, H, C, D]`` of capacity C columns, of which the
+first ``n`` are in use. Rows are left-padded, so every row's next token goes to the same
+column ``n``: a decode step writes that column in place and attends to the view
+``[:, :, :n + 1]``, where transformers' ``DynamicCache`` concatenates the whole cache
+into a new tensor at every step (a copy of the cache per token, the largest cost of a
+decode step on small models). The padding columns of a row are masked by an additive
+mask ``[B, 1, 1, C]`` (0 attend, the dtype's minimum not), passed to the model as a
+prepared 4-D mask, so transformers builds none per step.
+
+The buffers are reshaped only when the batch changes: :func:`merge` (rows admitted after
+their prefill) and :func:`select` (finished rows dropped, and the leading columns that
+became padding in every row cut off) copy them once; :func:`reserve` grows the capacity
+by :data:`GROW_COLUMNS` at a time.
+
+:class:`ColumnCache` is the transformers ``Cache`` the model sees for one decode step. It
+subclasses ``DynamicCache`` for the methods a model may call besides ``update``, and hides
+the cache API, which changed between 4.x and 5.x (``DynamicCache.layers`` replaced
+``key_cache``/``value_cache``; ``cache`` replaced ``past_key_values`` in model outputs).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+GROW_COLUMNS = 256  # columns added when a batch's buffers are full: one copy of the cache per this many steps
 
-class Batch:
-    """The running batch: request rows, their KV cache, attention mask and next positions."""
 
-    def __init__(self) -> None:
-        self.rows: list[Any] = []  # the scheduler's requests, one per batch row
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer ([B, H, L, D], [B, H, L, D])
-        self.mask = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
-        self.pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the next input token
-        self.last = torch.zeros(0, dtype=torch.long)  # [B] next input token
+class KV:
+    """Column buffers of a running batch: ``keys``/``values`` per layer ``[B, H, C, D]``, ``n`` columns used,
+    ``mask`` ``[B, 1, 1, C]`` additive (0 where a row attends, the dtype's minimum on its padding)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, n: int) -> None:
+        self.keys, self.values, self.mask, self.n = keys, values, mask, n
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[-1]
+
+
+def column_cache(kv: KV):
+    """The transformers cache a decode step runs on: its ``update`` writes column ``kv.n`` of ``kv``'s buffers
+    and returns the views ``[:, :, :n + 1]``; ``kv.n`` advances once the last layer has written."""
+    return _column_cache_class()(kv)
+
+
+_CLASS = None
+
+
+def _column_cache_class():
+    """Built on first use, so importing this module does not import transformers."""
+    global _CLASS
+    if _CLASS is None:
+        from transformers import DynamicCache
+
+        class ColumnCache(DynamicCache):
+            def __init__(self, kv: KV) -> None:
+                super().__init__()
+                self.kv = kv
+
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                kv, n = self.kv, self.kv.n
+                keys, values = kv.keys[layer_idx], kv.values[layer_idx]  # [B, H, C, D]
+                keys[:, :, n : n + 1] = key_states  # [B, H, 1, D]
+                values[:, :, n : n + 1] = value_states
+                if layer_idx == len(kv.keys) - 1:
+                    kv.n = n + 1
+                return keys[:, :, : n + 1], values[:, :, : n + 1]
+
+            def get_seq_length(self, layer_idx: int = 0) -> int:
+                return self.kv.n
+
+            def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+                return self.kv.n + 1, 0
+
+        _CLASS = ColumnCache
+    return _CLASS
 
 
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,56 +90,73 @@ def out_cache(out):
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
-def make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    """A transformers DynamicCache holding ``kv``."""
-    from transformers import DynamicCache
-
-    if hasattr(DynamicCache, "from_legacy_cache"):
-        return DynamicCache.from_legacy_cache(tuple(kv))
-    return DynamicCache(kv)
-
-
-def left_pad(t: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.full(shape, value, dtype=t.dtype, device=t.device), t], dim=dim)
-
-
-def merge(a: Batch, b: Batch) -> Batch:
-    """``a``'s rows then ``b``'s, both left-padded to the longer cache."""
-    if not a.rows:
-        return b
-    length = max(a.mask.shape[1], b.mask.shape[1])
-    m = Batch()
-    m.rows = a.rows + b.rows
-    m.mask = torch.cat([left_pad(a.mask, length, 1, False), left_pad(b.mask, length, 1, False)])
-    m.kv = [
-        (
-            torch.cat([left_pad(ka, length, 2), left_pad(kb, length, 2)]),
-            torch.cat([left_pad(va, length, 2), left_pad(vb, length, 2)]),
-        )
-        for (ka, va), (kb, vb) in zip(a.kv, b.kv)
-    ]
-    m.pos = torch.cat([a.pos, b.pos])
-    m.last = torch.cat([a.last, b.last])
-    return m
+def from_prefill(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([n, H, L, D], [n, H, L, D]) of a left-padded prefill
+    valid: torch.Tensor,  # [n, L] bool: real prompt tokens
+    dtype: torch.dtype,  # of the additive mask: the model's
+    reserve_columns: int,  # capacity beyond the L columns
+) -> KV:
+    """Column buffers holding a prefill's cache, its padding slots zeroed (a NaN there cannot leak through 0 * NaN)."""
+    rows, length = valid.shape
+    cap = length + max(reserve_columns, 0)
+    keep = valid[:, None, :, None]  # [n, 1, L, 1]
+    keys, values = [], []
+    for k, v in layers:
+        kb = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])  # [n, H, C, D]
+        vb = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
+        kb[:, :, :length] = torch.where(keep, k, 0.0)
+        vb[:, :, :length] = torch.where(keep, v, 0.0)
+        keys.append(kb)
+        values.append(vb)
+    mask = torch.zeros(rows, 1, 1, cap, dtype=dtype, device=valid.device)  # [n, 1, 1, C]
+    mask[:, 0, 0, :length].masked_fill_(~valid, torch.finfo(dtype).min)
+    return KV(keys, values, mask, length)
 
 
-def select(batch: Batch, keep: list[int]) -> Batch:
-    """The rows ``keep`` of ``batch``, with the columns that became padding in every row cut off."""
-    if len(keep) == len(batch.rows):
-        return batch
-    out = Batch()
-    out.rows = [batch.rows[i] for i in keep]
-    if not keep:
+def merge(a: KV, b: KV, reserve_columns: int) -> KV:
+    """``a``'s rows then ``b``'s, right-aligned on their last used column (left padding added to the shorter)."""
+    n = max(a.n, b.n)
+    cap = n + max(reserve_columns, a.capacity - a.n, b.capacity - b.n, 0)
+    rows_a = a.mask.shape[0]
+
+    def joined(ta: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:  # [Ba, H, Ca, D], [Bb, H, Cb, D]
+        out = ta.new_zeros(rows_a + tb.shape[0], ta.shape[1], cap, ta.shape[3])  # [B, H, C, D]
+        out[:rows_a, :, n - a.n : n] = ta[:, :, : a.n]
+        out[rows_a:, :, n - b.n : n] = tb[:, :, : b.n]
         return out
-    idx = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
-    mask = batch.mask[idx]  # [B', L]
-    start = int((mask.any(dim=0).long().cumsum(0) == 0).sum())  # leading columns that are padding in every row
-    out.mask = mask[:, start:]
-    out.kv = [(k[idx, :, start:], v[idx, :, start:]) for k, v in batch.kv]
-    out.pos, out.last = batch.pos[idx], batch.last[idx]
-    return out
+
+    mask = a.mask.new_zeros(rows_a + b.mask.shape[0], 1, 1, cap)  # [B, 1, 1, C]
+    minimum = torch.finfo(mask.dtype).min
+    for rows, src in ((slice(0, rows_a), a), (slice(rows_a, None), b)):
+        mask[rows, :, :, : n - src.n] = minimum  # the new left padding
+        mask[rows, :, :, n - src.n : n] = src.mask[:, :, :, : src.n]
+    keys = [joined(ka, kb) for ka, kb in zip(a.keys, b.keys)]
+    values = [joined(va, vb) for va, vb in zip(a.values, b.values)]
+    return KV(keys, values, mask, n)
+
+
+def select(kv: KV, keep: torch.Tensor) -> KV:
+    """The rows ``keep`` ([B'] long) of ``kv``, with the leading columns that are padding in every kept row cut off."""
+    padding = kv.mask.index_select(0, keep)[:, 0, 0, : kv.n] < 0  # [B', n]
+    start = int(padding.all(dim=0).long().cumprod(0).sum())  # leading columns that are padding in every row
+    # Sliced, then gathered: one copy, contiguous, so a decode step writes into a buffer of its own.
+    keys = [k[:, :, start:].index_select(0, keep) for k in kv.keys]
+    values = [v[:, :, start:].index_select(0, keep) for v in kv.values]
+    return KV(keys, values, kv.mask[..., start:].index_select(0, keep), kv.n - start)
+
+
+def reserve(kv: KV, columns: int) -> KV:
+    """``kv`` with room for at least ``columns`` more columns (grown by :data:`GROW_COLUMNS` or more)."""
+    if kv.n + columns <= kv.capacity:
+        return kv
+    cap = kv.n + max(columns, GROW_COLUMNS)
+    rows = kv.mask.shape[0]
+
+    def grown(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+        out[:, :, : kv.n] = t[:, :, : kv.n]
+        return out
+
+    mask = kv.mask.new_zeros(rows, 1, 1, cap)
+    mask[..., : kv.n] = kv.mask[..., : kv.n]
+    return KV([grown(k) for k in kv.keys], [grown(v) for v in kv.values], mask, kv.n)

@@ -25,6 +25,12 @@ most), so a draw changes its token with probability about 1e-7; 0 of 51,200 draw
 here, against 8 of 51,200 with the sorted-order draw (tests/generate/test_sampler.py
 runs 256 seeded requests x 32 tokens at batch 16, 1 and 8: identical tokens).
 
+Per-row state (:class:`SamplingRows`): a running batch keeps each row's temperature, top-p and top-k as
+tensors, and draws its uniforms :data:`UNIFORM_WINDOW` at a time from the row's generator into a
+``[B, W]`` window, a column per step. The k-th token of a request uses its generator's k-th draw whatever
+the window's phase when it joined (a generator's draws are one sequence, however many are taken at a
+time), so the stream is the one a draw per token gives, for a Python call per row every W steps.
+
 Sampling support (:func:`sample_tokens_with_support`, SGLang's ``return_sampling_mask``): the kept ids of
 a row and the sampled token's logprob under the kept, renormalized distribution, read off the kept set
 the draw used. Computed only for the rows that ask; the draw is the same with or without it.
@@ -35,6 +41,8 @@ from __future__ import annotations
 import torch
 
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+
+UNIFORM_WINDOW = 64  # uniforms drawn per row at a time: one generator call per row every this many steps
 
 
 def sample_tokens(
@@ -135,3 +143,87 @@ def _support(
         mass = torch.logsumexp(logp[b, ids], dim=0)  # log of the kept probability mass
         out.append((ids[order].tolist(), min(float(logp[b, tok] - mass), 0.0)))
     return out
+
+
+class SamplingRows:
+    """The sampling parameters and random streams of a batch's rows, as tensors (see the module docstring)."""
+
+    def __init__(
+        self,
+        temperature: torch.Tensor,  # [B] float32
+        top_p: torch.Tensor,  # [B] float32
+        top_k: torch.Tensor,  # [B] long; <= 0 or >= vocab keeps every token
+        generators: list[torch.Generator],  # [B] each row's own stream (on the CPU)
+        want_support: list[bool],  # [B] rows that report their sampling support
+    ) -> None:
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.generators, self.want_support = generators, want_support
+        self.uniform = torch.zeros(len(generators), UNIFORM_WINDOW, dtype=torch.float64)  # [B, W] the window
+        self.col = UNIFORM_WINDOW  # next window column; the window is drawn when it is used up
+
+    @classmethod
+    def of(cls, params: list[tuple[float, float, int, bool]], generators: list[torch.Generator], device) -> "SamplingRows":
+        """Rows from ``(temperature, top_p, top_k, want_support)`` per row; top_k clamped by the caller."""
+        return cls(
+            torch.tensor([p[0] for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p[1] for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p[2] for p in params], dtype=torch.long, device=device),
+            list(generators),
+            [p[3] for p in params],
+        )
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """One token per row from ``logits`` [B, V] with the rows' next uniforms: (tokens [B], logprobs [B],
+        supports or None)."""
+        if self.col == UNIFORM_WINDOW:
+            self.uniform = _draw(self.generators, UNIFORM_WINDOW)
+            self.col = 0
+        uniform = self.uniform[:, self.col]  # [B]
+        self.col += 1
+        return self._tokens(logits, uniform)
+
+    def sample_first(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """:meth:`sample` for the token of the rows' prefill: one draw per row, the window left for the batch
+        the rows join (:meth:`merge` draws it to that batch's phase)."""
+        return self._tokens(logits, _draw(self.generators, 1)[:, 0])
+
+    def _tokens(self, logits: torch.Tensor, uniform: torch.Tensor):
+        want = self.want_support if any(self.want_support) else None
+        return _sample(logits.float(), self.temperature, self.top_p, self.top_k, uniform, want_support=want)
+
+    def select(self, keep: list[int], index: torch.Tensor) -> "SamplingRows":
+        """The rows ``keep`` (``index``: the same as a long tensor on the rows' device)."""
+        out = SamplingRows(
+            self.temperature.index_select(0, index),
+            self.top_p.index_select(0, index),
+            self.top_k.index_select(0, index),
+            [self.generators[i] for i in keep],
+            [self.want_support[i] for i in keep],
+        )
+        out.uniform, out.col = self.uniform[keep], self.col
+        return out
+
+    def merge(self, new: "SamplingRows") -> "SamplingRows":
+        """These rows then ``new``'s, whose windows are drawn from here on to this batch's phase."""
+        if not len(self):
+            return new
+        out = SamplingRows(
+            torch.cat([self.temperature, new.temperature]),
+            torch.cat([self.top_p, new.top_p]),
+            torch.cat([self.top_k, new.top_k]),
+            self.generators + new.generators,
+            self.want_support + new.want_support,
+        )
+        fresh = torch.zeros(len(new), UNIFORM_WINDOW, dtype=torch.float64)  # [B', W]
+        if self.col < UNIFORM_WINDOW:
+            fresh[:, self.col :] = _draw(new.generators, UNIFORM_WINDOW - self.col)
+        out.uniform, out.col = torch.cat([self.uniform, fresh]), self.col
+        return out
+
+
+def _draw(generators: list[torch.Generator], n: int) -> torch.Tensor:
+    """[B, n] float64: the next n uniforms of each row's generator."""
+    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])

@@ -164,6 +164,28 @@ def test_stops_on_eos(tiny_gpt2):
     assert res.finish_reason == "stop" and res.finish_detail == {"matched": base.output_ids[2]}
 
 
+def test_ignore_eos_ignores_eos_and_stop_token_ids_but_not_stop_strings(tiny_gpt2):
+    greedy = dict(temperature=0.0, max_new_tokens=10)
+
+    async def go():
+        async with EmbeddedEngine(tiny_gpt2) as eng:
+            base = await eng.generate(PROMPTS[0], SamplingParams(**greedy, stop_token_ids=[]))
+            eng.eos_ids = [base.output_ids[2]]  # an eos the greedy response reaches at its 3rd token
+            stopped = await eng.generate(PROMPTS[0], SamplingParams(**greedy))
+            sp = SamplingParams(**greedy, stop_token_ids=[base.output_ids[1]])
+            ignored = await eng.generate(PROMPTS[0], sp, ignore_eos=True)
+            by_str = await eng.generate(PROMPTS[0], SamplingParams(**greedy, stop=[base.text[-2:]]), ignore_eos=True)
+            return base, stopped, ignored, by_str
+
+    base, stopped, ignored, by_str = run(go())
+    assert stopped.finish_reason == "stop" and len(stopped.output_ids) <= 3
+    # As SGLang's ignore_eos: neither the eos nor a stop token id ends the request; it runs to max_new_tokens.
+    assert ignored.output_ids == base.output_ids and ignored.finish_reason == "length" and len(ignored.output_ids) == 10
+    assert ignored.logprobs == pytest.approx(base.logprobs, abs=TOL)
+    # A stop string still does.
+    assert by_str.finish_reason == "stop" and by_str.finish_detail == {"matched": base.text[-2:]}
+
+
 def test_seeded_sampling_is_reproducible(tiny_gpt2):
     async def go(seed):
         async with EmbeddedEngine(tiny_gpt2, seed=seed) as eng:

@@ -176,8 +176,8 @@ BAD_SAMPLING = [
     ({"min_new_tokens": 5}, "min_new_tokens"),
     ({"min_new_tokens": False}, "min_new_tokens"),  # False == 0, but not the integer 0
     ({"repetition_penalty": True}, "repetition_penalty"),
-    ({"ignore_eos": True}, "ignore_eos"),
-    ({"ignore_eos": 0}, "ignore_eos"),
+    ({"ignore_eos": 0}, "ignore_eos"),  # a boolean, as SGLang's
+    ({"ignore_eos": "true"}, "ignore_eos"),
     ({"n": 2}, "n"),
     ({"foo": 1}, "foo"),
 ]
@@ -202,6 +202,23 @@ BAD_BODIES += [
     ({"input_ids": OK_IDS, "stream": "no"}, "stream"),
     ({"input_ids": OK_IDS, "logprob_start_len": "x"}, "logprob_start_len"),
 ]
+
+
+def test_ignore_eos_runs_past_stop_token_ids_over_http(embedded_server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            greedy = {"temperature": 0, "max_new_tokens": 8}
+            _, base = await _post(s, embedded_server + "/generate", {"input_ids": PROMPTS[1], "sampling_params": greedy})
+            stop = {**greedy, "stop_token_ids": [base["output_ids"][1]]}
+            _, stopped = await _post(s, embedded_server + "/generate", {"input_ids": PROMPTS[1], "sampling_params": stop})
+            body = {"input_ids": PROMPTS[1], "sampling_params": {**stop, "ignore_eos": True}, "return_logprob": True}
+            return base, stopped, await _post(s, embedded_server + "/generate", body)
+
+    base, stopped, (status, ignored) = run(go())
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop" and len(stopped["output_ids"]) <= 2
+    assert status == 200 and ignored["output_ids"] == base["output_ids"] and len(ignored["output_ids"]) == 8
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert len(ignored["meta_info"]["output_token_logprobs"]) == 8
 
 
 def test_hostile_generate_bodies_are_400_naming_the_field(embedded_server):
