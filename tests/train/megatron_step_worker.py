@@ -36,6 +36,23 @@ def loss_of(logp: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor) -> torch.
     return -(logp * w).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
 
 
+def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused in-memory experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``)
+    under the per-expert names of the safetensors files."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(x.chunk(2) for x in t):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            out.update({f"{base}{e}.down_proj.weight": x for e, x in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
 def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
     out_dir = Path(out)
     env = init_parallel(init_distributed(), tp=tp, pp=pp, ep=1)
@@ -68,7 +85,7 @@ def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
 
         backend.optimizer.step = step
 
-    capture(hf, lambda: hf_grads.update({n: p.grad.detach().clone() for n, p in hf.hf_model.named_parameters()}))
+    capture(hf, lambda: hf_grads.update(per_expert({n: p.grad.detach().clone() for n, p in hf.hf_model.named_parameters()})))
     capture(mg, lambda: save_file(
         {n: p.grad.contiguous() for n, p in mg.model.named_parameters()}, str(out_dir / f"grad-{name}")
     ))

@@ -14,6 +14,8 @@
   function and interleave micro-batches) are not used: stages run in turn, for memory, not overlap.
 * Gradients of the q/k norms (Qwen3) are summed over the tensor-parallel group: each rank applies them to its
   own heads only (megatron-core's ``finalize_model_grads`` does the same).
+* MoE under tensor parallelism (no sequence parallelism): the allgather token dispatcher gives each expert the
+  tokens of every tensor-parallel rank, tp copies of the same tokens, so expert gradients are divided by tp.
 * Data parallel: gradients are summed over the data-parallel group before the update (each rank's loss
   is normalized by the global token count, so the sum is the global gradient); the tied embedding's
   gradient is summed over megatron's embedding group (first and last stage) when ``pp > 1``.
@@ -261,6 +263,12 @@ class MegatronBackend:
             for p in self.params:
                 if "q_layernorm" in self.names[p] or "k_layernorm" in self.names[p]:
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.arch.moe and self.env.tp > 1:
+            # Without sequence parallelism every tensor-parallel rank holds all T tokens, and the allgather
+            # dispatcher hands each expert the tokens of all tp ranks: tp copies of each, whose gradients add up.
+            for p in self.params:
+                if ".experts." in self.names[p]:
+                    p.grad.div_(self.env.tp)
         if self.env.world_size > 1:
             group = ps.get_data_parallel_group()
             for p in self.params:

@@ -15,6 +15,10 @@ here runs and megatron-core is used as it ships.
   parameters (THD); the packed sequences of a micro-batch get an explicit block-diagonal causal mask
   instead (:func:`rollshard.train.backends.megatron.forward.packed_causal_mask`). Transformer Engine's
   spec on GPUs could take ``PackedSeqParams``; this backend uses the mask on every device (one code path).
+* **Tied embeddings over pipeline stages.** ``LanguageModule.setup_embeddings_and_output_layer`` moves the
+  last stage's copy of a tied embedding with ``weight.data.cuda()`` before its all-reduce over the embedding
+  group; on CPU that call is made the identity for the length of the method (the backend then loads the
+  copy from the checkpoint anyway).
 * **MoE router without Transformer Engine.** ``moe_utils.RouterGatingLinearFunction`` tests
   ``te_general_gemm is not None``, a name only bound when Transformer Engine imports (a NameError without it);
   :func:`apply` binds it to None, which selects the function's own ``torch.mm`` path. The alltoall token
@@ -48,6 +52,19 @@ def apply() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # its torch.mm fallback
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self, *args, **kwargs):
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # the tensor stays on the CPU
+        try:
+            return setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
     _APPLIED = True
 
 
