@@ -1,11 +1,10 @@
 """A megatron-core ``GPTModel`` from a Hugging Face config, and the parallel state it runs in.
 
 Architectures: Llama-style decoders (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``): RMSNorm before
-attention and MLP, SwiGLU, RoPE (default scaling only), grouped-query attention, a qkv bias (Qwen2,
-or ``attention_bias``) or per-head q/k RMSNorm (Qwen3), tied or untied embeddings; Qwen3-MoE's
+attention and MLP, SwiGLU, RoPE (default scaling only), grouped-query attention, Qwen2's q/k/v bias or Qwen3's per-head q/k RMSNorm, tied or untied embeddings; Qwen3-MoE's
 softmax top-k router and experts as megatron-core's local MoE layer (``SequentialMLP``, one MLP per
 expert; no grouped GEMM). Anything else (GPT-2's LayerNorm and learned positions, rope scaling,
-sliding windows, MLP biases, MoE layers interleaved with dense ones) is refused in one line, since
+sliding windows, MLP or output-projection biases, MoE layers interleaved with dense ones) is refused in one line, since
 loading it would silently compute another function.
 
 Layer spec: Transformer Engine's where it is installed, else megatron-core's local spec (torch norms,
@@ -79,6 +78,8 @@ def arch_of(hf: Any) -> Arch:
         problems.append("a sliding window")
     if getattr(hf, "mlp_bias", False):
         problems.append("MLP biases")
+    if mt != "qwen2" and getattr(hf, "attention_bias", False):
+        problems.append("attention biases (o_proj's among them)")
     experts = int(getattr(hf, "num_experts", 0) or 0) if mt == "qwen3_moe" else 0
     if experts and (getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", [])):
         problems.append("dense layers between the MoE ones (decoder_sparse_step, mlp_only_layers)")
@@ -100,7 +101,7 @@ def arch_of(hf: Any) -> Arch:
         rope_theta=float(theta if theta is not None else 10000.0),
         max_positions=int(hf.max_position_embeddings),
         tied=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        qkv_bias=mt == "qwen2",  # Qwen2's q/k/v biases (o_proj has none)
         qk_norm=mt in ("qwen3", "qwen3_moe"),
         experts=experts,
         topk=int(getattr(hf, "num_experts_per_tok", 0) or 0) if experts else 0,
