@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from rollshard.store.integrity import open_shard
 from rollshard.store.manifest import Manifest, ShardInfo, fingerprint, load_manifests
-from rollshard.store.schema import ROW_SCHEMA, check_schema_version, config_of
+from rollshard.store.schema import ROW_SCHEMA, cast_table, check_schema_version, config_of
 from rollshard.store.storage import Storage
 
 OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, small reads)
@@ -163,16 +163,21 @@ class RolloutDataset:
         return pl.scan_parquet(self.files, schema=schema, missing_columns="insert")
 
     def to_hf(self, streaming: bool = True):
-        """A HF ``datasets`` dataset (``IterableDataset`` when streaming) over the committed shards."""
+        """A HF ``datasets`` dataset (``IterableDataset`` when streaming) over the committed shards.
+
+        Local shards go to HF's Parquet builder; remote ones (S3) are read with pyarrow's filesystem, one HF
+        shard per file (HF's own remote reads need fsspec's s3fs and its credentials, not the standard chain)."""
         import datasets
 
-        if not self.storage.local:
-            raise ValueError("to_hf reads local datasets; for remote ones pass the shard URIs to datasets yourself")
         # The schema's features: HF takes the columns of the first file otherwise, and a 1.1 shard after a 1.0 one
         # would not match them (with the features, a 1.0 shard's sampling columns read as None).
         features = datasets.Features.from_arrow_schema(ROW_SCHEMA)
-        return datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=streaming,
-                                     features=features)
+        if self.storage.local:
+            return datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=streaming,
+                                         features=features)
+        kind = datasets.IterableDataset if streaming else datasets.Dataset
+        return kind.from_generator(_remote_rows, features=features,
+                                   gen_kwargs={"uri": self.storage.uri, "shards": [s.path for s in self.shards]})
 
     def __repr__(self) -> str:
         return (
@@ -183,3 +188,13 @@ class RolloutDataset:
 
 def open_dataset(path: str | os.PathLike) -> RolloutDataset:
     return RolloutDataset.open(path)
+
+
+def _remote_rows(uri: str, shards: list[str]):
+    """The rows of ``shards`` of the dataset at ``uri``, each shard cast to the current schema (``to_hf``)."""
+    storage = Storage(uri)
+    for rel in shards:
+        with storage.fs.open_input_file(storage.path(rel)) as f:
+            pf = pq.ParquetFile(f)
+            for batch in pf.iter_batches():
+                yield from cast_table(pa.Table.from_batches([batch])).to_pylist()

@@ -76,9 +76,7 @@ def multi_agent_rows(n_prompts: int, seed: int = 0) -> list[list[Row]]:
     return groups
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("nb") / "dataset"
+def write_dataset(root):
     config = {"engine": {"kind": "embedded", "model": "/models/not-here"}, "agent_system": "multi_agent",
               "task": "arith", "sampling": {"temperature": 1.0, "max_new_tokens": 60}}
     groups = multi_agent_rows(8)
@@ -87,6 +85,11 @@ def dataset(tmp_path_factory) -> Path:
             for rows in part:
                 w.write_group(rows)
     return root
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("nb") / "dataset")
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +171,15 @@ def test_inspect_rollouts_notebook(dataset, python3_kernel, tmp_path, monkeypatc
     assert "of 24" in text and "single-member groups: 8" in text and "no local tokenizer" in text
     assert "loss_mask 0: tool/environment token" in text  # the per-sample view picked a row with a tool span
     assert "prompt q" in text
+    assert len(list(figures.glob("inspect_rollouts-*.png"))) == 7
+
+
+@pytest.mark.s3
+def test_inspect_rollouts_notebook_on_s3(s3_dataset, python3_kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLSHARD_DATASET", write_dataset(s3_dataset))  # the kernel inherits AWS_ENDPOINT_URL
+    figures = _figures(tmp_path) / "s3"
+    text = _text(execute("inspect_rollouts.ipynb", python3_kernel, figures))
+    assert "of 24" in text and "single-member groups: 8" in text and "prompt q" in text
     assert len(list(figures.glob("inspect_rollouts-*.png"))) == 7
 
 

@@ -52,8 +52,6 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
     import datasets
 
     ds = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
-    if not ds.storage.local:
-        raise ValueError("hf_groups reads local datasets; for remote ones use RolloutLoader")
     cfg = dataclasses.asdict(config or LoaderConfig())
     if cfg["max_staleness"] is not None and cfg["current_version"] is None:
         raise ValueError("max_staleness needs LoaderConfig.current_version")
@@ -61,7 +59,8 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
         _hf_generate,
         features=datasets.Features.from_arrow_schema(HF_GROUP_SCHEMA),
         # one list entry per shard: HF splits gen_kwargs lists into its shards
-        gen_kwargs={"shards": [dataclasses.asdict(s) for s in ds.shards], "root": ds.storage.root, "config": cfg},
+        gen_kwargs={"shards": [dataclasses.asdict(s) for s in ds.shards],
+                    "root": ds.storage.root if ds.storage.local else ds.storage.uri, "config": cfg},
     )
 
 

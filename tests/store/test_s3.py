@@ -202,3 +202,22 @@ def test_manifest_is_the_commit_point_for_readers(s3_dataset):
     report = validate_dataset(s3_dataset)
     assert report.problems == [] and any("w9-00000.parquet" in w for w in report.warnings)
     assert isinstance(storage.fs, pafs.S3FileSystem) and Manifest.load(storage, "w0").writer_id == "w0"
+
+
+def test_every_reader_on_s3_equals_a_local_copy(s3_dataset, tmp_path):
+    from tests.store.test_loader import SMALL as LOADER_SMALL, assert_steps_equal, cfg, run, write
+
+    from rollshard.store.loader import hf_groups
+
+    table = synthetic_table(20, 3, seed=4, uneven_groups=True, **LOADER_SMALL)
+    remote, local = write(s3_dataset, table), write(tmp_path / "local", table)
+    assert len(remote.shards) >= 2
+    assert [(s.path, s.sha256) for s in remote.shards] == [(s.path, s.sha256) for s in local.shards]
+    assert remote.scan().collect().equals(local.scan().collect())  # polars
+    for streaming in (True, False):
+        assert list(remote.to_hf(streaming=streaming)) == list(local.to_hf(streaming=streaming))
+    assert list(hf_groups(remote, cfg())) == list(hf_groups(local, cfg()))
+    for world_size in (1, 2):
+        for rank in range(world_size):
+            assert_steps_equal(run(remote, cfg(), rank, world_size), run(local, cfg(), rank, world_size))
+    assert validate_dataset(s3_dataset).problems == []
