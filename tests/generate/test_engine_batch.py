@@ -1,0 +1,103 @@
+"""The embedded engine's running batch: column KV buffers (merge, select, growth) and the per-row uniform windows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from rollshard.generate.engines import SamplingParams
+from rollshard.generate.engines import kv_cache
+from rollshard.generate.engines.embedded import load_causal_lm
+from rollshard.generate.engines.sampler import UNIFORM_WINDOW, SamplingRows
+
+from .gated_engine import GatedEngine, until
+
+TOL = 1e-5  # fp32 batched-with-cache vs unpadded full forward; measured ~1e-6
+MIN = torch.finfo(torch.float32).min
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _kv(rows: int, n: int, cap: int, valid: list[list[bool]], base: float) -> kv_cache.KV:
+    """One layer, one head, head dim 1: key at (row r, column c) = base + 10 r + c on the valid columns."""
+    prefill = torch.tensor([[base + 10 * r + c for c in range(n)] for r in range(rows)])[:, None, :, None]
+    mask = torch.tensor(valid)
+    return kv_cache.from_prefill([(prefill, -prefill)], mask, torch.float32, cap - n)
+
+
+def test_merge_right_aligns_rows_and_select_cuts_shared_padding():
+    a = _kv(2, 3, 5, [[True, True, True], [False, True, True]], base=0.0)  # 3 columns used of 5
+    b = _kv(1, 1, 1, [[True]], base=100.0)  # 1 column
+    assert a.keys[0][1, 0, :, 0].tolist() == [0.0, 11.0, 12.0, 0.0, 0.0]  # padding slot zeroed
+    m = kv_cache.merge(a, b, reserve_columns=1)
+    # b's one column lands on a's last used column (2); columns 0-1 of b's row are new left padding.
+    assert m.n == 3 and m.capacity == 3 + 2  # keeps a's 2 spare columns (more than the 1 asked)
+    assert m.keys[0][:, 0, :3, 0].tolist() == [[0.0, 1.0, 2.0], [0.0, 11.0, 12.0], [0.0, 0.0, 100.0]]
+    assert m.values[0][2, 0, 2, 0].item() == -100.0
+    assert (m.mask[:, 0, 0, :3] == 0).tolist() == [[True, True, True], [False, True, True], [False, False, True]]
+    assert (m.mask[:, 0, 0, 3:] == 0).all()  # unused columns are attended once written
+    # Rows 1 and 2 kept: column 0 is padding in both and is cut off, column 1 is not (row 1 holds 11 there).
+    s = kv_cache.select(m, torch.tensor([1, 2]))
+    assert s.n == 2 and s.keys[0][:, 0, :2, 0].tolist() == [[11.0, 12.0], [0.0, 100.0]]
+    assert s.mask[:, 0, 0, :2].tolist() == [[0.0, 0.0], [MIN, 0.0]]
+    assert s.keys[0].is_contiguous()
+
+
+def test_reserve_grows_and_keeps_the_used_columns():
+    a = _kv(1, 2, 2, [[False, True]], base=5.0)
+    assert kv_cache.reserve(a, 0) is a
+    g = kv_cache.reserve(a, 1)
+    assert g.n == 2 and g.capacity == 2 + kv_cache.GROW_COLUMNS
+    assert g.keys[0][0, 0, :2, 0].tolist() == [0.0, 6.0] and g.mask[0, 0, 0, :3].tolist() == [MIN, 0.0, 0.0]
+
+
+def test_sampling_rows_draw_each_generator_in_order_whatever_the_window_phase():
+    # A row joining a batch 10 steps into its window draws its k-th uniform at its k-th token, as alone.
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    want = torch.rand(1 + 2 * UNIFORM_WINDOW, generator=gen(7), dtype=torch.float64)  # [prefill + decode draws]
+    logits = torch.zeros(1, 1000)  # uniform over 1000 tokens: the token is floor(1000 u)
+    params = [(1.0, 1.0, -1, False)]
+    running = SamplingRows.of(params, [gen(1)], "cpu")
+    running.sample_first(logits)
+    for _ in range(10):
+        running.sample(logits)
+    joining = SamplingRows.of(params, [gen(7)], "cpu")
+    first, _, _ = joining.sample_first(logits)
+    batch = running.merge(joining)
+    tokens = [int(first[0])] + [int(batch.sample(logits.repeat(2, 1))[0][1]) for _ in range(2 * UNIFORM_WINDOW)]
+    assert tokens == [int(1000 * u) for u in want.tolist()]
+    assert batch.select([1], torch.tensor([1])).generators[0] is batch.generators[1]
+
+
+def test_a_row_joining_mid_window_and_outgrowing_the_buffers_matches_alone(tiny_qwen3, teacher_forced):
+    # 300 tokens: more than GROW_COLUMNS, so the buffers grow while both rows decode; the second request
+    # joins at decode step 40 (inside the first uniform window) and crosses two window boundaries.
+    new_tokens = kv_cache.GROW_COLUMNS + 44
+    reference = load_causal_lm(tiny_qwen3)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=new_tokens, sampling_seed=11)
+    long_prompt, prompt = list(range(100, 160)), [1, 5, 6, 7]
+
+    async def go():
+        async with GatedEngine(tiny_qwen3) as eng:
+            alone = await eng.generate(prompt, sp, ignore_eos=True)
+            eng.block_at_step(40)
+            first = asyncio.ensure_future(
+                eng.generate(long_prompt, SamplingParams(max_new_tokens=new_tokens, sampling_seed=3), ignore_eos=True)
+            )
+            await eng.wait_blocked()
+            joined = asyncio.ensure_future(eng.generate(prompt, sp, ignore_eos=True))
+            await until(lambda: eng.num_in_flight == 2)
+            eng.release.set()
+            return alone, await joined, await first, eng.batch_sizes
+
+    alone, joined, first, sizes = run(go())
+    assert 2 in sizes  # the two requests decoded together
+    assert joined.output_ids == alone.output_ids and len(joined.output_ids) == new_tokens
+    for p, res in ((prompt, joined), (long_prompt, first)):
+        want = teacher_forced(reference, p, res.output_ids, 0.8 if p is prompt else 1.0)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
