@@ -90,57 +90,60 @@ class Bucket:
         bucket, _, key = path.partition("/")
         return bucket, key
 
+    def call(self, op: str, path: str, *, ok: tuple[str, ...] = (), **kwargs) -> Any:
+        """``client.<op>(Bucket=, Key=, **kwargs)`` for ``path``: None for an error code in ``ok``,
+        :class:`PreconditionFailed` for a lost condition, :class:`S3Error` (one line) for any other refusal."""
+        bucket, key = self.split(path)
+        try:
+            return getattr(self.client, op)(Bucket=bucket, **({"Key": key} if op != "list_multipart_uploads" else {}),
+                                            **kwargs)
+        except _network_errors() as e:
+            if _code(e) in ok:
+                return None
+            if _is_precondition(e):
+                raise PreconditionFailed(f"s3://{path} was written by someone else") from e
+            raise S3Error(f"s3://{path}: {op} failed: {' '.join(str(e).split())}; check the bucket, the credentials "
+                          "(AWS_* variables or profile) and AWS_ENDPOINT_URL") from e
+
     def put(self, path: str, data: bytes, *, create: bool = False, match: str | None = None) -> str:
         """Write ``data`` at ``path``; ``create``: only if absent; ``match``: only if its ETag is still this.
         Returns the new ETag; raises :class:`PreconditionFailed` when the condition does not hold."""
-        bucket, key = self.split(path)
         extra: dict[str, str] = {}
         if create:
             extra["IfNoneMatch"] = "*"
         if match is not None:
             extra["IfMatch"] = match
-        try:
-            return self.client.put_object(Bucket=bucket, Key=key, Body=data, **extra)["ETag"]
-        except Exception as e:
-            if _is_precondition(e):
-                raise PreconditionFailed(f"s3://{path} was written by someone else") from e
-            raise
+        return self.call("put_object", path, Body=data, **extra)["ETag"]
 
     def get(self, path: str) -> tuple[bytes, str, float, float] | None:
         """(data, ETag, server time of its last write, server time now) of ``path``; None when absent."""
-        bucket, key = self.split(path)
-        try:
-            r = self.client.get_object(Bucket=bucket, Key=key)
-        except Exception as e:
-            if _code(e) in ("NoSuchKey", "404"):
-                return None
-            raise
+        r = self.call("get_object", path, ok=("NoSuchKey", "404"))
+        if r is None:
+            return None
         date = r["ResponseMetadata"]["HTTPHeaders"].get("date")
         now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
         return r["Body"].read(), r["ETag"], r["LastModified"].timestamp(), now
 
     def delete(self, path: str, *, match: str | None = None) -> None:
-        bucket, key = self.split(path)
+        """Delete ``path`` (if its ETag is still ``match``); absent or changed is not an error."""
         try:
-            self.client.delete_object(Bucket=bucket, Key=key, **({"IfMatch": match} if match else {}))
-        except Exception as e:
-            if not (_is_precondition(e) or _code(e) in ("NoSuchKey", "404")):
-                raise
+            self.call("delete_object", path, ok=("NoSuchKey", "404"), **({"IfMatch": match} if match else {}))
+        except PreconditionFailed:
+            pass  # someone else's now: not ours to delete
 
     def uploads(self, prefix_path: str) -> list[tuple[str, str]]:
         """(key, upload id) of the multipart uploads in progress under ``prefix_path``."""
         bucket, prefix = self.split(prefix_path)
-        out = []
-        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+        out, marker = [], {}
+        while True:
+            page = self.call("list_multipart_uploads", prefix_path, Prefix=prefix, **marker)
             out += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
-        return out
+            if not page.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
-    def abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
-        try:
-            self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-        except Exception as e:
-            if _code(e) != "NoSuchUpload":
-                raise
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        self.call("abort_multipart_upload", path, ok=("NoSuchUpload",), UploadId=upload_id)
 
     def check_conditional_writes(self, root: str) -> None:
         """Refuse an endpoint that ignores ``If-None-Match`` (old S3-compatible servers do): every guarantee
@@ -150,13 +153,12 @@ class Bucket:
             if bucket in self._probed:
                 return
             probe = f"{root}/_manifests/.probe-{uuid.uuid4().hex}"
+            self.put(probe, b"", create=True)
             try:
                 self.put(probe, b"", create=True)
-                try:
-                    self.put(probe, b"", create=True)
-                except PreconditionFailed:
-                    self._probed.add(bucket)
-                    return
+            except PreconditionFailed:
+                self._probed.add(bucket)
+                return
             finally:
                 self.delete(probe)
         raise S3Error(f"the S3 endpoint of s3://{bucket} ignores conditional writes (If-None-Match), which "
@@ -173,7 +175,6 @@ class Upload:
 
     def __init__(self, bucket: Bucket, path: str):
         self.bucket, self.path = bucket, path
-        self._name, self._key = Bucket.split(path)
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
@@ -188,12 +189,10 @@ class Upload:
         pass
 
     def _send_part(self) -> None:
-        c = self.bucket.client
         if self._upload_id is None:
-            self._upload_id = c.create_multipart_upload(Bucket=self._name, Key=self._key)["UploadId"]
+            self._upload_id = self.bucket.call("create_multipart_upload", self.path)["UploadId"]
         n = len(self._parts) + 1
-        r = c.upload_part(Bucket=self._name, Key=self._key, UploadId=self._upload_id, PartNumber=n,
-                          Body=bytes(self._buf))
+        r = self.bucket.call("upload_part", self.path, UploadId=self._upload_id, PartNumber=n, Body=bytes(self._buf))
         self._parts.append({"PartNumber": n, "ETag": r["ETag"]})
         self._buf.clear()
 
@@ -205,14 +204,8 @@ class Upload:
                 return
             if self._buf:
                 self._send_part()
-            try:
-                self.bucket.client.complete_multipart_upload(
-                    Bucket=self._name, Key=self._key, UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
-            except Exception as e:
-                if _is_precondition(e):
-                    raise PreconditionFailed(f"s3://{self.path} was written by someone else") from e
-                raise
+            self.bucket.call("complete_multipart_upload", self.path, UploadId=self._upload_id,
+                             MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
             self._upload_id = None
         except BaseException:
             self.abort()
@@ -223,7 +216,7 @@ class Upload:
         self._buf.clear()
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
-            self.bucket.abort_upload(self._name, self._key, upload_id)
+            self.bucket.abort_upload(self.path, upload_id)
 
     def close(self) -> None:
         pass
@@ -299,7 +292,7 @@ class Lease:
         except PreconditionFailed:
             self.lost = f"the lease of writer {self.writer_id!r} on {self.uri} was taken by another process"
             return False
-        except (OSError, *_network_errors()):  # a blip: the next renewal retries; the term covers two misses
+        except S3Error:  # a network blip: the next renewal retries; the term covers two misses
             pass
         return True
 
@@ -363,7 +356,7 @@ class Claim:
         n = 0
         for key, upload_id in self.bucket.uploads(f"{bucket}/{prefix}"):
             if re.fullmatch(r"\d+\.parquet", key[len(prefix):]):
-                self.bucket.abort_upload(bucket, key, upload_id)
+                self.bucket.abort_upload(f"{bucket}/{key}", upload_id)
                 n += 1
         return n
 

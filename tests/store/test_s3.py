@@ -221,3 +221,25 @@ def test_every_reader_on_s3_equals_a_local_copy(s3_dataset, tmp_path):
         for rank in range(world_size):
             assert_steps_equal(run(remote, cfg(), rank, world_size), run(local, cfg(), rank, world_size))
     assert validate_dataset(s3_dataset).problems == []
+
+
+def test_store_commands_on_s3(s3_dataset):
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        w.write_groups(synthetic_table(3, 2, seed=5, **SMALL))
+    sample = RolloutDataset.open(s3_dataset).read(columns=["sample_id"]).column(0)[0].as_py()
+
+    def store(*args):
+        r = subprocess.run([sys.executable, "-m", "rollshard.store", *args], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "COLUMNS": "200"})
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr
+
+    assert "ok: 1 shards, 6 rows, every check passed" in store("validate", s3_dataset)
+    assert "│ policy │    6 │      3 │" in store("stats", s3_dataset)
+    assert f"sample {sample}" in store("inspect", s3_dataset, "--sample", sample)
+
+
+def test_writing_into_a_missing_bucket_is_one_line(s3_dataset):
+    missing = s3_dataset.replace("s3://", "s3://no-such-").rsplit("/", 1)[0] + "/data"
+    with pytest.raises(s3mod.S3Error, match=r"^s3://no-such-.*: put_object failed: .*NoSuchBucket.*; check the bucket"):
+        ShardWriter(missing)
