@@ -115,6 +115,17 @@ def test_ray_run_equals_one_process_and_reruns_as_a_no_op(reference, two_servers
     assert sample_ids(out) == ids
 
 
+@pytest.mark.s3
+def test_ray_run_into_s3_equals_one_process(reference, two_servers, s3_dataset, tmp_path, ray_tmp):
+    # The tasks find the dataset through the environment they inherit (AWS_ENDPOINT_URL, credentials).
+    args = ["--ray", "--num-shards", 2, *engine(two_servers), *COMMON, "--out", s3_dataset]
+    with driver(args, ray_tmp, tmp_path / "driver.log") as proc:
+        assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    assert sample_ids(s3_dataset) == sample_ids(reference)
+    assert sorted(m.writer_id for m in RolloutDataset.open(s3_dataset).manifests) == ["gen-0-of-2", "gen-1-of-2"]
+    assert validate_dataset(s3_dataset).problems == []
+
+
 def _read(path):
     import pyarrow.parquet as pq
 
