@@ -387,7 +387,7 @@ class EmbeddedEngine(Engine):
             input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=True, **self._last_logit_kw
         )
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
-        kv = kv_cache.from_prefill(layers, valid, out.logits.dtype, _columns_wanted(rows))
+        kv = kv_cache.from_prefill(layers, valid, layers[0][0].dtype, _columns_wanted(rows))
         vocab = out.logits.shape[-1]
         sampling = SamplingRows.of(
             # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor

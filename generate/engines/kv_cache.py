@@ -93,7 +93,7 @@ def out_cache(out):
 def from_prefill(
     layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([n, H, L, D], [n, H, L, D]) of a left-padded prefill
     valid: torch.Tensor,  # [n, L] bool: real prompt tokens
-    dtype: torch.dtype,  # of the additive mask: the model's
+    dtype: torch.dtype,  # of the additive mask: the keys' (attention takes a mask of the query's dtype)
     reserve_columns: int,  # capacity beyond the L columns
 ) -> KV:
     """Column buffers holding a prefill's cache, its padding slots zeroed (a NaN there cannot leak through 0 * NaN)."""

@@ -1,0 +1,64 @@
+"""tests/bench/gpu/check.py, the parts a CPU can run: its arguments, and every step at tiny size with
+``rollshard-generate serve`` standing in for SGLang (the GPU run itself needs a GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+CHECK = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "check.py"
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("gpu_check", CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "generate,fly"], "unknown step(s) ['fly']"),
+        (["--steps", "train"], "keep generate in --steps"),
+        (["--repeat", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(check, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        check.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_half_billion_config_builds_the_parameters_worked_out(check, tiny_qwen3):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(check.half_b_config(tiny_qwen3))
+    # Per layer: q and o 1024 x 2048, k and v 1024 x 1024, MLP 3 x 1024 x 3072, q/k norms 2 x 128, two RMSNorms
+    # 2 x 1024 = 15,730,944; x 28 layers, + tied embeddings 1024 x 1024 + final norm 1024 = 441,516,032.
+    assert sum(p.numel() for p in model.parameters()) == 441_516_032
+    assert model.config.model_type == "qwen3" and model.config.vocab_size == 1024
+
+
+def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
+    argv = [
+        "--tiny", "--device", "cpu", "--server", "serve", "--prompts", "2", "--n-samples", "2", "--concurrency", "4",
+        "--max-new-tokens", "8", "--repeat", "1", "--batch", "4", "--new-tokens", "8", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert check.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["model"]["params"] == 139_648  # tiny-qwen3
+    gen = report["generate"]
+    assert gen["requests"] == 4 and gen["failed"] == 0 and gen["runner_tok_s"] > 0 and gen["bare_tok_s"] > 0
+    # fp32 on the CPU: the trainer's step-0 logprobs are the embedded engine's (1e-5: fp32 batched vs packed).
+    train = report["train"]
+    assert train["dtype"] == "float32" and train["fp32_lm_head"] is True
+    assert train["abs_diff_max"] <= 1e-5 and train["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    for wl in ("equal", "mixed"):
+        assert report["embedded"][wl]["generate_tok_s"] > 0 and report["embedded"][wl]["embedded_tok_s"] > 0
