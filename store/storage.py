@@ -182,6 +182,9 @@ class Storage:
         if filesystem is not None:
             self.fs, self.root = filesystem, root.rstrip("/")
         elif "://" in root:
+            if root.startswith("s3://") and "?" in root:
+                raise ValueError(f"dataset location {root!r}: give S3 settings through the environment "
+                                 "(AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_PROFILE), not in the URI")
             try:
                 self.fs, self.root = pafs.FileSystem.from_uri(root)
             except Exception as e:  # pyarrow raises several types for bad URIs

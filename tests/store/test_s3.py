@@ -243,3 +243,5 @@ def test_writing_into_a_missing_bucket_is_one_line(s3_dataset):
     missing = s3_dataset.replace("s3://", "s3://no-such-").rsplit("/", 1)[0] + "/data"
     with pytest.raises(s3mod.S3Error, match=r"^s3://no-such-.*: put_object failed: .*NoSuchBucket.*; check the bucket"):
         ShardWriter(missing)
+    with pytest.raises(ValueError, match=r"give S3 settings through the environment \(AWS_ENDPOINT_URL"):
+        Storage(s3_dataset + "?endpoint_override=127.0.0.1:9")
