@@ -12,9 +12,10 @@ here runs and megatron-core is used as it ships.
   ``fork`` is a no-op. Harmless here: weights are loaded from the Hugging Face checkpoint, never drawn,
   and dropout is off (the engines that sampled have none).
 * **Attention mask.** The local (non-Transformer-Engine) attention takes no packed-sequence
-  parameters (THD); the packed sequences of a micro-batch get an explicit block-diagonal causal mask
-  instead (:func:`rollshard.train.backends.megatron.forward.packed_causal_mask`). Transformer Engine's
-  spec on GPUs could take ``PackedSeqParams``; this backend uses the mask on every device (one code path).
+  parameters (THD) and would need an explicit block-diagonal causal mask over the whole micro-batch. This
+  backend's core attention (:mod:`rollshard.train.backends.megatron.attention`) attends within each packed
+  sequence instead, on every device; megatron-core's attention with the explicit mask
+  (:func:`rollshard.train.backends.megatron.forward.packed_causal_mask`) is its reference in the tests.
 * **Tied embeddings over pipeline stages.** ``LanguageModule.setup_embeddings_and_output_layer`` moves the
   last stage's copy of a tied embedding with ``weight.data.cuda()`` before its all-reduce over the embedding
   group; on CPU that call is made the identity for the length of the method (the backend then loads the

@@ -1,9 +1,10 @@
 """One pipeline stage's forward over a packed micro-batch, and the logprobs from vocabulary-split logits.
 
-Packing: the micro-batch's sequences run laid end to end as one sequence of ``T`` tokens (batch 1),
-with an explicit block-diagonal causal mask (:func:`packed_causal_mask`: no token attends across a
-sequence boundary) and rotary embeddings taken at each token's own position id (restarting at 0 per
-sequence), exactly the positions the hf backend and the engines use.
+Packing: the micro-batch's sequences run laid end to end as one sequence of ``T`` tokens (batch 1); the
+core attention attends within each sequence alone (:mod:`.attention`, no ``[T, T]`` mask; megatron-core's own
+attention with the block-diagonal causal mask of :func:`packed_causal_mask` is its reference in the tests),
+and rotary embeddings are taken at each token's own position id (restarting at 0 per sequence), exactly
+the positions the hf backend and the engines use.
 
 Logprobs (:func:`vocab_parallel_logprobs`): each tensor-parallel rank holds the logits of its slice of the
 vocabulary, ``[K, V / tp]``, and never the whole ``[K, V]``: of ``z = logits / temperature`` (each row's own
@@ -34,11 +35,14 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:  # [1, 1, T,
 def stage_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """This stage's output ``[T, 1, H]``: embedding (first stage) or the tensor set by ``set_input_tensor``,
     then its decoder layers (and, on the last stage, the final norm)."""
+    from rollshard.train.backends.megatron.attention import packed_sequences
+
     x = None
     if model.pre_process:
         x = model.embedding(input_ids=input_ids[None], position_ids=position_ids[None])  # [T, 1, H]
     rope = freqs.index_select(0, position_ids)  # [T, 1, 1, D] each token at its own position
-    return model.decoder(hidden_states=x, attention_mask=packed_causal_mask(position_ids), rotary_pos_emb=rope)
+    with packed_sequences(position_ids):  # the core attention takes the boundaries, not a mask
+        return model.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
 
 
 def vocab_parallel_logprobs(

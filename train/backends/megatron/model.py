@@ -8,7 +8,8 @@ sliding windows, MLP or output-projection biases, MoE layers interleaved with de
 loading it would silently compute another function.
 
 Layer spec: Transformer Engine's where it is installed, else megatron-core's local spec (torch norms,
-plain matmuls), the one that runs on CPU. Parameters are fp32 (master weights); compute is fp32 on
+plain matmuls), the one that runs on CPU; the core attention of both is this backend's per-sequence one
+(:mod:`.attention`). Parameters are fp32 (master weights); compute is fp32 on
 CPU and bf16 autocast on GPUs, as the hf backend.
 
 Router: Qwen3-MoE takes softmax over all experts, then the top k, renormalized when
@@ -185,13 +186,19 @@ def have_transformer_engine() -> bool:
 
 
 def layer_spec(arch: Arch, config):
-    """Transformer Engine's spec where it runs (a GPU with it installed), else the local one."""
+    """Transformer Engine's spec where it runs (a GPU with it installed), else the local one; either way with
+    :class:`~rollshard.train.backends.megatron.attention.PackedSequenceAttention` as the core attention."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from rollshard.train.backends.megatron.attention import PackedSequenceAttention
 
     moe = dict(num_experts=arch.experts or None, moe_grouped_gemm=False)
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **moe)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **moe)
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe)
+    spec.submodules.self_attention.submodules.core_attention = PackedSequenceAttention  # each packed sequence alone
+    return spec
 
 
 def build_model(arch: Arch, config, *, pre_process: bool, post_process: bool):
