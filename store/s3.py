@@ -33,11 +33,13 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import pyarrow.fs as pafs
 
 PART_BYTES = 8 << 20  # S3 parts are >= 5 MiB except the last; 8 MiB keeps a 512 MiB shard at 64 parts
+PARTS_IN_FLIGHT = 4  # parts uploading at once (32 MiB held), as pyarrow's and boto3's uploaders do
 LEASE_SECONDS = 60.0
 
 
@@ -170,14 +172,16 @@ class Upload:
     """A file-like sink that uploads a shard in parts and makes it visible only on :meth:`complete`.
 
     :class:`~rollshard.store.storage.HashingFile` calls :meth:`write` from its I/O thread, so the parts go up
-    while the next row groups are encoded.
+    while the next row groups are encoded; up to :data:`PARTS_IN_FLIGHT` at once (one request at a time
+    leaves most of a link idle: S3's throughput is per connection).
     """
 
     def __init__(self, bucket: Bucket, path: str):
         self.bucket, self.path = bucket, path
         self._buf = bytearray()
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._parts: list[Future] = []  # of each part's {"PartNumber", "ETag"}, in order
+        self._pool: ThreadPoolExecutor | None = None
 
     def write(self, data: bytes) -> int:
         self._buf += data
@@ -191,10 +195,15 @@ class Upload:
     def _send_part(self) -> None:
         if self._upload_id is None:
             self._upload_id = self.bucket.call("create_multipart_upload", self.path)["UploadId"]
-        n = len(self._parts) + 1
-        r = self.bucket.call("upload_part", self.path, UploadId=self._upload_id, PartNumber=n, Body=bytes(self._buf))
-        self._parts.append({"PartNumber": n, "ETag": r["ETag"]})
+            self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="rollshard-s3-part")
+        while sum(not f.done() for f in self._parts) >= PARTS_IN_FLIGHT:  # bounds the memory held in parts
+            wait([f for f in self._parts if not f.done()], return_when=FIRST_COMPLETED)
+        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, bytes(self._buf)))
         self._buf.clear()
+
+    def _upload_part(self, n: int, body: bytes) -> dict[str, Any]:
+        r = self.bucket.call("upload_part", self.path, UploadId=self._upload_id, PartNumber=n, Body=body)
+        return {"PartNumber": n, "ETag": r["ETag"]}
 
     def complete(self) -> None:
         """Make the object visible, unless its key exists (:class:`PreconditionFailed`; the upload is aborted)."""
@@ -204,9 +213,11 @@ class Upload:
                 return
             if self._buf:
                 self._send_part()
+            parts = [f.result() for f in self._parts]  # a part's error is raised here
             self.bucket.call("complete_multipart_upload", self.path, UploadId=self._upload_id,
-                             MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
+                             MultipartUpload={"Parts": parts}, IfNoneMatch="*")
             self._upload_id = None
+            self._shutdown()
         except BaseException:
             self.abort()
             raise
@@ -214,9 +225,15 @@ class Upload:
     def abort(self) -> None:
         """Drop what was uploaded; nothing becomes visible."""
         self._buf.clear()
+        self._shutdown()  # parts still going up finish first: an abort before them would leave them behind
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             self.bucket.abort_upload(self.path, upload_id)
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def close(self) -> None:
         pass
