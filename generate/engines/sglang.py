@@ -92,6 +92,8 @@ from rollshard.generate.engines.base import (
 )
 from rollshard.generate.engines.sglang_protocol import (
     TransientAbortError,
+    decode_json,
+    encode_json,
     parse_response,
     preferred_sampling_differences,
 )
@@ -107,6 +109,7 @@ SGLANG_SAMPLING_MASK_MAX_TOKENS = 4096
 # Connections beyond max_concurrency kept for /abort_request: when every generate connection hangs
 # (the case aborts exist for), an abort must not queue behind them for a free one.
 CONTROL_CONNECTIONS = 16
+JSON_HEADERS = {"Content-Type": "application/json"}  # request bodies are encoded here (encode_json), not by aiohttp
 # Transport failures that say the server is not there (as opposed to slow): what the breaker counts.
 CONNECTION_FAILURES = (
     aiohttp.ClientConnectorError,  # refused, unreachable, DNS
@@ -249,7 +252,7 @@ class SGLangEngine(Engine):
         """One attempt; 2xx -> parsed JSON, 5xx/transport -> _Retryable, 4xx -> EngineError."""
         session, _ = self._http()
         try:
-            async with session.post(url + path, json=payload, timeout=timeout) as resp:
+            async with session.post(url + path, data=encode_json(payload), headers=JSON_HEADERS, timeout=timeout) as resp:
                 raw = await resp.read()
         except CONNECTION_FAILURES as e:
             raise _Retryable(_transport_error(e, url, path), connection=True) from e
@@ -263,7 +266,7 @@ class SGLangEngine(Engine):
         if resp.status >= 400:
             raise _HTTPStatus(f"HTTP {resp.status} from {url}{path}: {_snippet(raw)}", resp.status)
         try:
-            return json.loads(raw) if raw else {}
+            return decode_json(raw) if raw else {}
         except ValueError as e:
             raise _Retryable(f"non-JSON answer from {url}{path}: {_snippet(raw)}") from e
 

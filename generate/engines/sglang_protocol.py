@@ -25,6 +25,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # 3-5x faster than json on a response of a few hundred [logprob, id, null] items; optional
+    import orjson
+except ImportError:  # pragma: no cover - json does the same, slower
+    orjson = None
+
 from rollshard.generate.engines.base import EngineError, GenerateResult, SamplingParams
 from rollshard.store.schema import SAMPLING_LOGPROB_TOL, WeightSpan
 
@@ -46,6 +51,28 @@ _KNOWN_META = frozenset(
         "output_token_sampling_mask_length",
     }
 )
+
+
+def encode_json(obj: Any) -> bytes:
+    """A request body. orjson where installed; json for what orjson refuses (integers beyond 64 bits, which the
+    server then refuses with a message of its own)."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:
+            pass
+    return json.dumps(obj).encode()
+
+
+def decode_json(raw: bytes) -> Any:
+    """A response body; ValueError when it is not JSON. orjson where installed; json for what orjson refuses but
+    json reads (NaN, Infinity, integers beyond 64 bits), so such a body fails the response's checks by name."""
+    if orjson is not None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 class TransientAbortError(EngineError):

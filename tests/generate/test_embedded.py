@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
-from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm, sample_tokens
+from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm
+from rollshard.generate.engines.sampler import sample_tokens
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 
 from .gated_engine import GatedEngine, until
