@@ -1,9 +1,10 @@
 """Worker of tests/train/test_megatron.py: the megatron backend against the hf backend on the same weights and batch.
 
-    torchrun --standalone --nproc_per_node N megatron_step_worker.py MODEL DATA OUT TP PP
+    torchrun --standalone --nproc_per_node N megatron_step_worker.py MODEL DATA OUT TP PP [EP]
 
 (or in process, one rank). Every rank builds both backends: hf on one process (no FSDP), megatron split by
-``--tp TP --pp PP``. On the first micro-batches of the dataset's first step (two temperatures among them) both
+``--tp TP --pp PP [--ep EP]``; where that leaves two data-parallel ranks (``--ep 2``) both take the same
+batch and each half the loss, so their summed gradients are those of the batch. On the first micro-batches of the dataset's first step (two temperatures among them) both
 compute logprobs and entropies, then the same loss (a fixed per-token weighting of logp plus an entropy term),
 backward and one AdamW step. Rank 0 writes ``OUT/report.json``: the largest differences of logprobs and
 entropies, of the gradients (megatron's pieces joined into Hugging Face names by weights.to_hf) and of the
@@ -53,12 +54,13 @@ def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
+def main(model: str, data: str, out: str, tp: int, pp: int, ep: int = 1) -> None:
     out_dir = Path(out)
-    env = init_parallel(init_distributed(), tp=tp, pp=pp, ep=1)
+    env = init_parallel(init_distributed(), tp=tp, pp=pp, ep=ep)
     optim = OptimConfig(lr=LR, max_grad_norm=1.0)
     hf = HFBackend(ModelConfig(path=model), optim, env=DistEnv(), total_updates=None)
-    mg = MegatronBackend(ModelConfig(path=model, backend="megatron", tp=tp, pp=pp), optim, env=env, total_updates=None)
+    mg = MegatronBackend(ModelConfig(path=model, backend="megatron", tp=tp, pp=pp, ep=ep), optim, env=env,
+                         total_updates=None)
     with RolloutLoader(data, LoaderConfig(groups_per_step=4, micro_batch_tokens=96)) as loader:
         mbs = next(iter(loader)).micro_batches[:MICRO_BATCHES]
     diffs = {"logp": 0.0, "entropy": 0.0}
@@ -71,8 +73,8 @@ def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
         diffs["logp"] = max(diffs["logp"], float(((lp_h - lp_m).detach() * mask).abs().max()))
         diffs["entropy"] = max(diffs["entropy"], float(((ent_h - ent_m).detach() * mask).abs().max()))
         hf.backward(loss_of(lp_h, ent_h, mask))
-        mg.backward(loss_of(lp_m, ent_m, mask))
-    name = f"pp{mg.pp_rank}-tp{mg.tp_rank}-ep0.safetensors"
+        mg.backward(loss_of(lp_m, ent_m, mask) / env.world_size)
+    name = f"pp{mg.pp_rank}-tp{mg.tp_rank}-ep{mg.ep_rank}.safetensors"
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_grads: dict[str, torch.Tensor] = {}
 
@@ -86,7 +88,7 @@ def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
         backend.optimizer.step = step
 
     capture(hf, lambda: hf_grads.update(per_expert({n: p.grad.detach().clone() for n, p in hf.hf_model.named_parameters()})))
-    capture(mg, lambda: save_file(
+    capture(mg, lambda: mg._writes_piece() and save_file(
         {n: p.grad.contiguous() for n, p in mg.model.named_parameters()}, str(out_dir / f"grad-{name}")
     ))
     norms = (hf.optimizer_step()["optim/grad_norm"], mg.optimizer_step()["optim/grad_norm"])
@@ -94,8 +96,11 @@ def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
     env.barrier()
     if env.is_main:
         hf.export_model(out_dir / "hf")
-        parts = {(s, r, 0): load_file(str(out_dir / f"grad-pp{s}-tp{r}-ep0.safetensors")) for s in range(pp) for r in range(tp)}
-        grads = W.to_hf(parts, mg.arch, tp=tp, pp=pp, ep=1)
+        parts = {
+            (s, r, e): load_file(str(out_dir / f"grad-pp{s}-tp{r}-ep{e}.safetensors"))
+            for s in range(pp) for r in range(tp) for e in range(ep)
+        }
+        grads = W.to_hf(parts, mg.arch, tp=tp, pp=pp, ep=ep)
         a, b = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(str(out_dir / "megatron" / "model.safetensors"))
         before = load_file(str(Path(model) / "model.safetensors"))
         report = {
@@ -120,4 +125,4 @@ def main(model: str, data: str, out: str, tp: int, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))

@@ -1,5 +1,5 @@
 """The megatron backend against the hf backend over a gloo world of 2 CPU processes (megatron_step_worker.py):
-tensor parallel (dense and MoE) and pipeline parallel, on the same weights and micro-batches.
+tensor parallel (dense and MoE), expert parallel and pipeline parallel, on the same weights and micro-batches.
 
 Tolerances:
 
@@ -38,21 +38,25 @@ def tiny_moe(tmp_path_factory):
     return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)
 
 
-def run_worker(model: Path, data: Path, out: Path, tp: int, pp: int) -> dict:
+def run_worker(model: Path, data: Path, out: Path, tp: int, pp: int, ep: int) -> dict:
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc_per_node", "2", str(HERE / "megatron_step_worker.py"),
-         str(model), str(data), str(out), str(tp), str(pp)],
+         str(model), str(data), str(out), str(tp), str(pp), str(ep)],
         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "report.json").read_text())
 
 
-@pytest.mark.parametrize("model_name, tp, pp", [("qwen3", 2, 1), ("qwen3-moe", 2, 1), ("qwen3", 1, 2)])
-def test_two_processes_match_the_hf_backend(model_name, tp, pp, tiny_qwen3, tiny_moe, tiny_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "model_name, tp, pp, ep", [("qwen3", 2, 1, 1), ("qwen3-moe", 2, 1, 1), ("qwen3-moe", 1, 1, 2), ("qwen3", 1, 2, 1)]
+)
+def test_two_processes_match_the_hf_backend(model_name, tp, pp, ep, tiny_qwen3, tiny_moe, tiny_dataset, tmp_path):
+    # TP=2 (dense; MoE with the experts split by tensor rank too), EP=2 (two experts per rank, two data-parallel
+    # ranks), PP=2 (one layer per stage, the tied embedding on both).
     model = {"qwen3": tiny_qwen3, "qwen3-moe": tiny_moe}[model_name]
-    r = run_worker(model, tiny_dataset, tmp_path, tp, pp)
+    r = run_worker(model, tiny_dataset, tmp_path, tp, pp, ep)
     assert r["temperatures"] == pytest.approx([0.7, 1.0])  # both temperatures scored
     assert r["logp"] <= LOGPROB_TOL and r["entropy"] <= LOGPROB_TOL
     assert r["grad_names"] >= 24  # every weight of the model has a gradient to compare
@@ -69,7 +73,7 @@ def test_gpu_bf16_logprobs_near_the_hf_backend(tiny_qwen3, tiny_dataset, tmp_pat
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc_per_node", "1", str(HERE / "megatron_step_worker.py"),
-         str(tiny_qwen3), str(tiny_dataset), str(tmp_path), "1", "1"],
+         str(tiny_qwen3), str(tiny_dataset), str(tmp_path), "1", "1", "1"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -17,7 +17,8 @@
 * MoE under tensor parallelism (no sequence parallelism): the allgather token dispatcher gives each expert the
   tokens of every tensor-parallel rank, tp copies of the same tokens, so expert gradients are divided by tp.
 * Data parallel: gradients are summed over the data-parallel group before the update (each rank's loss
-  is normalized by the global token count, so the sum is the global gradient); the tied embedding's
+  is normalized by the global token count, so the sum is the global gradient); expert gradients over the
+  expert-data-parallel group (the ranks holding the same experts; under ``--ep`` the others hold other ones); the tied embedding's
   gradient is summed over megatron's embedding group (first and last stage) when ``pp > 1``.
 * Optimizer: torch AdamW over the local parameters (elementwise, so a split parameter's update is the
   slice of the whole one's), global gradient-norm clipping over every model-parallel rank (a parameter
@@ -270,9 +271,13 @@ class MegatronBackend:
                 if ".experts." in self.names[p]:
                     p.grad.div_(self.env.tp)
         if self.env.world_size > 1:
-            group = ps.get_data_parallel_group()
+            # Experts: summed over the ranks holding the same experts (expert data parallel), not over all
+            # data-parallel ranks, some of which hold other experts (expert parallel).
+            dense, experts = ps.get_data_parallel_group(), ps.get_expert_data_parallel_group() if self.arch.moe else None
             for p in self.params:
-                dist.all_reduce(p.grad, group=group)
+                group = experts if self._is_expert(p) else dense
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
         if self.arch.tied and self.env.pp > 1 and (self.first or self.last):
             shared = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(shared.grad, group=ps.get_embedding_group())
@@ -281,20 +286,32 @@ class MegatronBackend:
         """The global gradient norm: every element of the whole model once."""
         from megatron.core import parallel_state as ps
 
-        split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64)
+        dense, experts = zero.clone(), zero.clone()
         for p in self.params:
             if self._is_tied_copy(self.names[p]):
                 continue
             sq = p.grad.detach().double().pow(2).sum().cpu()
-            if W.is_split(self.names[p]):
-                split += sq
+            sq = sq if W.is_split(self.names[p]) else sq / self.env.tp  # a whole one is held by each of the tp ranks
+            if self._is_expert(p):
+                experts += sq
             else:
-                whole += sq
-        # Summed over the model-parallel group (tp x pp): a whole parameter is held by each of the tp ranks.
-        total = (split + whole / self.env.tp).to(self.device)
+                dense += sq
+        # Dense parameters: summed over tp x pp. Experts: over tp x ep x pp (each ep rank holds other experts).
+        dense = dense.to(self.device)
         if self.env.tp * self.env.pp > 1:
-            dist.all_reduce(total, group=ps.get_model_parallel_group())
+            dist.all_reduce(dense, group=ps.get_model_parallel_group())
+        total = dense
+        if self.arch.moe:
+            experts = experts.to(self.device)
+            group = ps.get_expert_tensor_model_pipeline_parallel_group()
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(experts, group=group)
+            total = dense + experts
         return float(total.sqrt())
+
+    def _is_expert(self, p: torch.Tensor) -> bool:
+        return ".experts." in self.names[p]
 
     def optimizer_step(self) -> dict[str, float]:
         """Sum gradients over data-parallel ranks, clip, step (unless the norm is not finite), zero them."""
@@ -371,6 +388,13 @@ class MegatronBackend:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         raise ValueError("format-1 checkpoints hold hf backend optimizer state; resume them with --backend hf")
 
+    def _writes_piece(self) -> bool:
+        """One rank per (pp, tp, ep) piece: data-parallel rank 0 (MoE: expert-data-parallel rank 0, whose
+        expert-parallel ranks hold the other experts)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_data_parallel_rank() == 0 if self.arch.moe else self.env.rank == 0
+
     def export_model(self, folder: Path) -> None:
         """The Hugging Face model folder of the fp32 master weights (collective: rank 0 joins every piece)."""
         pieces = folder / PIECES_DIR
@@ -380,7 +404,7 @@ class MegatronBackend:
                 shutil.rmtree(pieces)
             pieces.mkdir()
         self.env.barrier()
-        if self.env.rank == 0:  # data-parallel rank 0: one replica of every piece
+        if self._writes_piece():
             name = f"pp{self.pp_rank}-tp{self.tp_rank}-ep{self.ep_rank}.safetensors"
             save_file({n: t.contiguous() for n, t in self.local_weights().items()}, str(pieces / name))
         self.env.barrier()
