@@ -4,6 +4,7 @@
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --supports [--groups 400] [--top-k 20] [--repeat 3] [--json]
+    .venv/bin/python tests/bench/bench_loader.py --throughput [--groups 2400] [--repeat 3] [--json]
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; the same loader
@@ -23,6 +24,11 @@
 of two datasets of ``--groups`` groups each against the single-dataset loader on one of them
 (the mixture runs a reader per source and ends when the 0.7 source runs out; row groups of
 4 MB, so that what a source reads ahead is bounded as in a large dataset).
+
+``--throughput`` measures only part 1, side by side in one run (interleaved, best of ``--repeat``): the
+bare ``pyarrow.dataset`` scan, the loader (data checks on and off), and the path a TRL user would take
+instead: HF ``datasets`` streaming over the shards (``RolloutDataset.to_hf``) and a collate of each batch of
+64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask).
 
 ``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
 epoch, opening included, data checks on and off) over the same rows with a top-k support
@@ -87,6 +93,62 @@ def scan_tokens(ds: RolloutDataset) -> int:
         for col in ("prompt_tokens", "response_tokens"):
             n += pc.sum(pc.list_value_length(batch.column(col))).as_py() or 0
     return n
+
+
+def trl_path(ds: RolloutDataset, batch_rows: int = 64) -> int:
+    """HF streaming rows collated into padded tensors, as a TRL user's DataLoader would; returns the tokens seen."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    def collate(rows: list[dict]) -> int:
+        ids = [torch.tensor(r["prompt_tokens"] + r["response_tokens"]) for r in rows]
+        batch = {
+            "input_ids": pad_sequence(ids, batch_first=True),
+            "attention_mask": pad_sequence([torch.ones(len(x), dtype=torch.long) for x in ids], batch_first=True),
+            "logprobs": pad_sequence([torch.tensor(r["rollout_logprobs"]) for r in rows], batch_first=True),
+            "loss_mask": pad_sequence([torch.tensor(r["loss_mask"]) for r in rows], batch_first=True),
+            "reward": torch.tensor([r["reward"] for r in rows]),
+        }
+        return int(batch["attention_mask"].sum())
+
+    hf = ds.to_hf(streaming=True).select_columns(["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask",
+                                                  "reward"])
+    tokens, rows = 0, []
+    for row in hf:
+        rows.append(row)
+        if len(rows) == batch_rows:
+            tokens, rows = tokens + collate(rows), []
+    return tokens + (collate(rows) if rows else 0)
+
+
+def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
+    ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
+    scan_tokens(ds)  # warm the page cache for all
+    full = LoaderConfig(tail="partial", shuffle_window=args.window)
+    unchecked = dataclasses.replace(full, verify_data=False)
+    paths = {
+        "bare_scan": lambda: scan_tokens(ds),
+        "loader": lambda: loader_run(ds, full)["tokens"],
+        "loader_unchecked": lambda: loader_run(ds, unchecked)["tokens"],
+        "hf_streaming_collate": lambda: trl_path(ds),
+    }
+    best = {k: float("inf") for k in paths}
+    for _ in range(args.repeat):  # interleaved: a change in machine load hits every path alike
+        for name, fn in paths.items():
+            t, n = best_of(1, fn)
+            assert n == ds.num_tokens, (name, n, ds.num_tokens)
+            best[name] = min(best[name], t)
+    out = {"rows": ds.num_rows, "tokens": ds.num_tokens, "mb": ds.num_bytes / 1e6,
+           "m_tokens_per_s": {k: ds.num_tokens / t / 1e6 for k, t in best.items()},
+           "vs_bare_scan": {k: best["bare_scan"] / t for k, t in best.items()}}
+    out["loader_vs_hf_streaming_collate"] = best["hf_streaming_collate"] / best["loader"]
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"dataset: {out['rows']} rows, {out['tokens']:,} tokens, {out['mb']:.0f} MB on disk\n")
+    print("| read path | M tokens/s | vs bare scan |\n|---|---:|---:|")
+    for k in paths:
+        print(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} |")
 
 
 def loader_run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, *, mix: str | None = None) -> dict:
@@ -226,7 +288,8 @@ def main() -> None:
     ap.add_argument("--mix", action="store_true", help="measure only a two-dataset mixture against one dataset")
     ap.add_argument("--supports", action="store_true", help="measure only the loader with sampling supports vs without")
     ap.add_argument("--top-k", type=int, default=20, help="with --supports: ids per token's support")
-    ap.add_argument("--json", action="store_true", help="with --supports: print the figures as JSON")
+    ap.add_argument("--throughput", action="store_true", help="measure only the read paths side by side")
+    ap.add_argument("--json", action="store_true", help="with --supports or --throughput: print the figures as JSON")
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -239,6 +302,9 @@ def main() -> None:
             supports_bench(tmp, args)
             return
         base = synthetic_table(BASE_GROUPS, GROUP_SIZE, seed=0)
+        if args.throughput:
+            throughput_bench(tmp, base, args)
+            return
         if args.mix:
             mix_bench(tmp, base, args)
             return
