@@ -18,10 +18,12 @@ writer's throughput (validation included) against a bare ParquetWriter.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle  # only to measure slime's dump format; rollshard never stores data as pickle
 import shutil
+import sys
 import tempfile
 import time
 
@@ -147,19 +149,22 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--supports", action="store_true", help="measure the schema 1.1 sampling support only")
-    ap.add_argument("--json", action="store_true", help="with --supports: print the figures as JSON")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
     args = ap.parse_args()
     if args.supports:
         args.groups = args.groups or 60
         supports_bench(args)
         return
     args.groups = args.groups or 1000
+    # --json: the tables go to stderr, the figures as one JSON object to stdout
+    say = functools.partial(print, file=sys.stderr) if args.json else print
+    figures: dict = {}
 
     table = synthetic_table(args.groups, args.group_size, seed=0)
     resp_tokens = pc.sum(pc.list_value_length(table["response_tokens"])).as_py()
     all_tokens = resp_tokens + pc.sum(pc.list_value_length(table["prompt_tokens"])).as_py()
     mb = table.nbytes / 1e6
-    print(f"rows {table.num_rows}, response tokens {resp_tokens:,}, all tokens {all_tokens:,}, arrow {mb:.0f} MB\n")
+    say(f"rows {table.num_rows}, response tokens {resp_tokens:,}, all tokens {all_tokens:,}, arrow {mb:.0f} MB\n")
     tmp = tempfile.mkdtemp(prefix="rollshard-bench-")
     parts = groups(table, args.group_size)
     results = []
@@ -189,12 +194,14 @@ def main() -> None:
             use_byte_stream_split=["rollout_logprobs"],
         ),
     }
-    print("| bare ParquetWriter setting | write MB/s | bytes / response token |")
-    print("|---|---:|---:|")
+    say("| bare ParquetWriter setting | write MB/s | bytes / response token |")
+    say("|---|---:|---:|")
     for name, kw in settings.items():
         path = os.path.join(tmp, "bare.parquet")
         t = best_of(args.repeat, lambda: bare(path, **kw))
-        print(f"| {name} | {mb / t:.0f} | {os.path.getsize(path) / resp_tokens:.2f} |")
+        say(f"| {name} | {mb / t:.0f} | {os.path.getsize(path) / resp_tokens:.2f} |")
+        figures.setdefault("bare_settings", {})[name] = {"mb_per_s": mb / t,
+                                                         "bytes_per_response_token": os.path.getsize(path) / resp_tokens}
         if name.endswith("(default)"):
             bare_time, bare_bytes = t, os.path.getsize(path)
 
@@ -237,13 +244,19 @@ def main() -> None:
         ("JSON lines", jsonl_time, os.path.getsize(jsonl)),
         ("pickle of a list of dicts (slime's dump)", pickle_time, os.path.getsize(pkl)),
     ]
-    print("\n| format | write MB/s (arrow MB) | write s | bytes / response token | size vs bare |")
-    print("|---|---:|---:|---:|---:|")
+    say("\n| format | write MB/s (arrow MB) | write s | bytes / response token | size vs bare |")
+    say("|---|---:|---:|---:|---:|")
     for name, t, size in results:
-        print(f"| {name} | {mb / t:.0f} | {t:.2f} | {size / resp_tokens:.2f} | {size / bare_bytes:.3f}x |")
-    print(f"\nwriter / bare throughput ratio: {bare_time / writer_time:.3f} (target >= 0.90); "
+        say(f"| {name} | {mb / t:.0f} | {t:.2f} | {size / resp_tokens:.2f} | {size / bare_bytes:.3f}x |")
+    say(f"\nwriter / bare throughput ratio: {bare_time / writer_time:.3f} (target >= 0.90); "
           f"one group per call: {bare_time / writer_time_1:.3f}")
-    print(f"writer / bare bytes ratio: {writer_bytes / bare_bytes:.4f} (target <= 1.03)")
+    say(f"writer / bare bytes ratio: {writer_bytes / bare_bytes:.4f} (target <= 1.03)")
+    figures.update(rows=table.num_rows, response_tokens=resp_tokens, arrow_mb=mb,
+                   formats={name: {"s": t, "mb_per_s": mb / t, "bytes_per_response_token": size / resp_tokens,
+                                   "size_vs_bare": size / bare_bytes} for name, t, size in results},
+                   writer_vs_bare_32_groups_per_call=bare_time / writer_time,
+                   writer_vs_bare_1_group_per_call=bare_time / writer_time_1,
+                   writer_vs_bare_bytes=writer_bytes / bare_bytes)
 
     cols = ["group_id", "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "reward"]
 
@@ -254,7 +267,7 @@ def main() -> None:
         assert n == table.num_rows
 
     scan_time = best_of(args.repeat, scan)
-    print(
+    say(
         f"scan (pyarrow.dataset, training columns): {all_tokens / scan_time / 1e6:.1f} M tokens/s, "
         f"{writer_bytes / scan_time / 1e6:.0f} MB/s of file"
     )
@@ -265,8 +278,12 @@ def main() -> None:
         pl.scan_parquet(ds.files).select(pl.col("response_tokens").list.len().sum()).collect()
 
     pscan = best_of(args.repeat, polars_scan)
-    print(f"scan (polars, response lengths): {resp_tokens / pscan / 1e6:.1f} M tokens/s")
+    say(f"scan (polars, response lengths): {resp_tokens / pscan / 1e6:.1f} M tokens/s")
     shutil.rmtree(tmp)
+    figures.update(scan_pyarrow_m_tokens_per_s=all_tokens / scan_time / 1e6,
+                   scan_polars_m_response_tokens_per_s=resp_tokens / pscan / 1e6)
+    if args.json:
+        print(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":
