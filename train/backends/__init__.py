@@ -58,6 +58,9 @@ def parallel_env(config: TrainConfig, env: DistEnv) -> DistEnv:
     m = config.model
     if m.backend != "megatron":
         return env
+    from rollshard.train.backends.megatron import compat
+
+    compat.quiet()
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:

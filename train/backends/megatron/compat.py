@@ -25,6 +25,9 @@ here runs and megatron-core is used as it ships.
   :func:`apply` binds it to None, which selects the function's own ``torch.mm`` path. The alltoall token
   dispatcher creates a CUDA stream in its constructor, so on CPU the MoE layers use the allgather dispatcher
   (``rollshard.train.backends.megatron.model``).
+* **Expected warnings.** Without Transformer Engine and Apex megatron-core warns at import and model build
+  that it falls back to torch (norms, optimizers, multi-tensor ops); :func:`quiet` silences those few
+  (:data:`EXPECTED_WARNINGS`), and only those.
 * **vocab_parallel_cross_entropy** overwrites its logits argument in place (it subtracts the max and
   exponentiates into the same storage). This backend never calls it: its logprobs come from its own
   vocab-parallel log softmax (``forward.vocab_parallel_logprobs``), which also divides by each row's
@@ -34,9 +37,25 @@ here runs and megatron-core is used as it ships.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _APPLIED = False
+# Warnings megatron-core gives on every start without Transformer Engine / Apex (the CPU path by design) and for
+# torch collectives it calls by their deprecated names: silenced, so a run's stderr holds what concerns it.
+EXPECTED_WARNINGS = (
+    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (UserWarning, r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE"),
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
+)
+
+
+def quiet() -> None:
+    """Silence :data:`EXPECTED_WARNINGS` (before megatron-core is imported: most are given at import)."""
+    for category, message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def cpu_only() -> bool:

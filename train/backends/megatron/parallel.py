@@ -80,6 +80,7 @@ def init_parallel(env: DistEnv, *, tp: int, pp: int, ep: int) -> ParallelEnv:
             f"{world} processes do not split into --tp {tp} x --pp {pp} (x --ep {ep} experts): launch a multiple of "
             f"{tp * pp} processes with torchrun, or change --tp/--pp/--ep"
         )
+    compat.quiet()
     compat.apply()
     if not dist.is_initialized():  # one process: megatron-core still builds its groups on a process group
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
