@@ -6,13 +6,15 @@
 ``--tp TP --pp PP [--ep EP]``; where that leaves two data-parallel ranks (``--ep 2``) both take the same
 batch and each half the loss, so their summed gradients are those of the batch. On the first micro-batches of the dataset's first step (two temperatures among them) both
 compute logprobs and entropies, then the same loss (a fixed per-token weighting of logp plus an entropy term),
-backward and one AdamW step. Rank 0 writes ``OUT/report.json``: the largest differences of logprobs and
+backward and one AdamW step; with sampling supports added to one micro-batch, the logprobs renormalized over
+them and the mass on them. Rank 0 writes ``OUT/report.json``: the largest differences of logprobs and
 entropies, of the gradients (megatron's pieces joined into Hugging Face names by weights.to_hf) and of the
 exported weights after the step, with the largest gradient and weight change for scale.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,22 @@ MICRO_BATCHES = 2
 def loss_of(logp: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     w = torch.sin(torch.arange(logp.numel(), dtype=torch.float32)) * mask  # [T] fixed "advantages"
     return -(logp * w).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
+
+
+def with_supports(mb):
+    """The micro-batch with a sampling support at two of every three scored positions: its own token and ids
+    from both halves of the vocabulary (so that both tensor-parallel ranks hold some of every support)."""
+    T = mb.input_ids.numel()
+    has = (mb.loss_mask > 0) & (torch.arange(T) % 3 != 0)  # [T]
+    ids, offsets = [], [0]
+    for t in range(T):
+        if has[t]:
+            ids += sorted({int(mb.input_ids[t]), 3, 100, 513, 700, 1000})
+        offsets.append(len(ids))
+    return dataclasses.replace(
+        mb, has_support=has, support_ids=torch.tensor(ids), support_offsets=torch.tensor(offsets),
+        sampling_logprobs=torch.zeros(T),
+    )
 
 
 def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,6 +92,14 @@ def main(model: str, data: str, out: str, tp: int, pp: int, ep: int = 1) -> None
         diffs["entropy"] = max(diffs["entropy"], float(((ent_h - ent_m).detach() * mask).abs().max()))
         hf.backward(loss_of(lp_h, ent_h, mask))
         mg.backward(loss_of(lp_m, ent_m, mask) / env.world_size)
+    # Renormalized over the supports, and the mass on them (no gradient: the same chunks as above).
+    sup_mb = with_supports(mbs[0])
+    _, _, sup_h = hf.logprobs(sup_mb, grad=False, support=True)
+    _, _, sup_m = mg.logprobs(sup_mb, grad=False, support=True)
+    assert bool(sup_h.has_support.any()) and torch.equal(sup_h.has_support, sup_m.has_support)
+    diffs["support_logp"] = float((sup_h.logp - sup_m.logp).abs().max())
+    diffs["support_mass"] = float((sup_h.mass - sup_m.mass).abs().max())
+    diffs["support_mass_range"] = [float(sup_h.mass[sup_h.has_support].min()), float(sup_h.mass.max())]
     name = f"pp{mg.pp_rank}-tp{mg.tp_rank}-ep{mg.ep_rank}.safetensors"
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_grads: dict[str, torch.Tensor] = {}

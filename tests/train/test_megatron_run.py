@@ -86,3 +86,20 @@ def test_grpo_run_resumes_after_sigkill_and_closes_the_loop(tiny_qwen3, tmp_path
     print(f"megatron loop: step-0 max |logp - rollout| {m[0]['mismatch/abs_diff_max']:.2e}, next round "
           f"{m1['mismatch/abs_diff_max']:.2e}")
     assert m1["mismatch/abs_diff_max"] <= FP32_LOGPROB_TOL and m1["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_top_k_rows_train_over_their_support(tiny_qwen3, tmp_path):
+    # The embedded engine samples top-k 20 (schema 1.1 rows with supports); at step 0 the megatron backend's
+    # logprobs renormalized over each support are the engine's sampling logprobs: ratio 1.
+    from rollshard.generate.run import main as generate_main
+
+    argv = ["--engine", f"embedded:{tiny_qwen3}", "--agents", "single", "--task", "toy", "--n-samples", "4",
+            "--limit", "8", "--max-new-tokens", "12", "--top-k", "20", "--out", str(tmp_path / "data"), "--no-progress"]
+    assert generate_main(argv) == 0
+    args = train_args(tmp_path / "data", tiny_qwen3, tmp_path / "run")
+    args[args.index("--max-steps") + 1] = "1"
+    assert train_main(args) == 0
+    m = read_metrics(tmp_path / "run")[0]
+    assert m["support/tokens"] == 1.0 and m["support/abs_diff_max"] <= FP32_LOGPROB_TOL
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=FP32_LOGPROB_TOL)
+    assert m["support/ratio_unrenormalized_mean"] < 0.95  # the full softmax would not have been 1

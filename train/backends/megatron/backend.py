@@ -50,7 +50,14 @@ from rollshard.train.backends.megatron.model import arch_of, build_model, check_
 from rollshard.train.backends.megatron.parallel import ParallelEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
-from rollshard.train.logprobs import Support, chunk_rows, loss_positions, sampling_temperature
+from rollshard.train.logprobs import (
+    Support,
+    SupportLogprobs,
+    chunk_rows,
+    loss_positions,
+    sampling_temperature,
+    support_elements,
+)
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -174,17 +181,21 @@ class MegatronBackend:
 
     def logprobs(self, batch: Any, *, grad: bool, entropy: bool = False, reference: bool = False, support: bool = False):
         """``(logp [T], entropy [T] | None)`` of one packed micro-batch (the same on every rank); with ``support``
-        a third element, None: sampling supports are refused (see :meth:`_refuse_support`)."""
+        a third element: the batch's ``SupportLogprobs``, or None when it has no sampling supports."""
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it is built only when kl_coef > 0")
-        if support and Support.of(batch) is not None:
-            self._refuse_support()
         dev = self.device
         ids, pos = batch.input_ids.to(dev), batch.position_ids.to(dev)
-        at = loss_positions(batch.loss_mask.to(dev))  # [K]
+        mask = batch.loss_mask.to(dev)
+        at = loss_positions(mask)  # [K]
         temp = sampling_temperature(batch.temperature.to(dev).float()).index_select(0, at)  # [K]
         T = ids.numel()
+        sup = Support.of(batch) if support else None
+        rows_ids = ()
+        if sup is not None:
+            sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
+            rows_ids = support_elements(sup, at, ids.index_select(0, at))  # [M], [M]
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(grad), autocast:
             inp = None
@@ -196,35 +207,37 @@ class MegatronBackend:
             out = stage_hidden(model, ids, pos, self._freqs)  # [T, 1, H]
             if not self.last:
                 self._p2p(out.detach().float().contiguous(), send=True, peer_stage=self.pp_rank + 1)
-                lp = torch.empty(at.numel(), device=dev)
-                ent = torch.empty(at.numel(), device=dev) if entropy else None
+                K = at.numel()
+                results = [torch.empty(K, device=dev), torch.empty(K, device=dev) if entropy else None]
+                results += [torch.empty(K, device=dev), torch.empty(K, device=dev)] if rows_ids else []
             else:
-                lp, ent = head_logprobs(
-                    model, out.float(), ids, at, temp, with_entropy=entropy, chunk_tokens=self.chunk
-                )
+                results = list(head_logprobs(
+                    model, out.float(), ids, at, temp, with_entropy=entropy, chunk_tokens=self.chunk,
+                    **(dict(zip(("support_rows", "support_ids"), rows_ids))),
+                ))
         if grad:
             self._pending.append((inp, out))
-        if self.env.pp > 1:
+        if self.env.pp > 1:  # the last stage's results on every stage
             from megatron.core import parallel_state as ps
 
             group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
-            for t in (lp, ent) if ent is not None else (lp,):
-                shared = t.detach().clone() if self.last else t
-                dist.broadcast(shared, src, group=group)
-                if not self.last:
-                    t.copy_(shared)
+            for t in results:
+                if t is not None:
+                    shared = t.detach().clone() if self.last else t
+                    dist.broadcast(shared, src, group=group)
+                    if not self.last:
+                        t.copy_(shared)
 
-        def scatter(v: torch.Tensor) -> torch.Tensor:  # [K] -> [T]
-            return torch.zeros(T, dtype=v.dtype, device=v.device).index_copy(0, at, v)
+        def scatter(v: torch.Tensor | None) -> torch.Tensor | None:  # [K] -> [T]
+            return None if v is None else torch.zeros(T, dtype=v.dtype, device=v.device).index_copy(0, at, v)
 
-        out_t = (scatter(lp), None if ent is None else scatter(ent))
-        return (*out_t, None) if support else out_t
-
-    def _refuse_support(self) -> None:
-        raise ValueError(
-            "--backend megatron does not yet renormalize over stored sampling supports (top-p/top-k rows of schema "
-            "1.1); train this dataset with --backend hf"
-        )
+        lp, ent = scatter(results[0]), scatter(results[1])
+        if not support:
+            return lp, ent
+        if sup is None:
+            return lp, ent, None
+        has = sup.has_support & (mask > 0)  # [T]
+        return lp, ent, SupportLogprobs(logp=scatter(results[2]), mass=scatter(results[3]), has_support=has)
 
     def set_gradient_sync(self, sync: bool) -> None:
         """Gradients are summed over the data-parallel group in :meth:`optimizer_step`, once per update."""

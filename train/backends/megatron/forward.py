@@ -13,7 +13,9 @@ sum of ``exp(z - max)`` and the target's ``z`` are all-reduced over the tensor-p
 ``logp = z[target] - logsumexp(z)``; the entropy ``logsumexp(z) - sum p z`` takes one more all-reduce. The
 reductions are megatron's ``reduce_from_tensor_model_parallel_region`` (sum forward, identity backward):
 every rank computes the same loss, and each rank's backward carries the gradient of its own slice. All in
-fp32, the head too (``fp32_lm_head``), as the hf backend. Response positions are scored in chunks of
+fp32, the head too (``fp32_lm_head``), as the hf backend. Given the sampling supports of schema 1.1 rows,
+the same chunks give the logprob renormalized over each support and the probability mass on it
+(rollshard.train.logprobs' definitions), the support's log-sum-exp reduced over the ranks the same way. Response positions are scored in chunks of
 ``chunk_tokens`` rows (activation-checkpointed in backward when there is more than one).
 """
 
@@ -51,7 +53,9 @@ def vocab_parallel_logprobs(
     temperature: torch.Tensor,  # [C]
     vocab_start: int,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [C], [C] or None
+    support_rows: torch.Tensor | None = None,  # [M] row in [0, C) of each support element
+    support_ids: torch.Tensor | None = None,  # [M] global token id of each support element
+) -> tuple[torch.Tensor | None, ...]:  # [C], [C] or None[, [C], [C]]
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce
@@ -71,7 +75,23 @@ def vocab_parallel_logprobs(
     entropy = None
     if with_entropy:
         entropy = lse - reduce((e * z).sum(-1)) / total  # [C] H = lse - E_p[z]
-    return logp, entropy
+    if support_rows is None:
+        return logp, entropy
+    # The support's log-sum-exp: each rank its own support elements, max and sum reduced as above
+    # (rollshard.train.logprobs._chunk on one rank; rows without a support element give 0).
+    C = targets.numel()
+    local_ids = support_ids - vocab_start  # [M]
+    held = (local_ids >= 0) & (local_ids < z.shape[-1])  # [M]
+    rows, vals = support_rows[held], z[support_rows[held], local_ids[held]]  # [M_r]
+    s_peak = torch.full((C,), -torch.inf, device=z.device).scatter_reduce(0, rows, vals.detach(), "amax")  # [C]
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(s_peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    has = torch.isfinite(s_peak)  # [C]
+    s_peak = torch.where(has, s_peak, torch.zeros_like(s_peak))
+    s_total = reduce(torch.zeros(C, device=z.device).index_add(0, rows, torch.exp(vals - s_peak[rows])))  # [C]
+    s_lse = torch.log(torch.where(has, s_total, torch.ones_like(s_total))) + s_peak  # log(1): no 0 * inf in backward
+    zero = torch.zeros_like(logp)
+    return logp, entropy, torch.where(has, picked - s_lse, zero), torch.where(has, torch.exp(s_lse - lse), zero)
 
 
 def head_logprobs(
@@ -83,7 +103,9 @@ def head_logprobs(
     *,
     with_entropy: bool,
     chunk_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [K], [K] or None
+    support_rows: torch.Tensor | None = None,  # [M] row in [0, K) of each support element, non-decreasing
+    support_ids: torch.Tensor | None = None,  # [M]
+) -> tuple[torch.Tensor | None, ...]:  # [K], [K] or None[, [K], [K]]
     from megatron.core import parallel_state as ps
 
     h = hidden.index_select(0, at - 1)  # [K, 1, H] the state at t-1 predicts token t
@@ -91,17 +113,22 @@ def head_logprobs(
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     start = ps.get_tensor_model_parallel_rank() * (model.vocab_size // ps.get_tensor_model_parallel_world_size())
 
-    def chunk(h_c: torch.Tensor, t_c: torch.Tensor, temp_c: torch.Tensor):
+    def chunk(h_c: torch.Tensor, t_c: torch.Tensor, temp_c: torch.Tensor, *sup):
         with torch.autocast(h_c.device.type, enabled=False):
             logits, _ = model.output_layer(h_c.float(), weight=weight)  # [C, 1, V/tp] fp32
-        return vocab_parallel_logprobs(logits[:, 0], t_c, temp_c, start, with_entropy)
+        return vocab_parallel_logprobs(logits[:, 0], t_c, temp_c, start, with_entropy, *sup)
 
     K = targets.numel()
+    with_support = support_rows is not None
     if K <= chunk_tokens:
-        return chunk(h, targets, temperature)
+        return chunk(h, targets, temperature, *((support_rows, support_ids) if with_support else ()))
+    if with_support:  # chunk c's support elements: the run whose rows fall in [c * chunk, (c + 1) * chunk)
+        bounds = torch.arange(0, K + chunk_tokens, chunk_tokens, device=support_rows.device)
+        cuts = torch.searchsorted(support_rows, bounds.clamp(max=K)).tolist()
     parts = []
-    for s in range(0, K, chunk_tokens):
-        args = (h[s : s + chunk_tokens], targets[s : s + chunk_tokens], temperature[s : s + chunk_tokens])
+    for c, s in enumerate(range(0, K, chunk_tokens)):
+        sl = slice(s, s + chunk_tokens)
+        sup = (support_rows[cuts[c] : cuts[c + 1]] - s, support_ids[cuts[c] : cuts[c + 1]]) if with_support else ()
+        args = (h[sl], targets[sl], temperature[sl], *sup)
         parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
-    logp = torch.cat([p[0] for p in parts])
-    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
