@@ -4,7 +4,10 @@ Requests from any number of coroutines go to one background thread that runs the
 model. The thread batches continuously: between two decode steps it prefills the
 requests that arrived (left-padded), merges their KV cache into the running batch
 and drops the rows that finished, so a long generation never holds back new
-requests. Positions are tracked per row, so left padding changes no logit.
+requests. Positions are tracked per row, so left padding changes no logit. This module
+is the scheduler and the requests' life; the running batch is :mod:`.batch`, its KV
+cache (preallocated columns a decode step writes in place) :mod:`.kv_cache`, the
+sampling :mod:`.sampler`.
 
 Logprobs follow SGLang's definition (:mod:`.base`): log softmax(logits / T) of the
 sampled token, from fp32 logits, before top-k/top-p truncation; greedy (T < 1e-6) takes
@@ -388,12 +391,8 @@ class EmbeddedEngine(Engine):
         )
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
         kv = kv_cache.from_prefill(layers, valid, layers[0][0].dtype, _columns_wanted(rows))
-        vocab = out.logits.shape[-1]
         sampling = SamplingRows.of(
-            # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
-            [(r.sampling.temperature, r.sampling.top_p, max(min(r.sampling.top_k, vocab), -1), r.sampling.return_sampling_mask) for r in rows],
-            [r.generator for r in rows],
-            self.device,
+            [r.sampling for r in rows], [r.generator for r in rows], out.logits.shape[-1], self.device
         )
         first = sampling.sample_first(out.logits[:, -1, :])
         self._record(rows, *first)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from rollshard.generate.engines.base import SamplingParams
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 
 UNIFORM_WINDOW = 64  # uniforms drawn per row at a time: one generator call per row every this many steps
@@ -162,14 +163,15 @@ class SamplingRows:
         self.col = UNIFORM_WINDOW  # next window column; the window is drawn when it is used up
 
     @classmethod
-    def of(cls, params: list[tuple[float, float, int, bool]], generators: list[torch.Generator], device) -> "SamplingRows":
-        """Rows from ``(temperature, top_p, top_k, want_support)`` per row; top_k clamped by the caller."""
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator], vocab: int, device) -> "SamplingRows":
+        """Rows of these requests' parameters and generators."""
         return cls(
-            torch.tensor([p[0] for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p[1] for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p[2] for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            # top_k >= vocab keeps every token; clamped so a huge one cannot overflow the tensor
+            torch.tensor([max(min(p.top_k, vocab), -1) for p in params], dtype=torch.long, device=device),
             list(generators),
-            [p[3] for p in params],
+            [p.return_sampling_mask for p in params],
         )
 
     def __len__(self) -> int:

@@ -252,7 +252,8 @@ class SGLangEngine(Engine):
         """One attempt; 2xx -> parsed JSON, 5xx/transport -> _Retryable, 4xx -> EngineError."""
         session, _ = self._http()
         try:
-            async with session.post(url + path, data=encode_json(payload), headers=JSON_HEADERS, timeout=timeout) as resp:
+            body = encode_json(payload)
+            async with session.post(url + path, data=body, headers=JSON_HEADERS, timeout=timeout) as resp:
                 raw = await resp.read()
         except CONNECTION_FAILURES as e:
             raise _Retryable(_transport_error(e, url, path), connection=True) from e

@@ -270,9 +270,8 @@ def start_sglang(model: Path, batch: int, log: Path) -> tuple[subprocess.Popen, 
     import socket
     import urllib.request
 
-    venv = Path(
-        subprocess.run(["bash", str(REPO / "scripts" / "make_sglang_env.sh"), "--path"], capture_output=True, text=True, check=True).stdout.strip()
-    )
+    script = ["bash", str(REPO / "scripts" / "make_sglang_env.sh"), "--path"]
+    venv = Path(subprocess.run(script, capture_output=True, text=True, check=True).stdout.strip())
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

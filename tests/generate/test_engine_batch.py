@@ -61,12 +61,12 @@ def test_sampling_rows_draw_each_generator_in_order_whatever_the_window_phase():
 
     want = torch.rand(1 + 2 * UNIFORM_WINDOW, generator=gen(7), dtype=torch.float64)  # [prefill + decode draws]
     logits = torch.zeros(1, 1000)  # uniform over 1000 tokens: the token is floor(1000 u)
-    params = [(1.0, 1.0, -1, False)]
-    running = SamplingRows.of(params, [gen(1)], "cpu")
+    params = [SamplingParams()]  # temperature 1, no top-k or top-p
+    running = SamplingRows.of(params, [gen(1)], 1000, "cpu")
     running.sample_first(logits)
     for _ in range(10):
         running.sample(logits)
-    joining = SamplingRows.of(params, [gen(7)], "cpu")
+    joining = SamplingRows.of(params, [gen(7)], 1000, "cpu")
     first, _, _ = joining.sample_first(logits)
     batch = running.merge(joining)
     tokens = [int(first[0])] + [int(batch.sample(logits.repeat(2, 1))[0][1]) for _ in range(2 * UNIFORM_WINDOW)]

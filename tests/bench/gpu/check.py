@@ -126,11 +126,8 @@ def start_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, str, f
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if args.server == "sglang":
-        venv = Path(
-            subprocess.run(
-                ["bash", str(REPO / "scripts" / "make_sglang_env.sh"), "--path"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        )
+        script = ["bash", str(REPO / "scripts" / "make_sglang_env.sh"), "--path"]
+        venv = Path(subprocess.run(script, capture_output=True, text=True, check=True).stdout.strip())
         python = venv / "bin" / "python"
         if not python.is_file():
             raise SystemExit(f"check.py: error: no SGLang environment at {venv}; build it with scripts/make_sglang_env.sh")
@@ -221,8 +218,10 @@ def step_train(args, model: Path, data: Path, root: Path) -> dict:
     bf16 = args.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     config = TrainConfig.from_dict(
         {
-            "data": {"path": str(data), "groups_per_step": args.prompts, "micro_batch_tokens": 16384, "num_epochs": None},
-            "model": {"path": str(model), "backend": "hf", "dtype": "bfloat16" if bf16 else "float32", "fp32_lm_head": True},
+            "data": {"path": str(data), "groups_per_step": args.prompts, "micro_batch_tokens": 16384,
+                     "num_epochs": None},
+            "model": {"path": str(model), "backend": "hf", "dtype": "bfloat16" if bf16 else "float32",
+                      "fp32_lm_head": True},
             "optim": {"lr": 1e-6},
             "trainer": {"out": str(root / "train"), "max_steps": 1, "progress": False, "tensorboard": False},
         }
