@@ -134,6 +134,7 @@ class EmbeddedEngine(Engine):
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._last_logit_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._full_attention = kv_cache.full_attention_only(self.model.config)
         self._seeds = random.Random(seed)
         self._queue: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._swap: tuple[Any, str, str, threading.Event] | None = None  # (model, path, version, done)
@@ -387,7 +388,12 @@ class EmbeddedEngine(Engine):
         )  # [n, L]
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
         out = self.model(
-            input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=True, **self._last_logit_kw
+            input_ids=ids,
+            attention_mask=valid.long(),
+            position_ids=pos,
+            use_cache=True,
+            **{self._cache_kw: kv_cache.prefill_cache()},
+            **self._last_logit_kw,
         )
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
         kv = kv_cache.from_prefill(layers, valid, layers[0][0].dtype, _columns_wanted(rows))
@@ -402,9 +408,12 @@ class EmbeddedEngine(Engine):
     def _decode(self, batch: Batch) -> None:
         """One token for every row of ``batch``: a forward over the column cache, written in place."""
         batch.kv = kv = kv_cache.reserve(batch.kv, 1)
+        mask = kv.mask[..., : kv.n + 1]  # [B, 1, 1, n + 1] prepared: transformers builds none
+        if not self._full_attention:  # sliding-window layers: transformers builds their masks from the 2-D one
+            mask = (mask[:, 0, 0] == 0).long()  # [B, n + 1]
         out = self.model(
             input_ids=batch.last[:, None],  # [B, 1]
-            attention_mask=kv.mask[..., : kv.n + 1],  # [B, 1, 1, n + 1] prepared: transformers builds none
+            attention_mask=mask,
             position_ids=batch.pos[:, None],  # [B, 1]
             use_cache=True,
             **{self._cache_kw: kv_cache.column_cache(kv)},

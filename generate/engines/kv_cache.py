@@ -7,7 +7,8 @@ column ``n``: a decode step writes that column in place and attends to the view
 into a new tensor at every step (a copy of the cache per token, the largest cost of a
 decode step on small models). The padding columns of a row are masked by an additive
 mask ``[B, 1, 1, C]`` (0 attend, the dtype's minimum not), passed to the model as a
-prepared 4-D mask, so transformers builds none per step.
+prepared 4-D mask, so transformers builds none per step (a model with sliding-window
+layers gets it as a 2-D mask: see :func:`full_attention_only`).
 
 The buffers are reshaped only when the batch changes: :func:`merge` (rows admitted after
 their prefill) and :func:`select` (finished rows dropped, and the leading columns that
@@ -76,6 +77,23 @@ def _column_cache_class():
 
         _CLASS = ColumnCache
     return _CLASS
+
+
+def full_attention_only(config) -> bool:
+    """Whether every layer of a model attends to the whole context, so one prepared 4-D mask serves them all.
+    A model with sliding-window layers gets the 2-D padding mask instead, from which transformers builds each
+    layer type's mask (the cache's ``get_mask_sizes`` gives it the columns)."""
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return types == {"full_attention"} and not window
+
+
+def prefill_cache():
+    """An empty cache for a prefill that keeps every layer's whole context. The one a model builds itself keeps
+    only the last window of a sliding-window layer, which the column buffers cannot line up with the others."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
 
 
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

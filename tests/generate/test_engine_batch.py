@@ -101,3 +101,32 @@ def test_a_row_joining_mid_window_and_outgrowing_the_buffers_matches_alone(tiny_
     for p, res in ((prompt, joined), (long_prompt, first)):
         want = teacher_forced(reference, p, res.output_ids, 0.8 if p is prompt else 1.0)
         assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+
+
+def test_sliding_window_layers_keep_their_window(tiny_qwen3, tmp_path, teacher_forced):
+    # Layer 1 of 2 attends to the last 8 positions only; 40 tokens run far past the window. The prefill's own
+    # cache would keep only that layer's window (which failed every request), and the prepared full-attention
+    # mask would let it see everything (logprobs 0.14 off the teacher-forced ones).
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sliding"
+    shutil.copytree(tiny_qwen3, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert reference.config.layer_types == ["full_attention", "sliding_attention"]
+    prompts = [[1, 5, 6, 7], list(range(100, 130))]
+
+    async def go():
+        async with GatedEngine(folder, seed=2) as eng:
+            return await asyncio.gather(
+                *(eng.generate(p, SamplingParams(max_new_tokens=40), ignore_eos=True) for p in prompts)
+            )
+
+    for prompt, res in zip(prompts, run(go())):
+        want = teacher_forced(reference, prompt, res.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
