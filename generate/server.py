@@ -20,9 +20,11 @@ real one:
 * ``POST /update_weight_version`` ``{"new_version"}``; ``/flush_cache``.
 
 Every body is validated by :mod:`rollshard.generate.serve_requests` (400 naming the
-field). Not supported (400): streaming, batched ``input_ids`` (a list of lists), and
-sampling parameters other than the ones in :class:`SamplingParams` unless they hold
-their neutral value (``min_p: 0``, penalties 0/1, ...).
+field). ``sampling_params.ignore_eos`` is SGLang's: no token ends the request (neither
+an eos nor ``stop_token_ids``), stop strings and ``max_new_tokens`` still do. Not
+supported (400): streaming, batched ``input_ids`` (a list of lists), and sampling
+parameters other than the ones in :class:`SamplingParams` unless they hold their
+neutral value (``min_p: 0``, penalties 0/1, ...).
 
 The event loop only routes: bodies are capped relative to the context
 (:func:`body_limit`, 413 beyond), a ``text`` that cannot fit the context is refused

@@ -230,7 +230,9 @@ async def run_http(url: str, requests) -> tuple[float, int]:
     """Native /generate with logprobs and ignore_eos, every request in flight (the server batches)."""
     import aiohttp
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+    # No client timeout: a big model on a busy machine takes minutes for the mixed workload.
+    no_timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=no_timeout) as s:
 
         async def one(prompt, n) -> int:
             body = {
@@ -350,6 +352,7 @@ def bench_models(args) -> dict:
                     ratios = sorted(v / g for v, g in zip(rates["serve"], rates["sglang"]))
                     row["serve_vs_sglang"] = round(statistics.median(ratios), 3)
                 figures[f"{name}/{wl}"] = row
+                print(json.dumps({f"{name}/{wl}": row}), file=sys.stderr, flush=True)  # progress, kept if a later one fails
             asyncio.run(engine.close())
         finally:
             for proc, _ in servers.values():
