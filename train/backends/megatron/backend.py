@@ -11,7 +11,9 @@
   computes the logprobs and broadcasts them over the pipeline group. ``backward`` runs the last stage's
   backward from the loss and hands each stage's input gradient back down. The trainer computes its loss
   outside the model, one micro-batch at a time, so megatron-core's pipeline schedules (which own the loss
-  function and interleave micro-batches) are not used: stages run in turn, for memory, not overlap.
+  function and interleave micro-batches) are not used: stages run in turn, for memory, not overlap. (Nor could
+  they run on CPU: megatron-core 0.16.1's schedules allocate ``torch.zeros(..., device="cuda")`` for their token
+  count and its p2p layer calls ``torch.cuda.synchronize``.)
 * Gradients of the q/k norms (Qwen3) are summed over the tensor-parallel group: each rank applies them to its
   own heads only (megatron-core's ``finalize_model_grads`` does the same).
 * MoE under tensor parallelism (no sequence parallelism): the allgather token dispatcher gives each expert the

@@ -1,7 +1,8 @@
 """megatron-core 0.16.1 on CPU with gloo: the few things it assumes of a CUDA device, and what is done instead.
 
-Applied by :func:`apply` only where CUDA is absent (``torch.cuda.is_available()`` False); on a GPU nothing
-here runs and megatron-core is used as it ships.
+Applied by :func:`apply` only where CUDA is absent (``torch.cuda.is_available()`` False); on a GPU
+megatron-core is used as it ships, but for the MoE router's name below, which is about Transformer
+Engine being absent, not CUDA.
 
 * **Device lookup.** megatron-core allocates buffers with ``device=torch.cuda.current_device()``
   (rotary frequencies, token dispatcher counts, tensor-parallel gathers). On a CPU-only torch that call
@@ -63,15 +64,18 @@ def cpu_only() -> bool:
 
 
 def apply() -> None:
-    """Patch the device lookup (idempotent; nothing where CUDA is present)."""
+    """The router's missing name wherever Transformer Engine is absent; the CPU patches where CUDA is (idempotent)."""
     global _APPLIED
-    if _APPLIED or not cpu_only():
+    if _APPLIED:
         return
-    torch.cuda.current_device = lambda: torch.device("cpu")  # megatron-core allocates on it
+    _APPLIED = True
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # its torch.mm fallback
+    if not cpu_only():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # megatron-core allocates on it
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     setup = LanguageModule.setup_embeddings_and_output_layer
@@ -85,7 +89,6 @@ def apply() -> None:
             torch.Tensor.cuda = to_cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
-    _APPLIED = True
 
 
 def init_rng_tracker() -> None:
