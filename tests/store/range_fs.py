@@ -48,6 +48,12 @@ class _RangeFile:
         self.fs.add(self.path, offset, len(data))
         return data
 
+    def readinto(self, b) -> int:
+        at = self.f.tell()
+        n = self.f.readinto(b)
+        self.fs.add(self.path, at, n)
+        return n
+
     def read_buffer(self, n: int):
         at = self.f.tell()
         buf = self.f.read_buffer(n)
