@@ -541,13 +541,26 @@ class _State:
 
 
 class _lock:
-    """An exclusive lock on ``out/_derive/lock`` (local datasets): two derives into one out refuse to mix."""
+    """An exclusive lock on ``out/_derive/lock``: two derives into one out refuse to mix (on S3 a lease,
+    store/s3.py, held as a writer id is)."""
 
     def __init__(self, storage: Storage):
-        self.storage, self.fd = storage, None
+        self.storage, self.fd, self.lease = storage, None, None
 
     def __enter__(self) -> "_lock":
-        if self.storage.local:
+        if self.storage.s3:
+            from rollshard.store.s3 import Lease, S3Error
+
+            self.storage.bucket.check_conditional_writes(self.storage.root)
+            lease = Lease(self.storage.bucket, self.storage.path(f"{STATE_DIR}/lock.lease"), uri=self.storage.uri,
+                          writer_id="derive")
+            try:
+                lease.acquire()
+            except S3Error as e:
+                raise DeriveError(f"another process is deriving into {self.storage.uri}; wait for it to finish "
+                                  f"({e})") from e
+            self.lease = lease
+        elif self.storage.local:
             self.storage.makedirs(STATE_DIR)
             self.fd = os.open(self.storage.path(f"{STATE_DIR}/lock"), os.O_CREAT | os.O_RDWR, 0o644)
             try:
@@ -560,6 +573,8 @@ class _lock:
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
             os.close(self.fd)
+        if self.lease is not None:
+            self.lease.release()
 
 
 class _progress_bar:

@@ -26,7 +26,9 @@ probes for it once per bucket and refuses to write there.
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -42,9 +44,13 @@ PART_BYTES = 8 << 20  # S3 parts are >= 5 MiB except the last; 8 MiB keeps a 512
 PARTS_IN_FLIGHT = 4  # parts uploading at once (32 MiB held), as pyarrow's and boto3's uploaders do
 LEASE_SECONDS = 60.0
 
+log = logging.getLogger(__name__)
 
-class S3Error(RuntimeError):
-    """A write S3 refused; the message says why and what to do."""
+
+class S3Error(OSError):
+    """A write S3 refused; the message says why and what to do (an ``OSError``: commands report it in one line)."""
+
+    code = ""  # S3's error code, when S3 answered
 
 
 class PreconditionFailed(S3Error):
@@ -72,9 +78,15 @@ def _code(e: Exception) -> str:
     return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
 
-def _is_precondition(e: Exception) -> bool:
-    status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return _code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+def _status(e: Exception) -> int | None:
+    return getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+CONFLICT_RETRIES = 4  # S3 answers 409 ConditionalRequestConflict to one of two racing conditional writes: retry it
+
+
+def _md5_etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
 
 
 class Bucket:
@@ -96,16 +108,28 @@ class Bucket:
         """``client.<op>(Bucket=, Key=, **kwargs)`` for ``path``: None for an error code in ``ok``,
         :class:`PreconditionFailed` for a lost condition, :class:`S3Error` (one line) for any other refusal."""
         bucket, key = self.split(path)
-        try:
-            return getattr(self.client, op)(Bucket=bucket, **({"Key": key} if op != "list_multipart_uploads" else {}),
-                                            **kwargs)
-        except _network_errors() as e:
-            if _code(e) in ok:
-                return None
-            if _is_precondition(e):
-                raise PreconditionFailed(f"s3://{path} was written by someone else") from e
-            raise S3Error(f"s3://{path}: {op} failed: {' '.join(str(e).split())}; check the bucket, the credentials "
-                          "(AWS_* variables or profile) and AWS_ENDPOINT_URL") from e
+        for attempt in range(CONFLICT_RETRIES + 1):
+            try:
+                return getattr(self.client, op)(Bucket=bucket, **({"Key": key} if op != "list_multipart_uploads"
+                                                                  else {}), **kwargs)
+            except _network_errors() as e:
+                if _code(e) in ok:
+                    return None
+                if _status(e) == 409 and attempt < CONFLICT_RETRIES:
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                if _status(e) in (409, 412):
+                    raise PreconditionFailed(f"s3://{path} was written by someone else") from e
+                err = S3Error(f"s3://{path}: {op} failed: {' '.join(str(e).split())}; check the bucket, the "
+                              "credentials (AWS_* variables or profile) and AWS_ENDPOINT_URL")
+                err.code = _code(e)
+                raise err from e
+        raise AssertionError("unreachable")
+
+    def etag(self, path: str) -> str | None:
+        """The ETag of ``path``; None when absent."""
+        r = self.call("head_object", path, ok=("NoSuchKey", "404", "NotFound"))
+        return None if r is None else r["ETag"]
 
     def put(self, path: str, data: bytes, *, create: bool = False, match: str | None = None) -> str:
         """Write ``data`` at ``path``; ``create``: only if absent; ``match``: only if its ETag is still this.
@@ -115,7 +139,14 @@ class Bucket:
             extra["IfNoneMatch"] = "*"
         if match is not None:
             extra["IfMatch"] = match
-        return self.call("put_object", path, Body=data, **extra)["ETag"]
+        try:
+            return self.call("put_object", path, Body=data, **extra)["ETag"]
+        except PreconditionFailed:
+            # A retry of a write that landed (its answer was lost) fails its own condition: it is ours if the
+            # object holds exactly these bytes (every fenced write carries its owner's token, so no other holds them).
+            if self.etag(path) == _md5_etag(data):
+                return _md5_etag(data)
+            raise
 
     def get(self, path: str) -> tuple[bytes, str, float, float] | None:
         """(data, ETag, server time of its last write, server time now) of ``path``; None when absent."""
@@ -155,17 +186,33 @@ class Bucket:
             if bucket in self._probed:
                 return
             probe = f"{root}/_manifests/.probe-{uuid.uuid4().hex}"
-            self.put(probe, b"", create=True)
+            self.put(probe, b"a", create=True)
             try:
-                self.put(probe, b"", create=True)
-            except PreconditionFailed:
-                self._probed.add(bucket)
-                return
+                if self._refused(lambda: self.put(probe, b"b", create=True)) and self._refused(
+                        lambda: self.put(probe, b"c", match=_md5_etag(b"x"))) and self._refused(
+                        lambda: self._complete_once(probe)):
+                    self._probed.add(bucket)
+                    return
             finally:
                 self.delete(probe)
-        raise S3Error(f"the S3 endpoint of s3://{bucket} ignores conditional writes (If-None-Match), which "
-                      "rollshard needs to commit shards safely there; use an endpoint that supports them "
-                      "(AWS S3, or a recent MinIO or Ceph)")
+        raise S3Error(f"the S3 endpoint of s3://{bucket} ignores conditional writes (If-None-Match on PutObject "
+                      "and CompleteMultipartUpload, If-Match on PutObject), which rollshard needs to commit shards "
+                      "safely there; use an endpoint that supports them (AWS S3, or a recent MinIO or Ceph)")
+
+    @staticmethod
+    def _refused(write) -> bool:
+        try:
+            write()
+        except PreconditionFailed:
+            return True
+        return False
+
+    def _complete_once(self, path: str) -> None:
+        """A one-part multipart upload onto ``path`` (which exists), completed with If-None-Match."""
+        upload = Upload(self, path)
+        upload.write(b"d")
+        upload.multipart = True
+        upload.complete()
 
 
 class Upload:
@@ -182,6 +229,7 @@ class Upload:
         self._upload_id: str | None = None
         self._parts: list[Future] = []  # of each part's {"PartNumber", "ETag"}, in order
         self._pool: ThreadPoolExecutor | None = None
+        self.multipart = False  # True: a multipart upload even when the bytes fit one PUT (the endpoint probe)
 
     def write(self, data: bytes) -> int:
         self._buf += data
@@ -198,6 +246,9 @@ class Upload:
             self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="rollshard-s3-part")
         while sum(not f.done() for f in self._parts) >= PARTS_IN_FLIGHT:  # bounds the memory held in parts
             wait([f for f in self._parts if not f.done()], return_when=FIRST_COMPLETED)
+        for f in self._parts:  # a part that failed stops the shard now, not after the rest went up
+            if f.done() and f.exception() is not None:
+                raise f.exception()
         self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, bytes(self._buf)))
         self._buf.clear()
 
@@ -208,14 +259,21 @@ class Upload:
     def complete(self) -> None:
         """Make the object visible, unless its key exists (:class:`PreconditionFailed`; the upload is aborted)."""
         try:
-            if self._upload_id is None:
+            if self._upload_id is None and not self.multipart:
                 self.bucket.put(self.path, bytes(self._buf), create=True)
                 return
-            if self._buf:
+            if self._buf or not self._parts:
                 self._send_part()
             parts = [f.result() for f in self._parts]  # a part's error is raised here
-            self.bucket.call("complete_multipart_upload", self.path, UploadId=self._upload_id,
-                             MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            try:
+                self.bucket.call("complete_multipart_upload", self.path, UploadId=self._upload_id,
+                                 MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            except PreconditionFailed:
+                # A retried completion that had landed: the object's ETag is the one these parts make.
+                digest = hashlib.md5(b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts),
+                                     usedforsecurity=False).hexdigest()
+                if self.bucket.etag(self.path) != f'"{digest}-{len(parts)}"':
+                    raise
             self._upload_id = None
             self._shutdown()
         except BaseException:
@@ -239,21 +297,52 @@ class Upload:
         pass
 
 
-def _pid_alive(pid: int) -> bool:
+def _process_identity(pid: int) -> dict[str, Any]:
+    """What tells this process apart from any other, here or elsewhere: the host, the kernel's boot, the pid
+    namespace (containers on one host share the boot), the pid and the process's start time (pids are reused)."""
+    ident: dict[str, Any] = {"host": socket.gethostname(), "pid": pid}
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            ident["boot"] = f.read().strip()
+        ident["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+        with open(f"/proc/{pid}/stat") as f:
+            ident["start"] = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux, or the process is gone: "start" missing
+    return ident
+
+
+def _dead_here(holder: dict[str, Any]) -> bool:
+    """The lease's holder is a process of this host and pid namespace that no longer runs (its pid is free, or
+    now another process's)."""
+    me = _process_identity(os.getpid())
+    if any(holder.get(k) != me.get(k) for k in ("host", "boot", "pidns")) or "boot" not in me:
         return False
-    except PermissionError:
+    try:
+        os.kill(int(holder.get("pid", -1)), 0)
+    except ProcessLookupError:
         return True
-    return True
+    except (PermissionError, ValueError, OverflowError):
+        return False
+    return _process_identity(int(holder["pid"])).get("start") != holder.get("start")
+
+
+MIN_LEASE_SECONDS = 10.0  # Last-Modified and Date have 1 s resolution: a shorter term could lapse mid-renewal
 
 
 class Lease:
-    """``_manifests/<writer_id>.lease``, held while a writer writes as that id (module docstring)."""
+    """``_manifests/<writer_id>.lease``, held while a writer writes as that id (module docstring).
 
-    def __init__(self, bucket: Bucket, path: str, *, uri: str, writer_id: str, seconds: float = LEASE_SECONDS):
-        self.bucket, self.path, self.uri, self.writer_id, self.seconds = bucket, path, uri, writer_id, seconds
+    A lease held by a dead process of this host is taken at once. One held elsewhere is watched for up to
+    ``wait_seconds``: a holder that renews meanwhile is alive (refused); one whose term runs out is gone (taken),
+    so a Ray task rerun on another node follows its dead predecessor within one term."""
+
+    def __init__(self, bucket: Bucket, path: str, *, uri: str, writer_id: str, seconds: float = LEASE_SECONDS,
+                 wait_seconds: float = LEASE_SECONDS):
+        if seconds < MIN_LEASE_SECONDS:
+            raise ValueError(f"a lease term of {seconds} s is too short; give at least {MIN_LEASE_SECONDS:.0f} s")
+        self.bucket, self.path, self.uri, self.writer_id = bucket, path, uri, writer_id
+        self.seconds, self.wait_seconds = seconds, wait_seconds
         self.token = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"  # this claim's; in every write
         self.took_over = False  # the lease was another process's: its manifest may have moved since
         self.lost: str | None = None  # why the lease is gone (renewal lost to another process)
@@ -264,8 +353,8 @@ class Lease:
     def _body(self) -> bytes:
         # The token makes this holder's body differ from any other's: S3's ETag is a hash of the content, and
         # If-Match fences only writes whose content differs.
-        return json.dumps({"writer_id": self.writer_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "seconds": self.seconds, "token": self.token}).encode()
+        return json.dumps({"writer_id": self.writer_id, **_process_identity(os.getpid()), "seconds": self.seconds,
+                           "token": self.token}).encode()
 
     def acquire(self) -> None:
         try:
@@ -276,27 +365,40 @@ class Lease:
         self._thread.start()
 
     def _take_over(self) -> None:
-        held = self.bucket.get(self.path)
-        if held is not None:
+        first_written, deadline = None, time.monotonic() + self.wait_seconds
+        while True:
+            held = self.bucket.get(self.path)
+            if held is None:  # released meanwhile
+                self._etag = self._claim(self.bucket.put, create=True)
+                return
             data, etag, written, now = held
             try:
                 holder = json.loads(data)
             except ValueError:
                 holder = {}
             left = float(holder.get("seconds", self.seconds)) - (now - written)
-            dead_here = holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
-            if left > 0 and not dead_here:
+            if left <= 0 or _dead_here(holder):
+                self._etag = self._claim(self.bucket.put, match=etag)
+                self.took_over = True
+                return
+            renewed = first_written is not None and written > first_written
+            if renewed or time.monotonic() + min(left, 2.0) > deadline or _here(holder):
                 raise S3Error(
                     f"another process is writing into {self.uri} as writer {self.writer_id!r} (pid "
                     f"{holder.get('pid')} on {holder.get('host')}, its lease runs {left:.0f} s more); give each "
                     "process its own writer id, or wait for the lease to expire if that process is gone")
+            if first_written is None:
+                first_written = written
+                log.warning("writer %r of %s is leased by pid %s on %s; waiting up to %.0f s for it to renew or lapse",
+                            self.writer_id, self.uri, holder.get("pid"), holder.get("host"), min(left, self.wait_seconds))
+            time.sleep(min(left, 2.0))  # a lease held elsewhere: its holder renews every third of its term
+
+    def _claim(self, put, **condition) -> str:
         try:
-            self._etag = (self.bucket.put(self.path, self._body(), match=held[1]) if held is not None
-                          else self.bucket.put(self.path, self._body(), create=True))
+            return put(self.path, self._body(), **condition)
         except PreconditionFailed as e:
             raise S3Error(f"another process took writer {self.writer_id!r} of {self.uri} at the same moment; "
                           "give each process its own writer id") from e
-        self.took_over = True
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3) and self.renew():
@@ -309,8 +411,11 @@ class Lease:
         except PreconditionFailed:
             self.lost = f"the lease of writer {self.writer_id!r} on {self.uri} was taken by another process"
             return False
-        except S3Error:  # a network blip: the next renewal retries; the term covers two misses
-            pass
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "404"):  # deleted under it: another process may open this id now
+                self.lost = f"the lease of writer {self.writer_id!r} on {self.uri} was deleted by another process"
+                return False
+            # a network blip: the next renewal retries; the term covers two misses
         return True
 
     def check(self) -> None:
@@ -318,24 +423,34 @@ class Lease:
             raise S3Error(f"{self.lost}; this writer stopped (what it committed stays)")
 
     def release(self) -> None:
+        """Stop renewing and delete the lease; best effort (a lease left behind lapses after its term)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         if self.lost is None and self._etag is not None:
-            self.bucket.delete(self.path, match=self._etag)
+            try:
+                self.bucket.delete(self.path, match=self._etag)
+            except S3Error as e:
+                log.warning("could not release %s (it lapses in %.0f s): %s", self.path, self.seconds, e)
+
+
+def _here(holder: dict[str, Any]) -> bool:
+    """The holder is a live process of this host and pid namespace (its lease will not lapse while we wait)."""
+    me = _process_identity(os.getpid())
+    return "boot" in me and all(holder.get(k) == me.get(k) for k in ("host", "boot", "pidns"))
 
 
 class Claim:
     """What a writer holds on S3 while it writes as one writer id: the lease, and its fenced manifest."""
 
     def __init__(self, bucket: Bucket, root: str, *, uri: str, writer_id: str, manifest_rel: str,
-                 lease_seconds: float = LEASE_SECONDS):
+                 lease_seconds: float = LEASE_SECONDS, lease_wait_seconds: float = LEASE_SECONDS):
         bucket.check_conditional_writes(root)
         self.bucket, self.root, self.writer_id = bucket, root, writer_id
         self._manifest = f"{root}/{manifest_rel}"
         self._etag: str | None = None
         self.lease = Lease(bucket, f"{root}/_manifests/{writer_id}.lease", uri=uri, writer_id=writer_id,
-                           seconds=lease_seconds)
+                           seconds=lease_seconds, wait_seconds=lease_wait_seconds)
         self.lease.acquire()
         self.uri = uri
 

@@ -193,25 +193,32 @@ class Storage:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(root).resolve())
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.s3 = isinstance(self.fs, pafs.S3FileSystem)
-        self.uri = root
+        self._explicit_fs = filesystem is not None
+        self.uri = f"s3://{self.root}" if self.s3 and "://" not in root else root  # readers reopen it by URI
         self._bucket = None
 
     @property
     def bucket(self):
         """The boto3 side of an S3 dataset (store/s3.py), made on first use."""
         if self._bucket is None:
-            from rollshard.store.s3 import Bucket
+            from rollshard.store.s3 import Bucket, S3Error
+
+            if self._explicit_fs:  # boto3 cannot take over its endpoint and credentials: writes would go elsewhere
+                raise S3Error(f"{self.uri}: writing through a given S3FileSystem is not supported; pass the s3:// "
+                              "URI and give the endpoint and credentials through the environment (AWS_ENDPOINT_URL)")
 
             self._bucket = Bucket(self.fs)
         return self._bucket
 
-    def claim(self, writer_id: str, manifest_rel: str, *, lease_seconds: float | None = None) -> "Claim":
+    def claim(self, writer_id: str, manifest_rel: str, *, lease_seconds: float | None = None,
+              lease_wait_seconds: float | None = None) -> "Claim":
         """Hold ``writer_id`` for this process (module docstring) until the claim's ``release``."""
         if self.s3:
             from rollshard.store.s3 import LEASE_SECONDS, Claim as S3Claim
 
             return S3Claim(self.bucket, self.root, uri=self.uri, writer_id=writer_id, manifest_rel=manifest_rel,
-                           lease_seconds=lease_seconds or LEASE_SECONDS)
+                           lease_seconds=lease_seconds or LEASE_SECONDS,
+                           lease_wait_seconds=LEASE_SECONDS if lease_wait_seconds is None else lease_wait_seconds)
         return Claim(self, writer_id, manifest_rel)
 
     def path(self, rel: str) -> str:

@@ -68,6 +68,7 @@ class WriterOptions:
     dictionary_lists: bool = False  # dictionary-encode the list columns too (measured: worse)
     validate: bool = True  # check every invariant before a row is buffered
     lease_seconds: float | None = None  # S3: the term of the writer id's lease (store/s3.py; None: its default)
+    lease_wait_seconds: float | None = None  # S3: how long to watch a lease held elsewhere lapse (None: one term)
 
 
 def default_writer_id() -> str:
@@ -96,7 +97,8 @@ class ShardWriter:
         self._schema = ROW_SCHEMA.with_metadata(file_metadata(self.config))
         self.storage.makedirs(SHARD_DIR)
         rel = Manifest.rel_path(self.writer_id)
-        self._claim = self.storage.claim(self.writer_id, rel, lease_seconds=self.options.lease_seconds)
+        self._claim = self.storage.claim(self.writer_id, rel, lease_seconds=self.options.lease_seconds,
+                                         lease_wait_seconds=self.options.lease_wait_seconds)
         try:
             data = self._claim.load_manifest()
             existing = None if data is None else Manifest.from_json(data, self.storage.path(rel))
@@ -183,7 +185,7 @@ class ShardWriter:
         except PreconditionFailed as e:
             raise S3Error(f"{self.storage.uri}/{pending.rel} exists already: another process wrote it as writer "
                           f"{self.writer_id!r}; this writer stopped (what it committed stays); give each process its "
-                          "own writer id, and rerun this one to adopt that shard") from e
+                          "own writer id (a rerun, once the other is gone, adopts that shard)") from e
         footer_sha = None
         if row_groups is not None:
             row_groups, footer_sha = with_ranges(row_groups, footer, pending.file.segments, size)

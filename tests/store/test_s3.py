@@ -139,19 +139,40 @@ def _put_lease(uri, writer_id, **body):
 
 def test_a_lease_of_a_dead_process_here_is_taken_at_once(s3_dataset):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _put_lease(s3_dataset, "w0", host=socket.gethostname(), pid=int(dead.stdout), seconds=3600)
+    here = s3mod._process_identity(os.getpid())
+    _put_lease(s3_dataset, "w0", **{**here, "pid": int(dead.stdout), "start": 1}, seconds=3600)
     with ShardWriter(s3_dataset, writer_id="w0") as w:
         assert w._claim.took_over
         w.write_groups(synthetic_table(1, 2, **SMALL))
     assert RolloutDataset.open(s3_dataset).num_groups == 1
 
 
+def test_a_pid_now_of_another_process_is_not_the_holder(s3_dataset):
+    # After a restart the pid may belong to a live process again (a container's pid 1): its start time differs.
+    here = s3mod._process_identity(os.getpid())
+    _put_lease(s3_dataset, "w0", **{**here, "start": here["start"] - 1}, seconds=3600)
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        assert w._claim.took_over
+    _put_lease(s3_dataset, "w0", **{**here, "pidns": here["pidns"] + 1}, seconds=3600)  # a container beside us
+    with pytest.raises(s3mod.S3Error, match=r"its lease runs 3\d{3} s more"):
+        ShardWriter(s3_dataset, writer_id="w0", options=WriterOptions(lease_wait_seconds=0))
+
+
 def test_a_lease_from_another_host_holds_for_its_term(s3_dataset):
     _put_lease(s3_dataset, "w0", host="elsewhere", pid=1, seconds=3600)
     with pytest.raises(s3mod.S3Error, match=r"\(pid 1 on elsewhere, its lease runs 3\d{3} s more\)"):
-        ShardWriter(s3_dataset, writer_id="w0")
+        ShardWriter(s3_dataset, writer_id="w0", options=WriterOptions(lease_wait_seconds=0))
     _put_lease(s3_dataset, "w0", host="elsewhere", pid=1, seconds=0)  # its term is over (by the server's clock)
     ShardWriter(s3_dataset, writer_id="w0").close()
+
+
+def test_a_lease_elsewhere_that_lapses_while_watched_is_taken(s3_dataset):
+    # A Ray task rerun on another node: its dead predecessor's lease (2 s here) is watched until it lapses.
+    _put_lease(s3_dataset, "w0", host="elsewhere", pid=1, seconds=2)
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        assert w._claim.took_over
+    with pytest.raises(ValueError, match="a lease term of 1 s is too short; give at least 10 s"):
+        ShardWriter(s3_dataset, writer_id="w1", options=WriterOptions(lease_seconds=1))
 
 
 def test_a_writer_that_lost_its_id_cannot_commit_over_the_new_holder(s3_dataset):
@@ -180,16 +201,23 @@ def test_a_writer_that_lost_its_id_cannot_commit_over_the_new_holder(s3_dataset)
     assert validate_dataset(s3_dataset).problems == []
 
 
-def test_an_endpoint_ignoring_conditional_writes_is_refused(s3_dataset, monkeypatch):
-    real_put = s3mod.Bucket.put
+@pytest.mark.parametrize("ignored", ["put_object/IfNoneMatch", "put_object/IfMatch",
+                                     "complete_multipart_upload/IfNoneMatch"])
+def test_an_endpoint_ignoring_conditional_writes_is_refused(s3_dataset, monkeypatch, ignored):
+    real_call = s3mod.Bucket.call
+    op, header = ignored.split("/")
 
-    def ignoring(self, path, data, *, create=False, match=None):
-        return real_put(self, path, data)
+    def ignoring(self, name, path, **kwargs):
+        if name == op:
+            kwargs.pop(header, None)
+        return real_call(self, name, path, **kwargs)
 
-    monkeypatch.setattr(s3mod.Bucket, "put", ignoring)
+    monkeypatch.setattr(s3mod.Bucket, "call", ignoring)
     monkeypatch.setattr(s3mod.Bucket, "_probed", set())
     with pytest.raises(s3mod.S3Error, match="ignores conditional writes .* use an endpoint that supports them"):
         ShardWriter(s3_dataset, writer_id="w0")
+    monkeypatch.undo()
+    ShardWriter(s3_dataset, writer_id="w0").close()  # the same bucket on an endpoint that honours them
 
 
 def test_manifest_is_the_commit_point_for_readers(s3_dataset):
@@ -245,3 +273,77 @@ def test_writing_into_a_missing_bucket_is_one_line(s3_dataset):
         ShardWriter(missing)
     with pytest.raises(ValueError, match=r"give S3 settings through the environment \(AWS_ENDPOINT_URL"):
         Storage(s3_dataset + "?endpoint_override=127.0.0.1:9")
+
+
+@pytest.mark.parametrize("op", ["put_object", "complete_multipart_upload"])
+def test_a_retried_write_that_had_landed_is_ours(s3_dataset, monkeypatch, op):
+    # The server applied the write but its answer was lost; the client's retry then fails its own condition.
+    monkeypatch.setattr(s3mod, "PART_BYTES", 5 << 20)
+    real_call = s3mod.Bucket.call
+
+    def answer_lost(self, name, path, **kwargs):
+        if name == op and ("IfMatch" in kwargs or "IfNoneMatch" in kwargs):
+            real_call(self, name, path, **kwargs)
+            if name == "complete_multipart_upload":  # moto (like S3) accepts a repeated completion: refuse it
+                raise s3mod.PreconditionFailed(f"s3://{path} was written by someone else")
+        return real_call(self, name, path, **kwargs)
+
+    big = synthetic_table(150, 4, seed=6)  # > 5 MiB: a multipart shard
+    with ShardWriter(s3_dataset, writer_id="w0", options=WriterOptions(row_group_bytes=4 << 20)) as w:
+        monkeypatch.setattr(s3mod.Bucket, "call", answer_lost)
+        w.write_groups(big)
+        w.commit()
+    monkeypatch.undo()
+    ds = RolloutDataset.open(s3_dataset)
+    assert ds.num_groups == 150 and ds.shards[0].bytes > 5 << 20 and validate_dataset(s3_dataset).problems == []
+
+
+def test_a_lease_deleted_under_its_holder_is_lost(s3_dataset, monkeypatch):
+    w = ShardWriter(s3_dataset, writer_id="w0")
+    boto3.client("s3").delete_object(Bucket=_lease_key(s3_dataset, "w0")[0], Key=_lease_key(s3_dataset, "w0")[1])
+    assert not w._claim.lease.renew()
+    with pytest.raises(s3mod.S3Error, match="the lease of writer 'w0' .* was deleted by another process; this writer "
+                       "stopped"):
+        w.commit()
+    w.abort()
+
+
+def test_releasing_a_lease_is_best_effort(s3_dataset, monkeypatch, caplog):
+    w = ShardWriter(s3_dataset, writer_id="w0")
+    w.write_groups(synthetic_table(2, 2, **SMALL))
+
+    def down(self, path, *, match=None):
+        raise s3mod.S3Error("endpoint down")
+
+    monkeypatch.setattr(s3mod.Bucket, "delete", down)
+    w.close()  # committed; the lease is left to lapse
+    assert RolloutDataset.open(s3_dataset).num_groups == 2 and "could not release" in caplog.text
+    assert isinstance(s3mod.S3Error("x"), OSError)  # commands report it in one line
+
+
+def test_a_given_s3_filesystem_reads_by_uri_and_refuses_writes(s3_dataset):
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        w.write_groups(synthetic_table(2, 2, **SMALL))
+    storage = Storage(s3_dataset)
+    given = Storage(storage.root, filesystem=storage.fs)
+    assert given.uri == s3_dataset and given.s3
+    assert len(list(RolloutDataset.open(given).to_hf())) == 4
+    with pytest.raises(s3mod.S3Error, match="writing through a given S3FileSystem is not supported; pass the s3:// URI"):
+        ShardWriter(given, writer_id="w1")
+
+
+def test_filter_from_s3_into_s3_and_one_derive_at_a_time(s3_dataset):
+    from rollshard.store.derive import DeriveError, _lock
+    from rollshard.store.filter import RowFilter, filter_dataset
+
+    table = synthetic_table(4, 2, seed=8, **SMALL)
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        w.write_groups(table)
+    out = s3_dataset.rsplit("/", 1)[0] + "/kept"
+    keep = frozenset(table.column("sample_id").to_pylist()[:4])  # groups 0 and 1
+    with _lock(Storage(out)):
+        with pytest.raises(DeriveError, match="another process is deriving into .*kept; wait for it to finish"):
+            filter_dataset(s3_dataset, out, RowFilter(sample_ids=keep), progress=False)
+    filter_dataset(s3_dataset, out, RowFilter(sample_ids=keep), progress=False)
+    assert sorted(RolloutDataset.open(out).read(columns=["sample_id"]).column(0).to_pylist()) == sorted(keep)
+    assert validate_dataset(out).problems == []
