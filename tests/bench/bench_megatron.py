@@ -2,7 +2,7 @@
 same batches, CPU.
 
     .venv/bin/python tests/bench/bench_megatron.py [--size tiny|small] [--prompts 32] [--n-samples 8]
-                                                   [--max-new-tokens 64] [--steps 6] [--tp 1,2] [--threads 1] [--json]
+                                                   [--max-new-tokens 64] [--steps 20] [--tp 1,2] [--threads 1] [--json]
 
 Data: the embedded engine samples the toy task with a Qwen3-architecture model (``tiny``: the tiny-qwen3
 preset, 64 hidden x 2 layers; ``small``: 256 hidden x 4 layers, 8 heads / 4 key-value heads, same tokenizer,
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--groups-per-step", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tp", default="1,2", help="megatron tensor-parallel sizes to run (comma-separated)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every process")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of a table")
