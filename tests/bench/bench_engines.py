@@ -1,7 +1,7 @@
 """Engine benchmarks: the SGLang client against its C/L ceiling; the embedded engine against what users run instead.
 
     .venv/bin/python tests/bench/bench_engines.py [--only client|engines] [--models tiny,26m] [--repeat 3]
-                                                  [--workloads equal,mixed] [--sglang] [--json]
+                                                  [--workloads equal,mixed] [--sglang] [--threads N] [--json]
 
 (a) client: the SGLang client against a stand-in server (a subprocess, so its CPU is not
     counted) that answers every ``/generate`` after a fixed latency L with a canned
@@ -21,6 +21,8 @@
     requests of 8-64 prompt tokens and 16-256 new ones (seeded). Figure: response tokens per second
     (``generate()``'s padding steps count as nothing). The engines run in turn, ``--repeat`` rounds, in one
     process, so a busy machine slows them alike; ratios are per round, the median given with the range.
+    While one engine runs, the servers of the others are paused (SIGSTOP: SGLang's scheduler polls a core
+    even when idle).
     Models: ``tiny`` (the test GPT-2, 64 hidden x 2 layers) and ``26m`` (GPT-2, 512 x 8 layers, 26.3M
     parameters, the same tokenizer, random weights).
 Prints markdown tables, or with ``--json`` one JSON object.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -258,7 +261,7 @@ def start_serve(model: Path, batch: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollshard.generate", "serve", "--model", str(model), "--port", "0",
          "--max-batch-size", str(batch)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     for line in proc.stdout:
         m = re.search(r"ready on (http://[\d.]+:\d+)", line)
@@ -298,15 +301,34 @@ def start_sglang(model: Path, batch: int, log: Path) -> tuple[subprocess.Popen, 
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """End a server and its process group (SGLang's scheduler and detokenizer)."""
     import os
     import signal
 
     if proc.poll() is None:
-        if os.getpgid(proc.pid) == proc.pid:  # SGLang: its own session, with its scheduler and detokenizer
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.terminate()
-    proc.wait()
+        os.killpg(proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def paused(procs: list[subprocess.Popen]):
+    """The other servers stopped (SIGSTOP) while one engine runs: SGLang's CPU scheduler polls a core even when
+    idle, and on two cores that halves everyone else's."""
+    import os
+    import signal
+
+    for p in procs:
+        os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGCONT)
 
 
 def bench_models(args) -> dict:
@@ -339,7 +361,8 @@ def bench_models(args) -> dict:
                     for key, (_, url) in servers.items():
                         runs[key] = lambda url=url: asyncio.run(run_http(url, requests))
                     for key, fn in runs.items():
-                        seconds, tokens = fn()
+                        with paused([proc for k, (proc, _) in servers.items() if k != key]):
+                            seconds, tokens = fn()
                         rates.setdefault(key, []).append(tokens / seconds)
                 row = {"requests": len(requests), "tokens": sum(n for _, n in requests)}
                 for key, values in rates.items():
@@ -389,6 +412,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128, help="max_new_tokens of the equal workload")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the engines bench")
     ap.add_argument("--sglang", action="store_true", help="also the real SGLang CPU server (engines bench)")
+    ap.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads of every engine, servers included (OMP_NUM_THREADS); default torch's own. On a shared "
+        "machine 1 keeps a descheduled thread from stalling every parallel kernel",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--serve-canned", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -398,8 +426,15 @@ def main() -> None:
     args.models = [m for m in args.models.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
     bad = [m for m in args.models if m not in MODELS] + [w for w in args.workloads if w not in ("equal", "mixed")]
-    if bad or args.repeat < 1 or args.batch < 1:
-        ap.error(f"unknown model or workload {bad}" if bad else "--repeat and --batch must be >= 1")
+    if bad or args.repeat < 1 or args.batch < 1 or (args.threads is not None and args.threads < 1):
+        ap.error(f"unknown model or workload {bad}" if bad else "--repeat, --batch and --threads must be >= 1")
+    if args.threads is not None:
+        import os
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the servers
     figures: dict = {}
     if args.only in (None, "client"):
         figures["client"] = bench_client(args)
