@@ -27,28 +27,19 @@ def build_backend(
     """The backend named by ``config.model.backend``."""
     name = config.model.backend
     if name == "hf":
-        from rollshard.train.backends.hf import HFBackend
-
-        return HFBackend(
-            config.model,
-            config.optim,
-            env=env,
-            total_updates=total_updates,
-            weights_from=weights_from,
-            need_reference=config.loss.kl_coef > 0,
-        )
-    if name == "megatron":
-        from rollshard.train.backends.megatron.backend import MegatronBackend
-
-        return MegatronBackend(
-            config.model,
-            config.optim,
-            env=env,
-            total_updates=total_updates,
-            weights_from=weights_from,
-            need_reference=config.loss.kl_coef > 0,
-        )
-    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+        from rollshard.train.backends.hf import HFBackend as backend
+    elif name == "megatron":
+        from rollshard.train.backends.megatron.backend import MegatronBackend as backend
+    else:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    return backend(
+        config.model,
+        config.optim,
+        env=env,
+        total_updates=total_updates,
+        weights_from=weights_from,
+        need_reference=config.loss.kl_coef > 0,
+    )
 
 
 def parallel_env(config: TrainConfig, env: DistEnv) -> DistEnv:
