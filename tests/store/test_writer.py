@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.manifest import Manifest
 from rollshard.store.schema import RowInvariantError, SchemaVersionError
 from rollshard.store.storage import Storage
 from rollshard.store.synthetic import synthetic_table
