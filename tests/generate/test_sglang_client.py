@@ -152,8 +152,9 @@ def test_recovers_from_5xx_and_dropped_connections_with_fresh_server_ids():
 
 
 def test_recovers_from_a_timeout():
-    # The fake never answers the first attempt: the client's timeout is what ends it, at any machine speed.
-    cfg = SGLangConfig(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.05, request_timeout_s=0.5)
+    # The fake never answers the first attempt: the client's timeout is what ends it, at any machine speed. The
+    # answered attempt must fit in the same timeout: 3 s leaves a loaded machine room (0.5 s failed under load).
+    cfg = SGLangConfig(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.05, request_timeout_s=3.0)
     res, fake = run(one(["hang", "ok"], config=cfg))
     assert res.output_ids == IDS and [r["rid"] for r in fake.requests] == ["req-1", "retry1-req-1"]
     assert fake.aborts == ["req-1"]  # the abandoned attempt is aborted on the server, the answered one is not
