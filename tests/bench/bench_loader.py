@@ -1,6 +1,6 @@
 """Loader benchmark: throughput into packed tensors, memory flatness, packing efficiency, trainer wait.
 
-    .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64]
+    .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64] [--json]
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --supports [--groups 400] [--top-k 20] [--repeat 3] [--json]
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import resource
 import shutil
@@ -289,7 +290,7 @@ def main() -> None:
     ap.add_argument("--supports", action="store_true", help="measure only the loader with sampling supports vs without")
     ap.add_argument("--top-k", type=int, default=20, help="with --supports: ids per token's support")
     ap.add_argument("--throughput", action="store_true", help="measure only the read paths side by side")
-    ap.add_argument("--json", action="store_true", help="with --supports or --throughput: print the figures as JSON")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -308,8 +309,10 @@ def main() -> None:
         if args.mix:
             mix_bench(tmp, base, args)
             return
+        say = functools.partial(print, file=sys.stderr) if args.json else print  # --json: figures on stdout
+        figures: dict = {}
         ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
-        print(f"dataset: {ds.num_rows} rows, {ds.num_tokens:,} tokens, {ds.num_bytes / 1e6:.0f} MB on disk\n")
+        say(f"dataset: {ds.num_rows} rows, {ds.num_tokens:,} tokens, {ds.num_bytes / 1e6:.0f} MB on disk\n")
 
         # 1. throughput
         scan_tokens(ds)  # warm the page cache for both
@@ -326,16 +329,21 @@ def main() -> None:
             t, run2 = best_of(1, lambda: loader_run(ds, full, rank=0, world_size=2))
             t_rank = min(t_rank, t)
         assert run["tokens"] == run_off["tokens"] == n_scan == ds.num_tokens, (run["tokens"], n_scan, ds.num_tokens)
-        print("| read path | M tokens/s | vs bare scan |")
-        print("|---|---|---|")
-        print(f"| pyarrow.dataset scan, same columns | {n_scan / t_scan / 1e6:.1f} | 1.00 |")
-        print(f"| RolloutLoader -> packed micro-batches (w=1) | {n_load(run, t_load):.1f} | "
+        say("| read path | M tokens/s | vs bare scan |")
+        say("|---|---|---|")
+        say(f"| pyarrow.dataset scan, same columns | {n_scan / t_scan / 1e6:.1f} | 1.00 |")
+        say(f"| RolloutLoader -> packed micro-batches (w=1) | {n_load(run, t_load):.1f} | "
               f"{(run['tokens'] / t_load) / (n_scan / t_scan):.2f} |")
-        print(f"| the same, data checks off (verify_data=False) | {n_load(run_off, t_off):.1f} | "
+        say(f"| the same, data checks off (verify_data=False) | {n_load(run_off, t_off):.1f} | "
               f"{(run_off['tokens'] / t_off) / (n_scan / t_scan):.2f} |")
-        print(f"| RolloutLoader rank 0 of 2 (reads all, packs half) | {n_load(run2, t_rank):.1f} delivered, "
+        say(f"| RolloutLoader rank 0 of 2 (reads all, packs half) | {n_load(run2, t_rank):.1f} delivered, "
               f"{n_scan / t_rank / 1e6:.1f} read | {(n_scan / t_rank) / (n_scan / t_scan):.2f} |\n")
-        print(f"data checks (sha256, exact types, row invariants): {100 * (1 - t_off / t_load):.1f}% of the "
+        figures.update(rows=ds.num_rows, tokens=ds.num_tokens, mb=ds.num_bytes / 1e6,
+                       m_tokens_per_s={"bare_scan": n_scan / t_scan / 1e6, "loader": n_load(run, t_load),
+                                       "loader_unchecked": n_load(run_off, t_off),
+                                       "loader_rank0_of_2_delivered": n_load(run2, t_rank)},
+                       data_checks_cost=1 - t_off / t_load)
+        say(f"data checks (sha256, exact types, row invariants): {100 * (1 - t_off / t_load):.1f}% of the "
               f"loader's throughput ({t_load:.3f} s with, {t_off:.3f} s without, best of {args.repeat}); one shard: "
               "no step can leave before its whole sha256 is done\n")
         # The same rows in 32 MB shards: the sha256 of the next shard runs while this one is read.
@@ -345,34 +353,38 @@ def main() -> None:
         for _ in range(args.repeat):
             t_mon = min(t_mon, best_of(1, lambda: loader_run(multi, full))[0])
             t_moff = min(t_moff, best_of(1, lambda: loader_run(multi, unchecked))[0])
-        print(f"the same rows in {len(multi.shards)} shards of 32 MB: data checks {100 * (1 - t_moff / t_mon):.1f}% of "
+        figures["data_checks_cost_32mb_shards"] = 1 - t_moff / t_mon
+        say(f"the same rows in {len(multi.shards)} shards of 32 MB: data checks {100 * (1 - t_moff / t_mon):.1f}% of "
               f"the loader's throughput ({t_mon:.3f} s with, {t_moff:.3f} s without, best of {args.repeat})\n")
 
         # 2. packing efficiency on the realistic length mix
-        print("| micro_batch_tokens | groups_per_step | packing efficiency |")
-        print("|---|---|---|")
-        print(f"| 8192 | 8 | {run['efficiency']:.3f} |")
+        say("| micro_batch_tokens | groups_per_step | packing efficiency |")
+        say("|---|---|---|")
+        say(f"| 8192 | 8 | {run['efficiency']:.3f} |")
+        figures["packing_efficiency"] = {"8192/8": run["efficiency"]}
         for budget, gps in ((16384, 8), (32768, 8), (32768, 32)):
             config = LoaderConfig(micro_batch_tokens=budget, groups_per_step=gps, shuffle_window=args.window)
             r = loader_run(ds, dataclasses.replace(config, tail="partial"))
-            print(f"| {budget} | {gps} | {r['efficiency']:.3f} |")
-        print()
+            say(f"| {budget} | {gps} | {r['efficiency']:.3f} |")
+            figures["packing_efficiency"][f"{budget}/{gps}"] = r["efficiency"]
+        say()
 
         # 3. simulated trainer
         sim = simulated_trainer(ds, args.compute_s, args.window, args.sim_steps)
-        print(f"| simulated trainer ({args.compute_s * 1e3:.0f} ms compute per step) | value |")
-        print("|---|---|")
-        print(f"| steps | {sim['steps']} |")
-        print(f"| first step ready after | {sim['first_s'] * 1e3:.0f} ms |")
-        print(f"| time waiting on data, all steps | {100 * sim['wait_frac']:.2f}% |")
-        print(f"| time waiting on data, after the first step | {100 * sim['steady_wait_frac']:.3f}% "
+        figures["simulated_trainer"] = sim
+        say(f"| simulated trainer ({args.compute_s * 1e3:.0f} ms compute per step) | value |")
+        say("|---|---|")
+        say(f"| steps | {sim['steps']} |")
+        say(f"| first step ready after | {sim['first_s'] * 1e3:.0f} ms |")
+        say(f"| time waiting on data, all steps | {100 * sim['wait_frac']:.2f}% |")
+        say(f"| time waiting on data, after the first step | {100 * sim['steady_wait_frac']:.3f}% "
               f"(max {sim['steady_max_ms']:.1f} ms) |\n")
 
         # 4. memory: datasets 10x and 40x the window
         opts = WriterOptions(row_group_bytes=4 << 20, shard_bytes=64 << 20)
         w = args.rss_window
-        print(f"| dataset (window {w} groups, prefetch 2) | on disk | RSS before | peak RSS while streaming |")
-        print("|---|---|---|---|")
+        say(f"| dataset (window {w} groups, prefetch 2) | on disk | RSS before | peak RSS while streaming |")
+        say("|---|---|---|---|")
         for mult in (10, 40):
             path = make_dataset(tmp / f"rss{mult}", mult * w, base, opts).storage.root
             out = subprocess.run(
@@ -380,9 +392,12 @@ def main() -> None:
                 capture_output=True, text=True, check=True,
             )
             r = json.loads(out.stdout)
-            print(f"| {mult}x window ({mult * w} groups) | {r['bytes'] / 1e6:.0f} MB | "
+            figures.setdefault("rss", {})[f"{mult}x"] = r
+            say(f"| {mult}x window ({mult * w} groups) | {r['bytes'] / 1e6:.0f} MB | "
                   f"{r['before_mb']:.0f} MB | {r['peak_mb']:.0f} MB |")
             shutil.rmtree(path)
+        if args.json:
+            print(json.dumps(figures, indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
