@@ -165,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the engine's model path)")
     s.add_argument(
+        "--device", default=None, metavar="DEV",
+        help="embedded engine: torch device, e.g. cuda or cuda:1 (default: cpu, or the @DEV of embedded:PATH@DEV)",
+    )
+    s.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+        help="embedded engine: weights and compute dtype; float32 keeps its logprobs within ~1e-6 of the fp32 "
+        "trainer's (default: %(default)s)",
+    )
+    s.add_argument(
         "--weight-version", metavar="V",
         help="policy version stored in the rows (default: the checkpoint's own, from its trainer_state.json, else "
         "0); with SGLang servers, checked against the version they serve",
@@ -278,6 +287,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    if not args.engine.strip().startswith("embedded:") and (args.device is not None or args.dtype != "float32"):
+        raise UsageError("--device and --dtype are for the embedded engine; an SGLang server has its own "
+                         "(its --device and --dtype)")
     args.return_sampling_mask = _sampling_support(args)
 
 
@@ -466,6 +478,9 @@ async def _connect(args: argparse.Namespace) -> Engine:
     options: dict[str, Any] = {}
     if args.engine.strip().startswith("embedded:"):
         options["weight_version"] = args.weight_version  # None: the checkpoint folder's own, else "0"
+        options["dtype"] = args.dtype
+        if args.device is not None:
+            options["device"] = args.device
     else:
         from rollshard.generate.engines.sglang import SGLangConfig
 
@@ -517,6 +532,7 @@ def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sa
         "command": PROG,
         "rollshard_version": version,
         "engine": args.engine,
+        **({"engine_dtype": args.dtype} if args.engine.strip().startswith("embedded:") else {}),
         "agents": system.config(),
         "task": task.name,
         "task_plugin": task.plugin,

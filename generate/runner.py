@@ -78,10 +78,11 @@ PROGRESS_EVERY_S = 0.25  # RunnerOptions.on_progress is called at most this ofte
 # change the rendered prompt, which the per-prompt hash check catches.)
 GENERATION_KEYS = (
     "agents", "task", "task_plugin", "reward", "sampling", "seed", "input_key", "label_key", "id_key",
-    "allow_skipped_calls", "sampling_support",
+    "allow_skipped_calls", "sampling_support", "engine_dtype",
 )
 # The value of a key in a config written before the key existed ("reward": the task's verifier, see _default).
-GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "sampling_support": "off"}
+GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "sampling_support": "off",
+                           "engine_dtype": "float32"}
 # Where a plugin's file lies differs between hosts and checkouts: in a plugin identity ({spec, file, sha256}) the
 # spec and sha256 identify it, the file is not compared.
 IDENTITY_PATH_KEY = "file"

@@ -220,6 +220,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(
         args.model,
         device=args.device,
+        dtype=args.dtype,
         seed=args.seed,
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port (default 30000, SGLang's; 0 picks a free one)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="weights and compute dtype (default float32: logprobs within ~1e-6 of the fp32 trainer's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for requests without sampling_seed")
     parser.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together (default 32)")
     parser.add_argument(

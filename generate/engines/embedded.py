@@ -73,17 +73,26 @@ ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
-def load_causal_lm(path: str | Path, device: str = "cpu"):
-    """fp32 causal LM from a local folder, in eval mode."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"):
+    """A causal LM from a local folder on ``device`` in ``dtype`` (float32: logprobs the fp32 trainer matches to
+    ~1e-6; bfloat16 and float16 trade that for speed on a GPU), in eval mode."""
     import transformers
     from transformers import AutoModelForCausalLM
 
+    if dtype not in DTYPES:
+        raise EngineError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{dtype_kw: torch.float32})
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{dtype_kw: DTYPES[dtype]})
     except (OSError, ValueError) as e:
         raise EngineError(f"cannot load a causal LM from {str(path)!r}: {e}") from e
-    return model.to(device).eval()
+    try:
+        return model.to(device).eval()
+    except (RuntimeError, AssertionError, ValueError) as e:  # no such device, or torch built without it
+        raise EngineError(f"cannot put the model on device {device!r}: {' '.join(str(e).split())}") from e
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,12 +125,17 @@ class EmbeddedEngine(Engine):
         model_path: str | Path,
         *,
         device: str = "cpu",
+        dtype: str = "float32",
         seed: int = 0,
         max_batch_size: int = 32,
         weight_version: str | None = None,
     ) -> None:
         self.model_path = resolve_model_path(model_path)
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except RuntimeError as e:
+            raise EngineError(f"device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from e
+        self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.weight_version = _version_of(model_path, weight_version) or "0"
         try:
@@ -129,7 +143,7 @@ class EmbeddedEngine(Engine):
         except TokenizerError as e:
             raise EngineError(str(e)) from e
         self.eos_ids = eos_token_ids(self.tokenizer, model_path)
-        self.model = load_causal_lm(model_path, device)
+        self.model = load_causal_lm(model_path, device, dtype)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
@@ -253,7 +267,7 @@ class EmbeddedEngine(Engine):
                 "not a number to count up from; pass the new weight_version"
             )
         path = resolve_model_path(path)
-        model = await asyncio.to_thread(load_causal_lm, path, str(self.device))
+        model = await asyncio.to_thread(load_causal_lm, path, str(self.device), self.dtype)
         old, new = self.model.config.vocab_size, model.config.vocab_size
         if old != new:
             raise EngineError(

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from aiohttp import web
 
 from rollshard.generate.agents import make_agent_system
@@ -739,3 +740,22 @@ def test_a_config_from_before_the_support_means_off():
     check_resume_config(dataset, {**old, "sampling_support": "off"})
     with pytest.raises(ConfigMismatchError, match='another sampling_support \\("off" there, "on" now'):
         check_resume_config(dataset, {**old, "sampling_support": "on"})
+
+
+def test_embedded_device_and_dtype_flags(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "ds"
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--n-samples", "2", "--max-new-tokens", "4",
+            "--limit", "2", "--no-progress", "--out", str(out)]
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    rows = rows_of(out)
+    assert len(rows) == 4 and all(lp <= 0 and np.isfinite(lp) for r in rows for lp in r["rollout_logprobs"])
+    assert RolloutDataset.open(out).config["engine_dtype"] == "bfloat16"
+    capsys.readouterr()
+    assert main(args) == 2  # float32 rows may not join bfloat16 ones
+    assert 'another engine_dtype ("bfloat16" there, "float32" now' in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*args[:-1], str(tmp_path / "gpu"), "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "cannot put the model on device 'cuda'" in err
+    assert main(["--engine", "http://127.0.0.1:9", *args[2:-1], str(tmp_path / "x"), "--dtype", "bfloat16"]) == 2
+    assert "--device and --dtype are for the embedded engine" in capsys.readouterr().err
