@@ -23,6 +23,7 @@ from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 from rich.console import Console
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summary tables, or one sample's tokens with --sample")
     i.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
-    i.add_argument("--sample", metavar="ID", help="show this sample_id: tokens, logprobs, loss mask")
+    i.add_argument("--sample", metavar="ID",
+                   help="show one row's tokens, logprobs and loss mask: its sample_id, or 'first' or 'random'")
     i.add_argument("--json", action="store_true", help="print as JSON")
     i.add_argument(
         "--tokenizer",
@@ -366,7 +368,8 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     from rollshard.store.stats import decode_each, find_sample, tokenizer_path
     from rollshard.store.tokenizer import load_tokenizer
 
-    row = find_sample(ds, args.sample)
+    row = _pick_sample(ds, args.sample) if args.sample in ("first", "random") else None
+    row = row or find_sample(ds, args.sample)
     if row is None:
         first = ds.scan().select("sample_id").head(1).collect()["sample_id"].to_list()
         hint = f"; ids look like {first[0]!r}" if first else "; the dataset has no rows"
@@ -393,6 +396,8 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     per_token = ("response_tokens", "rollout_logprobs", "loss_mask", "sampling_logprobs", "sampling_support")
     scalars = {k: v for k, v in row.items() if k not in per_token}
     scalars["prompt_tokens"] = list(row["prompt_tokens"])
+    if scalars.get("reward") is not None:  # stored as float32: its shortest decimal, not the float64 widening
+        scalars["reward"] = float(str(np.float32(scalars["reward"])))
     if args.json:
         _print_json(out, {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens})
         return EXIT_OK
@@ -405,7 +410,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
             v = f"{len(v):,} tokens"
         elif k in ("prompt_text", "response_text") and v and len(v) > 400:
             v = v[:400] + f"... ({len(v):,} characters)"
-        _row(head, k, "-" if v is None else str(v))
+        _row(head, k, "-" if v is None else _printable(str(v)))
     on = [t["logprob"] for t in tokens if t["mask"] == 1]
     _row(head, "response", f"{len(tokens):,} tokens, {len(on):,} under loss_mask 1")
     if on:
@@ -431,6 +436,27 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     if limit < len(tokens):
         out.print(f"... {len(tokens) - limit:,} more tokens (--max-tokens 0 shows all)")
     return EXIT_OK
+
+
+def _pick_sample(ds: RolloutDataset, which: str) -> dict[str, Any] | None:
+    """The first row of the dataset, or one drawn at random (None when it has no rows)."""
+    import random
+
+    lf = ds.scan()
+    if which == "first":
+        df = lf.head(1).collect()
+    else:
+        n = lf.select(pl.len()).collect().item()
+        df = lf.slice(random.randrange(n), 1).collect() if n else lf.head(0).collect()
+    return df.row(0, named=True) if df.height else None
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if chr(c) not in "\n\t"} | {127: "\\x7f"}
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (model output can hold terminal escapes) shown as ``\\xNN``."""
+    return text.translate(_CONTROL)
 
 
 def _logprob_cell(lp: float, mask: int) -> Text:

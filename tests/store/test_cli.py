@@ -304,3 +304,20 @@ def test_filter_help():
     for needle in ("--agent", "--status", "--min-reward", "--max-reward", "--weight-version", "--sample-ids",
                    "part of a GRPO", "copied byte for byte", "resumes"):
         assert needle in " ".join(res.stdout.split()), needle
+
+
+def test_inspect_a_sample_without_its_id_float32_rewards_and_escaped_output(tmp_path, capsys):
+    rows = [Row(sample_id=f"p0/policy/0/{i}", prompt_id="p0", group_id="p0/policy/0", agent="policy", round=0,
+                prompt_tokens=[1, 2], response_tokens=[3, 4], rollout_logprobs=[-0.5, -1.0], loss_mask=[1, 1],
+                reward=0.3, status=Status.COMPLETED, finish_reason="stop", weight_version="0", temperature=1.0,
+                top_p=1.0, top_k=-1, prompt_text="q", response_text="ok\x1b[2Jgone\x07", metadata={})
+            for i in range(2)]
+    with ShardWriter(tmp_path / "ds", writer_id="w0") as w:
+        w.write_group(rows)
+    assert main(["inspect", str(tmp_path / "ds"), "--sample", "first"]) == 0
+    shown = capsys.readouterr().out
+    assert "sample p0/policy/0/0" in shown and "0.30000001" not in shown
+    assert "ok\\x1b[2Jgone\\x07" in shown and "\x1b[2J" not in shown  # a terminal escape is shown, not run
+    assert main(["inspect", str(tmp_path / "ds"), "--sample", "random", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sample"]["sample_id"] in {"p0/policy/0/0", "p0/policy/0/1"} and doc["sample"]["reward"] == 0.3
