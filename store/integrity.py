@@ -30,10 +30,12 @@ relative to the dataset), the row (sample id) where there is one, and the proble
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
@@ -342,6 +344,7 @@ class Checksums:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self._name, daemon=True)
                 self._thread.start()
+                _LIVE_CHECKS.add(self)
         return job
 
     def wait(self, shard: int, stop: threading.Event | None = None) -> bool:
@@ -390,3 +393,17 @@ class Checksums:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+_LIVE_CHECKS: "weakref.WeakSet[Checksums]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_checks() -> None:
+    """Stop every checksum thread before the interpreter finalizes: one still reading through Arrow when
+    libarrow is torn down aborts the process (as store/loader/background.py's threads would)."""
+    for checks in list(_LIVE_CHECKS):
+        checks._stop.set()
+        thread = checks._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)

@@ -3,13 +3,19 @@
 The loader runs two: the block reader (``prefetch`` blocks ahead) and the step producer (``prefetch``
 packed steps ahead); a third hashes shards (store/integrity.py :class:`Checksums`). A thread told to
 stop while it waits notices within ``POLL_S``; what it raises is raised by the consumer.
+
+At interpreter exit (after the non-daemon threads are joined, before finalization) every live thread is told
+to stop and given ``JOIN_S`` to leave the Arrow call it is in: a daemon thread still decoding when libarrow's
+thread pools are torn down aborts the process ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 from rollshard.store.loader.config import JOIN_S, POLL_S
@@ -30,6 +36,7 @@ class _Background:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(produce,), name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _run(self, produce) -> None:
         gen = produce(self._stop)
@@ -84,3 +91,16 @@ class _Background:
 class _Failure:
     error: BaseException
 
+
+_LIVE: "weakref.WeakSet[_Background]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every live background thread before the interpreter finalizes (module docstring)."""
+    live = list(_LIVE)
+    for bg in live:
+        bg._stop.set()
+    for bg in live:
+        if bg._thread is not threading.current_thread():
+            bg._thread.join(JOIN_S)
