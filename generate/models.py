@@ -137,26 +137,7 @@ def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
-    if preset == "tiny-qwen3-moe":
-        return Qwen3MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=CONTEXT,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            tie_word_embeddings=True,
-        )
-    return Qwen3Config(
+    qwen3 = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -170,6 +151,10 @@ def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
         pad_token_id=pad_id,
         tie_word_embeddings=True,
     )
+    if preset == "tiny-qwen3-moe":  # tiny-qwen3 with 4 experts of which 2 per token
+        return Qwen3MoeConfig(**qwen3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=True)
+    return Qwen3Config(**qwen3)
 
 
 def resolve_preset(preset: str) -> str:
