@@ -2,6 +2,8 @@
 
     rollshard-train --data DATASET --model PATH --out DIR [--config run.yaml] [flags]
     rollshard-train --data a:0.7,b:0.3 ...       several datasets mixed by weight (rollshard.store.mixture)
+    rollshard-train audit --data DATASET --model PATH [--out AUDIT.parquet]   the trainer's logprobs against
+                                                 the stored ones, no optimizer step (rollshard.train.audit)
 
 Every config field is a flag (``--help`` lists them by section); a YAML file given
 with ``--config`` sets them first and the flags given override it (``examples/train.yaml``
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Train a policy with GRPO from rollout shards (importance ratios against the stored logprobs).",
+        epilog="rollshard-train audit --data DATASET --model PATH: the trainer's logprobs of the dataset against the "
+        "stored engine logprobs, with no optimizer step (rollshard-train audit --help).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="YAML", help="config file (sections data, model, optim, advantage, loss, trainer)")
@@ -53,6 +57,11 @@ def _error(e: BaseException | str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["audit"]:  # the subcommand; any other first word is the training command's, as before
+        from rollshard.train.audit import main as audit_main
+
+        return audit_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         config = resolve(args, require_paths=not args.print_config)

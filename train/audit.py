@@ -1,0 +1,345 @@
+"""``rollshard-train audit``: how far the trainer's logprobs are from a dataset's stored engine logprobs.
+
+    rollshard-train audit --data DATASET --model PATH [--out AUDIT.parquet] [--json] [--top N] [--max-abs-diff X]
+
+Before a run spends GPU-hours on a dataset, this recomputes the trainer's logprob of every token it would
+train on and compares it with the stored ``rollout_logprobs``: no optimizer step, no gradient. It is the
+trainer's own path, not a copy of it: the store's loader streams and packs the rows (one pass in stored
+order, every agent unless ``--agents``, the rows ``--statuses`` keeps: the trainer's defaults), and the
+``hf`` backend computes ``logprobs(batch, grad=False)``: the fp32 log softmax of ``logits / T`` with each
+row's own temperature, the output head in fp32 (rollshard.train.logprobs), after the same start-up model
+check. Both sides are full-softmax logprobs: ``rollout_logprobs`` is the engine's full-softmax logprob also
+for top-p/top-k rows (their renormalized ratio is the trainer's support path, rollshard.train.support).
+
+Every trained token (loss_mask 1) is one row of the report (:data:`rollshard.store.audit.AUDIT_SCHEMA`),
+written atomically to ``--out`` (local or s3://); the summary (rollshard.store.audit.summarize, the numbers
+``rollshard-store report`` shows for the same file) is printed as tables, or as one JSON object with
+``--json`` (train/audit_output.py). The report is held in memory until written (~60 bytes a token);
+``--max-rows N`` audits the first N rows (whole groups) of a large dataset.
+
+Exit status: 0 within the thresholds; 1 flagged: ``max |logp - rollout_logp|`` over ``--max-abs-diff``
+(or the mean over ``--max-mean-abs-diff``), one line on stderr with the numbers and where the report is;
+2 no answer: bad input (no dataset, no model, a model whose vocabulary the token ids do not fit, a model
+the trainer's check refuses, no trained token under the filters, an --out that cannot be written), one line
+saying what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollshard.store.audit import AUDIT_SCHEMA
+from rollshard.train.backends.distributed import DistEnv
+from rollshard.train.config import ATTN_AUTO, DataConfig, ModelConfig, TrainConfig
+
+PROG = "rollshard-train audit"
+EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
+# fp32 engines agree with the trainer's recomputation to ~2e-5 nats (SGLang measured, DESIGN.md; the embedded
+# engine to ~1e-6 here), so 1e-3 passes any fp32 engine and flags a wrong model, temperature or token alignment.
+# A bf16 engine is ~0.1-1 nats off at its worst token: raise it (and watch the mean) there.
+DEFAULT_MAX_ABS_DIFF = 1e-3
+DEFAULT_TOP = 10
+# Groups per loader step: only how many rows are packed together (a micro-batch holds whole rows up to
+# --micro-batch-tokens); the audit takes no optimizer step, so it changes no number.
+GROUPS_PER_STEP = 16
+LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OneDevice(DistEnv):
+    """One process on the device the audit was given (the trainer's DistEnv picks CUDA whenever it exists)."""
+
+    where: str = "cpu"
+
+    def device(self) -> torch.device:
+        return torch.device(self.where)
+
+
+def _field(kls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(kls) if f.name == name)
+
+
+def _help(kls: type, name: str) -> str:
+    """A flag's help as the trainer's config says it (one wording for both commands)."""
+    f = _field(kls, name)
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    shown = ",".join(default) if isinstance(default, tuple) else default
+    return f.metadata["help"] + ("" if default is None else f" (default: {shown})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Recompute the trainer's logprobs of a dataset's trained tokens (no optimizer step) and report "
+        "how far they are from the stored engine logprobs: |logp - rollout_logp| overall and by agent, weight "
+        "version, response position and temperature, the ratio band, k3, and the worst tokens.",
+        epilog="Exit status: 0 within the thresholds; 1 flagged (one line on stderr: what exceeded what, the numbers, "
+        "where the report is); 2 bad input or no answer (one line: what is wrong, how to fix it).",
+    )
+    p.add_argument("--data", required=True, help=_help(DataConfig, "path") + "; every source is audited whole")
+    p.add_argument("--model", required=True, help="Hugging Face model folder to audit the data against (the policy "
+                   "that generated it, e.g. the --engine embedded:MODEL folder or the checkpoint served)")
+    p.add_argument("--out", metavar="AUDIT.parquet", help="write the per-token report here (local path or s3://), "
+                   "atomically; rollshard-store report --audit reads it (default: not written)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object instead of tables")
+    p.add_argument("--top", type=int, default=DEFAULT_TOP, metavar="N",
+                   help="worst tokens shown, with context (default: %(default)s)")
+    p.add_argument("--max-abs-diff", type=float, default=DEFAULT_MAX_ABS_DIFF, metavar="X",
+                   help="flag (exit 1) when max |logp - rollout_logp| over the trained tokens exceeds X nats "
+                   "(default: %(default)g, for fp32 engines; a bf16 engine needs more)")
+    p.add_argument("--max-mean-abs-diff", type=float, default=None, metavar="X",
+                   help="flag (exit 1) when the mean |logp - rollout_logp| exceeds X nats (default: not checked)")
+    p.add_argument("--agents", help=_help(DataConfig, "agents"))
+    p.add_argument("--statuses", default=",".join(DataConfig().statuses), help=_help(DataConfig, "statuses"))
+    p.add_argument("--max-rows", type=int, default=None, metavar="N",
+                   help="audit only the first N rows in stored order, rounded up to whole groups (default: all)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the forward: cpu, cuda, cuda:1 (default: %(default)s)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help=_help(ModelConfig, "dtype"))
+    p.add_argument("--attn-implementation", default=ATTN_AUTO,
+                   help=_help(ModelConfig, "attn_implementation"))
+    p.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                   help=_help(ModelConfig, "fp32_lm_head"))
+    p.add_argument("--micro-batch-tokens", type=int, default=DataConfig().micro_batch_tokens, metavar="N",
+                   help=_help(DataConfig, "micro_batch_tokens") + "; changes no number, only memory")
+    p.add_argument("--logprob-chunk-mib", type=float, default=ModelConfig().logprob_chunk_mib, metavar="MIB",
+                   help=_help(ModelConfig, "logprob_chunk_mib"))
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bar on stderr (default: on)")
+    return p
+
+
+def _error(e: BaseException | str) -> None:
+    from rollshard.train.cli import one_line
+
+    print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rollshard.store.dataset import DatasetNotFoundError
+    from rollshard.train.audit_output import exceeded, print_json, print_tables
+
+    try:
+        result = run_audit(args)
+    except (ValueError, DatasetNotFoundError) as e:  # usage and data errors (DataError, ModelCheckError among them)
+        _error(e)
+        return EXIT_USAGE
+    except OSError as e:  # the report could not be written (permissions, disk full, S3 refused)
+        _error(f"{e}; the report was not written, choose another --out")
+        return EXIT_USAGE
+    (print_json if args.json else print_tables)(result)
+    flags = exceeded(result.summary, max_abs_diff=args.max_abs_diff, max_mean_abs_diff=args.max_mean_abs_diff)
+    if flags:
+        where = f"report {result.report}" if result.report else "no report written (pass --out AUDIT.parquet)"
+        worst = result.worst[0] if result.worst else None
+        at = f" at sample {worst['sample_id']} ({worst['agent']}, position {worst['position']})" if worst else ""
+        print(f"{PROG}: flagged: {'; '.join(flags)}{at}; {where}", file=sys.stderr)
+        return EXIT_FLAGGED
+    return EXIT_OK
+
+
+@dataclasses.dataclass(kw_only=True)
+class AuditResult:
+    summary: dict
+    worst: list[dict]  # rollshard.store.audit.token_contexts of the --top worst tokens
+    report: str | None  # where the report was written
+    info: dict  # what was audited: data, model, device, dtype, seconds, rows
+
+
+def run_audit(args: argparse.Namespace) -> AuditResult:
+    """Check the inputs, build the trainer's backend, stream every row through it, write and summarize."""
+    from rollshard.store.audit import summarize, worst_tokens, write_audit
+    from rollshard.store.mixture import parse_sources
+    from rollshard.train.setup import check_model_path
+
+    sources = parse_sources(args.data)
+    model = check_model_path(args.model)
+    _check_numbers(args)
+    device = _device(args.device)
+    if args.out:
+        _check_out(args.out)
+    from rollshard.store.dataset import RolloutDataset
+
+    datasets = {s.name: RolloutDataset.open(s.path) for s in sources}  # DatasetNotFoundError before the model loads
+    if not args.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    model_cfg = ModelConfig(path=model, dtype=args.dtype, attn_implementation=args.attn_implementation,
+                            fp32_lm_head=args.fp32_lm_head, logprob_chunk_mib=args.logprob_chunk_mib)
+    from rollshard.train.backends import build_backend
+
+    started = time.perf_counter()
+    backend = build_backend(TrainConfig(model=model_cfg), env=OneDevice(where=str(device)), total_updates=None)
+    batches, rows = _stream(backend, datasets, args, model=model)
+    table = pa.Table.from_batches(batches, schema=AUDIT_SCHEMA)
+    if table.num_rows == 0:
+        raise ValueError(
+            f"no trained token to audit in --data {args.data}: {rows} rows pass --statuses {args.statuses}"
+            f"{' --agents ' + args.agents if args.agents else ''}, with no loss_mask 1 token among them; "
+            "loosen the filters or check the dataset with rollshard-store stats"
+        )
+    seconds = time.perf_counter() - started
+    dtype = "bfloat16" if backend.bf16 else "float32"  # the compute dtype; the head and log softmax are fp32 anyway
+    info = {"data": args.data, "model": model, "device": str(device), "dtype": dtype,
+            "attn_implementation": model_cfg.attn_implementation, "rows": rows, "seconds": round(seconds, 3)}
+    report = write_audit(table, args.out, metadata={k: str(v) for k, v in info.items()}) if args.out else None
+    worst = worst_tokens(table, args.top)
+    return AuditResult(summary=summarize(table), worst=_contexts(worst, datasets, model), report=report, info=info)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    checks = [
+        (args.top >= 0, f"--top {args.top} must be >= 0"),
+        (args.max_abs_diff >= 0, f"--max-abs-diff {args.max_abs_diff} must be >= 0"),
+        (args.max_mean_abs_diff is None or args.max_mean_abs_diff >= 0, "--max-mean-abs-diff must be >= 0"),
+        (args.max_rows is None or args.max_rows >= 1, f"--max-rows {args.max_rows} must be >= 1"),
+        (args.micro_batch_tokens >= 1, f"--micro-batch-tokens {args.micro_batch_tokens} must be >= 1"),
+        (args.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def _device(text: str) -> torch.device:
+    """``--device`` as a torch device this machine has (ValueError, one line, otherwise)."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError as e:
+        raise ValueError(f"--device {text!r} is not a torch device; use cpu, cuda or cuda:N") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text!r}: the audit runs on cpu or cuda[:N]")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {text}: torch sees no CUDA device on this machine; use --device cpu")
+        if (dev.index or 0) >= count:
+            raise ValueError(f"--device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return dev
+
+
+def _check_out(out: str) -> None:
+    """A local --out must be a file in an existing folder (checked before the model loads, not after the pass)."""
+    if "://" in out:
+        return
+    p = Path(out).expanduser()
+    if p.is_dir():
+        raise ValueError(f"--out {out} is a folder; name the report file, e.g. --out {p / 'audit.parquet'}")
+    if not p.parent.resolve().is_dir():
+        raise ValueError(f"--out {out}: no folder {p.parent}; create it first or choose another path")
+
+
+def _loader_config(args: argparse.Namespace):
+    from rollshard.store.loader import LoaderConfig
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    return LoaderConfig(
+        groups_per_step=GROUPS_PER_STEP, micro_batch_tokens=args.micro_batch_tokens, shuffle=False, num_epochs=1,
+        tail="partial", statuses=names(args.statuses), agents=names(args.agents) if args.agents else None,
+    )
+
+
+def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str) -> tuple[list[pa.RecordBatch], int]:
+    """Every row of every source through the backend: the report's batches and the rows audited."""
+    from tqdm import tqdm
+
+    from rollshard.store.loader import RolloutLoader
+
+    cfg = _loader_config(args)
+    cfg.check()
+    total = sum(ds.num_rows for ds in datasets.values())
+    vocab = backend.hf_model.get_input_embeddings().weight.shape[0]
+    batches, rows = [], 0
+    bar = tqdm(total=min(total, args.max_rows or total), unit="row", file=sys.stderr, disable=not args.progress,
+               dynamic_ncols=True, desc="audit")
+    try:
+        for name, ds in datasets.items():
+            loader = RolloutLoader(ds, cfg)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=LOADER_NO_STEP)  # nothing passes: said below
+                    for step in loader:
+                        for mb in step.micro_batches:
+                            batches.append(audit_batch(backend, mb, step.group_ids, source=name, vocab=vocab,
+                                                       model=model))
+                            rows += mb.num_sequences
+                            bar.update(mb.num_sequences)
+                        if args.max_rows is not None and rows >= args.max_rows:
+                            return batches, rows
+            finally:
+                loader.close()
+    finally:
+        bar.close()
+    return batches, rows
+
+
+@torch.no_grad()
+def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, model: str) -> pa.RecordBatch:
+    """The report rows of one packed micro-batch: each trained token's stored and recomputed logprob."""
+    cu = mb.cu_seqlens.long()  # [S+1]
+    top = int(mb.input_ids.max())
+    if top >= vocab:
+        s = int(torch.searchsorted(cu[1:], torch.nonzero(mb.input_ids >= vocab)[0], right=True))
+        raise ValueError(
+            f"sample {mb.sample_ids[s]} holds token id {top}, outside the vocabulary of --model {model} ({vocab} "
+            "ids); audit with the model (and tokenizer) that generated the data"
+        )
+    logp, _ = backend.logprobs(mb.to(backend.device), grad=False)  # [T] 0 off the loss mask
+    logp = logp.float().cpu()  # [T]
+    at = torch.nonzero(mb.loss_mask > 0).flatten()  # [K] trained positions
+    seq = torch.searchsorted(cu[1:], at, right=True)  # [K] the sequence of each: cu[s] <= at < cu[s+1]
+    position = at - mb.response_start.long()[seq]  # [K] index into that row's response_tokens
+    take = pa.array(seq.numpy())
+    groups = [group_ids[g] for g in mb.seq_group.tolist()]  # [S]
+    return pa.RecordBatch.from_pydict(
+        {
+            "sample_id": pa.array(mb.sample_ids, pa.string()).take(take),
+            "group_id": pa.array(groups, pa.string()).take(take),
+            "agent": pa.array(mb.agents, pa.string()).take(take),
+            "source": pa.array([source] * len(at), pa.string()),
+            "weight_version": pa.array(mb.weight_versions, pa.string()).take(take),
+            "temperature": pa.array(mb.temperature[at].numpy().astype(np.float32)),
+            "position": pa.array(position.numpy().astype(np.int32)),
+            "token": pa.array(mb.input_ids[at].numpy().astype(np.int32)),
+            "rollout_logprob": pa.array(mb.rollout_logprobs[at].numpy().astype(np.float32)),
+            "trainer_logprob": pa.array(logp[at].numpy().astype(np.float32)),
+        },
+        schema=AUDIT_SCHEMA,
+    )
+
+
+def _contexts(worst, datasets: dict, model: str) -> list[dict]:
+    """The worst tokens with their text and decoded context, read back from their sources' rows."""
+    import pyarrow.compute as pc
+
+    from rollshard.store.audit import token_contexts
+    from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+
+    if worst.is_empty():
+        return []
+    try:
+        tokenizer = load_tokenizer(model)
+    except TokenizerError:
+        tokenizer = None  # a model folder without tokenizer files: the ids are shown instead of text
+    out: dict[int, dict] = {}
+    cols = ["sample_id", "prompt_tokens", "response_tokens"]
+    indexed = worst.with_row_index("rank")
+    for name in indexed["source"].unique().to_list():  # sample ids are unique within a source, not across
+        part = indexed.filter(indexed["source"] == name)
+        wanted = pc.field("sample_id").isin(part["sample_id"].to_list())
+        rows = datasets[name].to_arrow().to_table(columns=cols, filter=wanted)
+        out.update(zip(part["rank"].to_list(), token_contexts(rows, part.drop("rank"), tokenizer)))
+    return [out[k] for k in sorted(out)]
