@@ -1,8 +1,8 @@
 """Configuration of rollshard-train: one keyword-only dataclass per component.
 
 :class:`TrainConfig` nests :class:`DataConfig`, :class:`ModelConfig`,
-:class:`OptimConfig`, :class:`AdvantageConfig`, :class:`LossConfig` and
-:class:`TrainerConfig`. A run resolves its config from, in increasing precedence:
+:class:`OptimConfig`, :class:`AdvantageConfig`, :class:`LossConfig`,
+:class:`TrainerConfig` and :class:`WandbConfig`. A run resolves its config from, in increasing precedence:
 the defaults below, a YAML file (``--config``, the same nesting as
 :meth:`TrainConfig.to_dict`), then command-line flags. Every field is a flag
 (``--eps-high 0.3``; the field name with ``-`` for ``_``, or the ``flag`` named in
@@ -230,8 +230,40 @@ class TrainerConfig:
         "weight version of --model; default: the weight_version of a rollshard checkpoint folder, else 0. "
         "The policy after step k has version initial + k",
     )
-    tensorboard: bool = _f(True, "write TensorBoard events under --out/tb")
+    logger: tuple[str, ...] | None = _f(
+        None,
+        "where each step's metrics go, comma-separated: jsonl (--out/metrics.jsonl, always written: --resume and "
+        "the notebooks read it), tensorboard (--out/tb), wandb (Weights & Biases, see the wandb section); "
+        "default jsonl,tensorboard",
+    )
+    tensorboard: bool | None = _f(
+        None,
+        "TensorBoard events under --out/tb: --no-tensorboard is --logger without tensorboard; default: as --logger "
+        "says",
+    )
     progress: bool = _f(True, "progress bar on the terminal")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases, with --logger ...,wandb (rank 0 logs; rollshard.train.loggers). A field left unset takes
+    wandb's environment variable (WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY, WANDB_DIR, WANDB_TAGS), then the default
+    said here; WANDB_MODE=offline writes the run under the wandb dir only (`wandb sync` uploads it later)."""
+
+    project: str | None = _f(None, "wandb project; default $WANDB_PROJECT, else rollshard", flag="wandb-project")
+    name: str | None = _f(None, "wandb run name; default $WANDB_NAME, else the --out folder's name", flag="wandb-name")
+    entity: str | None = _f(None, "wandb team or user; default $WANDB_ENTITY, else the account's", flag="wandb-entity")
+    dir: str | None = _f(
+        None, "folder under which wandb writes its wandb/ folder; default $WANDB_DIR, else --out", flag="wandb-dir"
+    )
+    tags: tuple[str, ...] | None = _f(None, "wandb run tags, comma-separated; default $WANDB_TAGS", flag="wandb-tags")
+    resume: Literal["allow", "rewind"] = _f(
+        "allow",
+        "how --resume continues the wandb run recorded in --out/wandb_run.json: allow (the steps wandb already "
+        "holds keep their values and are not logged again) or rewind (wandb cuts the run's history after the "
+        "checkpoint's step and the later steps are logged again; a preview feature of W&B servers)",
+        flag="wandb-resume",
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -241,6 +273,7 @@ SECTIONS: dict[str, type] = {
     "advantage": AdvantageConfig,
     "loss": LossConfig,
     "trainer": TrainerConfig,
+    "wandb": WandbConfig,
 }
 
 
@@ -254,6 +287,7 @@ class TrainConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
     # -- conversion ---------------------------------------------------------------------------
 
@@ -311,6 +345,11 @@ class TrainConfig:
         dataset's length constant) are the trainer's to resolve (``rollshard.train.setup.prepare_config``)."""
         low, high = self.loss.clip_range()
         self.loss = dataclasses.replace(self.loss, eps_low=low, eps_high=high)
+        self.trainer = resolve_loggers(self.trainer)
+        if require_paths:
+            from rollshard.train.loggers import require_loggers
+
+            require_loggers(self.trainer.logger)  # a missing wandb stops the run here, before anything is loaded
         loss, opt, data, tr = self.loss, self.optim, self.data, self.trainer
         checks = [
             (bool(data.path) or not require_paths, "no dataset: pass --data DATASET"),
@@ -352,6 +391,25 @@ class TrainConfig:
 
             parse_sources(data.path)  # a bad --data weight is a usage error here, before anything is loaded
         return self
+
+
+def resolve_loggers(tr: TrainerConfig) -> TrainerConfig:
+    """``logger`` as the full list of loggers in their fixed order, jsonl always first (the default: jsonl and
+    tensorboard, or jsonl alone with ``--no-tensorboard``), and ``tensorboard`` as whether it is among them; a
+    ``--[no-]tensorboard`` that contradicts ``--logger`` is refused."""
+    from rollshard.train.loggers import LOGGERS
+
+    given = tr.logger if tr.logger is not None else (("jsonl",) if tr.tensorboard is False else ("jsonl", "tensorboard"))
+    unknown = [name for name in given if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"--logger {','.join(given)}: unknown logger {unknown[0]!r}; choose from {', '.join(LOGGERS)}")
+    if tr.tensorboard is not None and tr.tensorboard != ("tensorboard" in given):
+        flag = "--tensorboard" if tr.tensorboard else "--no-tensorboard"
+        raise ValueError(
+            f"{flag} contradicts --logger {','.join(given)}; say it once: add or remove tensorboard in --logger"
+        )
+    names = tuple(name for name in LOGGERS if name == "jsonl" or name in given)
+    return dataclasses.replace(tr, logger=names, tensorboard="tensorboard" in names)
 
 
 def _coerce(value: Any, hint: Any) -> Any:
@@ -405,7 +463,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             )
             if not (default is None and "default" in kw["help"]):  # else the help says what None means
                 kw["help"] += f" (default: {shown})"
-            if hint is bool:
+            if hint is bool or hint == bool | None:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None

@@ -1,4 +1,4 @@
-"""Per-step metrics: combine micro-batches and ranks, write JSONL and TensorBoard.
+"""Per-step metrics: combine micro-batches and ranks.
 
 :class:`MetricAccumulator` holds four kinds of entries, each combined the way its
 meaning needs: sums (loss terms, already normalized by the global batch of their
@@ -11,21 +11,16 @@ Its state is plain JSON, so data-parallel ranks exchange it without pickle and r
 merges them. :func:`loss_metric_kind` maps the names returned by
 :func:`rollshard.train.losses.policy_loss` onto these kinds.
 
-:class:`MetricsLogger` appends one JSON object per step to ``OUT/metrics.jsonl`` and
-writes the same scalars as TensorBoard events under ``OUT/tb`` (with the staleness
-histogram). On resume, lines and events after the checkpoint's step are dropped, so
-the files read as one uninterrupted run. A torn last line (the process killed while
-writing it) is dropped there and skipped by :func:`read_metrics`; a bad line before the
-last is an error naming it.
+:class:`MetricsLogger` (in :mod:`rollshard.train.loggers`, re-exported here with
+:func:`read_metrics`) writes each step to ``OUT/metrics.jsonl``, TensorBoard and wandb.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from pathlib import Path
 from typing import Any
+
+from rollshard.train.loggers import MetricsLogger, read_metrics  # noqa: F401  (re-exported: the trainer's API)
 
 
 def loss_metric_weight(name: str, metrics: dict[str, Any], weight: float) -> float:
@@ -120,74 +115,3 @@ def mean_std(total: float, total_sq: float, n: float) -> tuple[float, float]:
         return 0.0, 0.0
     mean = total / n
     return mean, math.sqrt(max(total_sq / n - mean * mean, 0.0))
-
-
-class MetricsLogger:
-    """``metrics.jsonl`` plus TensorBoard events in the output directory (rank 0 only)."""
-
-    def __init__(self, out: Path, *, enabled: bool = True, tensorboard: bool = True, resume_step: int | None = None):
-        self.enabled = enabled
-        self.path = Path(out) / "metrics.jsonl"
-        self.tb = None
-        if not enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            kept = [ln for ln, rec in _records(self.path) if rec["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
-        self._file = self.path.open("a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = resume_step + 1 if resume_step is not None else None
-            self.tb = SummaryWriter(str(Path(out) / "tb"), purge_step=purge)
-
-    def log(self, step: int, metrics: dict[str, float], *, histograms: dict[str, list[float]] | None = None) -> None:
-        if not self.enabled:
-            return
-        record = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in sorted(metrics.items())}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-            for k, values in (histograms or {}).items():
-                if values:
-                    import numpy as np
-
-                    self.tb.add_histogram(k, np.asarray(values, dtype=np.float64), step)
-            self.tb.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self._file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def _finite(v: float) -> float | str:
-    """JSON has no inf/NaN; write them as strings so a diverged step is still readable."""
-    v = float(v)
-    return v if math.isfinite(v) else str(v)
-
-
-def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(line, record)`` of every complete line; a torn last line (killed mid-write) is left out."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    out = []
-    for i, ln in enumerate(lines):
-        try:
-            out.append((ln, json.loads(ln)))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break  # only the last line can be cut by a kill; the lines before it were flushed whole
-            raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); repair or delete that line") from e
-    return out
-
-
-def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """The ``metrics.jsonl`` records of a run, in step order (a torn last line left out)."""
-    return [rec for _, rec in _records(Path(out) / "metrics.jsonl")]

@@ -59,7 +59,8 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, recover, save_checkpoint
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
-from rollshard.train.metrics import MetricAccumulator, MetricsLogger, mean_std
+from rollshard.train.loggers import MetricsLogger
+from rollshard.train.metrics import MetricAccumulator, mean_std
 from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
@@ -223,13 +224,12 @@ class Trainer:
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
         if ckpt:
             ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
-        self.logger = MetricsLogger(
-            self.out, enabled=self.env.is_main, tensorboard=tr.tensorboard, resume_step=self.step if ckpt else None
-        )
+        self.logger = self._open_logger(resume_step=self.step if ckpt else None)
         self.last_saved = self.step if ckpt else None
         self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
         self.history: list[dict[str, float]] = []
         self.stopped_by: str | None = None  # the signal that stopped run() at a step boundary
+        self.exit_status: int | None = None  # how run() ended, for the loggers: 0 done, 130 stopped; None failed
         self.run_seconds = 0.0  # wall time of run(), and the tokens it trained on
         self.run_tokens = 0.0
 
@@ -239,6 +239,27 @@ class Trainer:
 
     def checkpoint_path(self, step: int | None = None) -> Path:
         return self.out / CKPT_DIR / checkpoint_name(self.last_saved if step is None else step)
+
+    def _open_logger(self, *, resume_step: int | None) -> MetricsLogger:
+        """Rank 0's loggers (``--logger``). When they cannot start (``wandb.init`` failed), every rank raises
+        the message, so no rank is left waiting in a collective."""
+        tr = self.cfg.trainer
+        logger, failure = MetricsLogger(self.out, enabled=False), None
+        if self.env.is_main:
+            try:
+                logger = MetricsLogger(
+                    self.out, tensorboard="tensorboard" in tr.logger,
+                    wandb=self.cfg.wandb if "wandb" in tr.logger else None, run_config=self.cfg.to_dict(),
+                    resume_step=resume_step,
+                )
+            except ValueError as e:
+                failure = e
+        message = self.env.all_gather_json(None if failure is None else str(failure))[0]
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise ValueError(message)
+        return logger
 
     def _resume_point(self) -> Checkpoint | None:
         recover(self.out, self.env)  # a re-save torn between its renames: latest names the folder set aside
@@ -344,11 +365,15 @@ class Trainer:
                         self.save()
                 if self.step > 0 and self.last_saved != self.step:
                     self.save()
+        except KeyboardInterrupt:  # a second signal
+            self.exit_status = 130
+            raise
         finally:
             bar.close()
             self.run_seconds = time.perf_counter() - started
         if self.step == 0 and self.stopped_by is None:
             raise NoStepError(self._no_step_message())
+        self.exit_status = 130 if self.stopped_by is not None else 0
         return self.history
 
     def _next_step(self, it):
@@ -413,7 +438,7 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        self.logger.close()
+        self.logger.close(exit_code=1 if self.exit_status is None else self.exit_status)
         close = getattr(self.loader, "close", None)
         if close is not None:
             close()
