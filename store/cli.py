@@ -1,4 +1,5 @@
-"""``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset; ``filter`` it into a new one.
+"""``rollshard-store``: ``validate``, ``stats`` and ``inspect`` a dataset; ``filter`` it into a new one; ``report``
+one or more datasets (and a run's metrics, an audit report) as one HTML page.
 
 Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
 the data could not be read (``stats`` and ``inspect`` refuse a shard that is missing,
@@ -6,7 +7,8 @@ cut short or not the manifest's size, :class:`~rollshard.store.errors.DataError`
 line naming it; they do not hash shards: ``validate`` checks the checksums; ``filter``
 refuses a parent shard whose sha256 is not its manifest's); 2 a usage error
 (bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
-any shard, an unknown ``--sample``; for ``filter`` an ``--agent`` the dataset does not
+any shard, an unknown ``--sample``, an unreadable ``--audit`` or ``--metrics`` file, a dataset without rows
+to ``report``; for ``filter`` an ``--agent`` the dataset does not
 have, an ``--out`` that is not new, or a rerun into it with other filters or a changed
 parent); 130 ``filter`` interrupted (rerun the same command to resume). ``--json`` prints one
 JSON document on stdout and nothing else there; progress goes to stderr when it is a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections import Counter
@@ -31,6 +34,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from rollshard.store.audit import AuditSchemaError
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError
 from rollshard.store.errors import DataError
@@ -48,7 +52,7 @@ class _UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Check and summarize a rollshard dataset directory.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,stats,inspect,filter}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,stats,inspect,filter,report}")
 
     v = sub.add_parser("validate", help="re-check every invariant, checksum and count; exit 1 on any problem")
     v.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
@@ -62,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="summary tables, or one sample's tokens with --sample")
     i.add_argument("path", help="dataset directory (or pyarrow filesystem URI)")
     i.add_argument("--sample", metavar="ID",
-                   help="show one row's tokens, logprobs and loss mask: its sample_id, or 'first' or 'random'")
+                   help="show one row's tokens, logprobs and loss mask: its sample_id, or 'first' or 'random', or "
+                        "'worst-mismatch' (with --audit: the row of the largest |trainer - rollout| logprob)")
+    i.add_argument("--audit", metavar="AUDIT.parquet",
+                   help="a rollshard-train audit report: --sample shows the trainer logprob beside the rollout one")
     i.add_argument("--json", action="store_true", help="print as JSON")
     i.add_argument(
         "--tokenizer",
@@ -102,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--writer-id", default="filter", metavar="ID", help="prefix of the new dataset's writer ids")
     f.add_argument("--json", action="store_true", help="print the result as JSON")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    r = sub.add_parser(
+        "report",
+        help="one self-contained HTML page of the notebooks' views (figures inline)",
+        description=(
+            "Write one self-contained HTML page (figures inline, no script, nothing fetched) with the views of "
+            "notebooks/inspect_rollouts.ipynb: overview and run config, reward by agent and round, zero-variance "
+            "groups, response lengths, logprobs, staleness by weight version, one trajectory token by token, one "
+            "prompt across the agents. Several datasets are read as consecutive rounds (reward per agent across "
+            "them); the last is detailed. --audit adds the trainer-vs-rollout logprob views, --metrics "
+            "notebooks/train_metrics.ipynb's."
+        ),
+    )
+    r.add_argument("paths", nargs="+", metavar="DATASET", help="dataset directories, oldest round first")
+    r.add_argument("--out", required=True, metavar="REPORT.html", help="the page to write (replaced atomically)")
+    r.add_argument("--audit", metavar="AUDIT.parquet", help="the per-token audit report of rollshard-train audit")
+    r.add_argument("--metrics", metavar="METRICS.jsonl", help="a training run's OUT/metrics.jsonl")
+    r.add_argument("--no-progress", action="store_true", help="no progress display")
     return p
 
 
@@ -114,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(args, out, err)
         if args.command == "filter":
             return _filter(args, out, argv)
+        if args.command == "report":
+            return _report(args, err)
         ds = RolloutDataset.open(args.path)
         if args.command == "stats":
             return _stats(ds, args, out, err)
@@ -124,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted; rerun the same command to resume")
         return EXIT_INTERRUPTED
+    except AuditSchemaError as e:  # before DataError: a bad --audit file is a usage error
+        _error(f"--audit: {e}")
+        return EXIT_USAGE
     except RowInvariantError as e:  # a parent row the writer refuses: the parent is damaged
         _error(f"{args.path}: {e}; run `{PROG} validate {args.path}`")
         return EXIT_PROBLEMS
@@ -231,6 +261,38 @@ def _number(text: str | None, flag: str) -> float | None:
         return float(text)
     except ValueError:
         raise ValueError(f"{flag} {text!r} is not a number") from None
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _report(args, err: Console) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from rollshard.store import report
+    from rollshard.store.views.figures import MissingPlotting
+    from rollshard.store.views.metrics import MetricsError
+
+    for path, flag in ((args.audit, "--audit"), (args.metrics, "--metrics")):
+        if path is not None and "://" not in path and not os.path.isfile(path):
+            raise _UsageError(f"{flag} {path}: no such file")
+    columns = (SpinnerColumn(), TextColumn("report: {task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=args.no_progress or not err.is_terminal, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        try:
+            text = report.build(args.paths, audit=args.audit, metrics=args.metrics,
+                                step=lambda name: bar.update(task, description=name))
+        except (MissingPlotting, MetricsError) as e:
+            raise _UsageError(str(e)) from e
+        except FileNotFoundError as e:  # the audit file vanished, or an S3 key that does not exist
+            raise _UsageError(f"{e.filename or e}: no such file") from e
+        bar.update(task, description=f"writing {args.out}")
+        try:
+            report.write(text, args.out)
+        except FileNotFoundError as e:
+            raise _UsageError(str(e)) from e
+    print(f"{PROG} report: wrote {args.out} ({len(text.encode()) / 1e6:.1f} MB)", file=sys.stderr)
+    return EXIT_OK
 
 
 # -- stats ----------------------------------------------------------------------------------
@@ -365,17 +427,32 @@ def _lineage_table(lineage: list[dict[str, Any]]) -> Table:
 
 
 def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int:
-    from rollshard.store.stats import decode_each, find_sample, tokenizer_path
+    from rollshard.store.stats import decode_each, find_sample
     from rollshard.store.tokenizer import load_tokenizer
+    from rollshard.store.views.paths import dataset_tokenizer
 
-    row = _pick_sample(ds, args.sample) if args.sample in ("first", "random") else None
-    row = row or find_sample(ds, args.sample)
+    audit = _audit_tokens(args)
+    if args.sample == WORST_MISMATCH:
+        if audit is None:
+            raise _UsageError(f"--sample {WORST_MISMATCH} needs --audit AUDIT.parquet (written by rollshard-train audit)")
+        from rollshard.store.views.mismatch import worst_sample
+
+        sid = worst_sample(audit)
+        if sid is None:
+            raise _UsageError(f"--audit {args.audit}: the audit report has no tokens")
+        row = find_sample(ds, sid)
+        if row is None:
+            raise _UsageError(f"--audit {args.audit}: its worst sample {sid!r} is not in {ds.storage.uri} "
+                              "(an audit of another dataset?)")
+    else:
+        row = _pick_sample(ds, args.sample) if args.sample in ("first", "random") else None
+        row = row or find_sample(ds, args.sample)
     if row is None:
         first = ds.scan().select("sample_id").head(1).collect()["sample_id"].to_list()
         hint = f"; ids look like {first[0]!r}" if first else "; the dataset has no rows"
         raise _UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}{hint}")
     ids = list(row["response_tokens"])
-    path = args.tokenizer or tokenizer_path(ds.config)
+    path = args.tokenizer or dataset_tokenizer(ds.config, ds.storage.uri)
     texts, decoded_with = None, None
     if path:
         try:
@@ -389,6 +466,18 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
         for i, (t, lp, m) in enumerate(zip(ids, row["rollout_logprobs"], row["loss_mask"]))
     ]
+    trainer = None
+    if audit is not None:  # the trainer's logprob of each audited (trained) token, by position
+        from rollshard.store.views.mismatch import sample_tokens
+
+        got = sample_tokens(audit, row["sample_id"])
+        trainer = dict(zip(got["position"].to_list(), got["trainer_logprob"].to_list()))
+        if not trainer:
+            print(f"note: sample {row['sample_id']!r} is not in the audit report {args.audit}", file=sys.stderr)
+        for t in tokens:
+            tl = trainer.get(t["pos"])
+            t["trainer_logprob"] = tl
+            t["diff"] = None if tl is None else tl - t["logprob"]
     support = row.get("sampling_support")  # schema 1.1: per token, its sampling logprob and support size
     if support is not None:
         for t, slp, sup in zip(tokens, row["sampling_logprobs"], support):
@@ -399,7 +488,10 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     if scalars.get("reward") is not None:  # stored as float32: its shortest decimal, not the float64 widening
         scalars["reward"] = float(str(np.float32(scalars["reward"])))
     if args.json:
-        _print_json(out, {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens})
+        doc = {"sample": scalars, "tokenizer": decoded_with, "tokens": tokens}
+        if audit is not None:
+            doc["audit"] = _audit_line(tokens)
+        _print_json(out, doc)
         return EXIT_OK
 
     head = Table(title=escape(f"sample {row['sample_id']}"), show_header=False)
@@ -420,22 +512,57 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
         _row(head, "sampling support", "none (not truncated, or not recorded)")
     elif sizes:
         _row(head, "sampling support", f"{min(sizes):,}-{max(sizes):,} ids per token (mask 1)")
+    if audit is not None:
+        a = _audit_line(tokens)
+        shown = (f"{a['tokens']:,} tokens audited; |trainer - rollout| mean {a['abs_diff_mean']:.4g}, max "
+                 f"{a['abs_diff_max']:.4g} at position {a['worst_position']}") if a["tokens"] else "not in the report"
+        _row(head, "audit", shown)
     out.print(head)
     limit = args.max_tokens if args.max_tokens > 0 else len(tokens)
     source = f"decoded with {decoded_with}" if decoded_with else "ids; no tokenizer"
     tt = Table(title=escape(f"response tokens ({source})"))
     columns = ("pos", "id", "text", "logprob", "mask") + (("sampling logprob", "support") if support is not None else ())
+    columns += ("trainer logprob", "diff") if trainer is not None else ()
     for c in columns:
         tt.add_column(c, justify="left" if c == "text" else "right")
     for t in tokens[:limit]:
         style = "dim" if t["mask"] == 0 else None
         text = repr(t["text"])[1:-1] if t["text"] is not None else ""
         extra = (f"{t['sampling_logprob']:.4f}", t["support_size"]) if support is not None else ()
+        if trainer is not None:
+            tl = t["trainer_logprob"]
+            extra += ("-", "-") if tl is None else (f"{tl:.4f}", _diff_cell(t["diff"]))
         _row(tt, t["pos"], t["id"], text, _logprob_cell(t["logprob"], t["mask"]), t["mask"], *extra, style=style)
     out.print(tt)
     if limit < len(tokens):
         out.print(f"... {len(tokens) - limit:,} more tokens (--max-tokens 0 shows all)")
     return EXIT_OK
+
+
+WORST_MISMATCH = "worst-mismatch"
+DIFF_WARN = 0.1  # |trainer - rollout| above it: a ratio outside about [0.9, 1.1], where a PPO clip of 0.1 acts
+
+
+def _audit_tokens(args):
+    """The audit report of ``--audit`` (None without it); a bad file is a one-line usage error."""
+    if args.audit is None:
+        return None
+    from rollshard.store.views.mismatch import load
+
+    if "://" not in args.audit and not os.path.isfile(args.audit):
+        raise _UsageError(f"--audit {args.audit}: no such file")
+    return load(args.audit)
+
+
+def _audit_line(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    diffs = [(abs(t["diff"]), t["pos"]) for t in tokens if t.get("diff") is not None]
+    worst = max(diffs, default=(None, None))
+    return {"tokens": len(diffs), "abs_diff_mean": sum(d for d, _ in diffs) / len(diffs) if diffs else None,
+            "abs_diff_max": worst[0], "worst_position": worst[1]}
+
+
+def _diff_cell(diff: float) -> Text:
+    return Text(f"{diff:+.4f}", style="red" if abs(diff) > DIFF_WARN else None)
 
 
 def _pick_sample(ds: RolloutDataset, which: str) -> dict[str, Any] | None:

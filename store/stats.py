@@ -168,9 +168,13 @@ def find_sample(ds: RolloutDataset, sample_id: str) -> dict[str, Any] | None:
     return df.row(0, named=True) if df.height else None
 
 
-def tokenizer_path(config: dict[str, Any]) -> str | None:
+def tokenizer_path(config: dict[str, Any], base_dirs: list[str] | None = None) -> str | None:
     """A local tokenizer folder named anywhere in a run config (``tokenizer`` keys first, then
-    ``model`` ones), or None; load it with :func:`rollshard.store.tokenizer.load_tokenizer`."""
+    ``model`` ones), or None; load it with :func:`rollshard.store.tokenizer.load_tokenizer`.
+
+    A relative path (older datasets store the model path as given on the command line) is tried
+    against the current directory, then each of ``base_dirs``; the first folder that holds a
+    tokenizer is returned, absolute."""
     found: list[tuple[int, str]] = []
 
     def walk(node: Any) -> None:
@@ -188,8 +192,12 @@ def tokenizer_path(config: dict[str, Any]) -> str | None:
 
     walk(config)
     for _, path in sorted(found, key=lambda x: x[0]):
-        if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-            return path
+        path = os.path.expanduser(path)
+        bases = [""] if os.path.isabs(path) or "://" in path else ["", *(base_dirs or [])]
+        for base in bases:
+            candidate = os.path.join(base, path)
+            if any(os.path.isfile(os.path.join(candidate, f)) for f in TOKENIZER_FILES):
+                return candidate if not base else os.path.abspath(candidate)
     return None
 
 

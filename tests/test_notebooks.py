@@ -76,8 +76,8 @@ def multi_agent_rows(n_prompts: int, seed: int = 0) -> list[list[Row]]:
     return groups
 
 
-def write_dataset(root):
-    config = {"engine": {"kind": "embedded", "model": "/models/not-here"}, "agent_system": "multi_agent",
+def write_dataset(root, model: str = "/models/not-here"):
+    config = {"engine": {"kind": "embedded", "model": model}, "agent_system": "multi_agent",
               "task": "arith", "sampling": {"temperature": 1.0, "max_new_tokens": 60}}
     groups = multi_agent_rows(8)
     for writer_id, part in (("host-a", groups[:12]), ("host-b", groups[12:])):
@@ -171,7 +171,23 @@ def test_inspect_rollouts_notebook(dataset, python3_kernel, tmp_path, monkeypatc
     assert "of 24" in text and "single-member groups: 8" in text and "no local tokenizer" in text
     assert "loss_mask 0: tool/environment token" in text  # the per-sample view picked a row with a tool span
     assert "prompt q" in text
-    assert len(list(figures.glob("inspect_rollouts-*.png"))) == 7
+    # reward, rounds, zero variance, lengths, logprobs, staleness, one trajectory, one episode
+    assert len(list(figures.glob("inspect_rollouts-*.png"))) == 8
+
+
+def test_inspect_rollouts_notebook_with_paths_relative_to_the_launch_directory(python3_kernel, tmp_path, monkeypatch):
+    """As the README runs it: `ROLLSHARD_DATASET=<relative> jupyter lab notebooks/...` from another directory. The
+    kernel runs in notebooks/; the path is found from the launch directory ($PWD), and a relative model path in
+    the run config from a folder above the dataset."""
+    from rollshard.generate.models import init_model
+
+    root = tmp_path / "launch"
+    write_dataset(root / "runs" / "demo", model="runs/tiny")  # as older datasets store it: relative to the run's cwd
+    init_model(root / "runs" / "tiny", preset="tiny-gpt2", seed=0)
+    monkeypatch.setenv("PWD", str(root))
+    monkeypatch.setenv("ROLLSHARD_DATASET", "runs/demo")
+    text = _text(execute("inspect_rollouts.ipynb", python3_kernel, _figures(tmp_path) / "relative"))
+    assert f"decoding with {root / 'runs' / 'tiny'}" in text and "of 24" in text
 
 
 @pytest.mark.s3
@@ -180,7 +196,7 @@ def test_inspect_rollouts_notebook_on_s3(s3_dataset, python3_kernel, tmp_path, m
     figures = _figures(tmp_path) / "s3"
     text = _text(execute("inspect_rollouts.ipynb", python3_kernel, figures))
     assert "of 24" in text and "single-member groups: 8" in text and "prompt q" in text
-    assert len(list(figures.glob("inspect_rollouts-*.png"))) == 7
+    assert len(list(figures.glob("inspect_rollouts-*.png"))) == 8
 
 
 def test_train_metrics_notebook(metrics_file, python3_kernel, tmp_path, monkeypatch):
@@ -189,6 +205,7 @@ def test_train_metrics_notebook(metrics_file, python3_kernel, tmp_path, monkeypa
     nb = execute("train_metrics.ipynb", python3_kernel, figures)
     text = _text(nb)
     assert "30 steps" in text and "skipping the unfinished last line" in text
+    assert "constant 0 at every step (not plotted): adv/mean" in text  # no flat-zero panel
     assert "note" not in text.split("numeric keys:")[1].split("\n")[0]
     for panel in ("Loss: loss/total, loss/policy", "Reward: reward/mean, reward/rewriter/mean, reward/solver/mean",
                   "Clipped fraction: clip/frac_low, clip/frac_high", "KL (k3 estimator): mismatch/k3_kl",

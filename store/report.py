@@ -1,0 +1,354 @@
+"""``rollshard-store report``: one self-contained HTML page with the views of ``notebooks/inspect_rollouts.ipynb``
+(and, given a run's metrics, ``notebooks/train_metrics.ipynb``'s), built from the same functions
+(:mod:`rollshard.store.views`), so the page and the notebooks show the same numbers and figures.
+
+Several datasets are read as consecutive rounds (round 0 first): the page compares reward per agent
+across them, and details the last one. With an audit report (``rollshard-train audit``), the trajectory
+shown token by token is the worst-mismatch one, its trainer logprobs beside the rollout ones.
+
+Figures are inline PNGs (base64 data URIs); the page loads nothing from the network and runs no script.
+It is written to a temporary file beside ``--out``, then renamed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import polars as pl
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.groups import REWARD_STD_DDOF
+from rollshard.store.stats import decode_each
+from rollshard.store.views import data, figures
+from rollshard.store.views.html import figure_html, table_html
+from rollshard.store.views.paths import dataset_tokenizer
+
+TOKEN_ROWS = 5_000  # rows read for the token-level views
+MAX_TOKENS_SHOWN = 1_024  # one trajectory's tokens shown (a long one is cut, and says so)
+
+
+@dataclass
+class Page:
+    title: str
+    sections: list[tuple[str, str, str]] = field(default_factory=list)  # (id, heading, body html)
+    closers: list = field(default_factory=list)
+
+    def add(self, sid: str, heading: str, *parts: str) -> None:
+        self.sections.append((sid, heading, "".join(parts)))
+
+    def figure(self, fig, alt: str) -> str:
+        out = figure_html(fig, alt)
+        fig.clear()  # figures are built without pyplot: dropping the last reference frees them
+        return out
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _p(text: str) -> str:
+    return f"<p>{text}</p>"
+
+
+def build(datasets: list[str], *, audit: str | None = None, metrics: str | None = None,
+          step: Callable[[str], None] = lambda _: None) -> str:
+    """The report page as HTML text. ``step(name)`` is called as each section starts (progress)."""
+    figures.mpl()  # the one-line error about the extra, before any work
+    step("opening datasets")
+    opened = [RolloutDataset.open(p) for p in datasets]
+    for ds in opened:
+        if ds.num_rows == 0:
+            raise ValueError(f"{ds.storage.uri}: the dataset has no rows (no committed shard); nothing to report")
+    audit_table = None
+    if audit is not None:
+        from rollshard.store.views import mismatch
+
+        step("reading the audit report")
+        audit_table = mismatch.load(audit)
+    run_metrics = None
+    if metrics is not None:
+        from rollshard.store.views import metrics as metrics_views
+
+        step("reading the metrics")
+        run_metrics = metrics_views.read_metrics(metrics)
+
+    ds = opened[-1]
+    page = Page(f"rollshard report: {ds.storage.uri}")
+    lf = ds.scan()
+    agents = data.agent_order(lf)
+    step("overview")
+    _overview(page, opened)
+    step("rewards")
+    _rewards(page, opened, lf, agents)
+    step("groups, lengths")
+    _groups_lengths(page, lf, agents)
+    step("logprobs")
+    tokenizer, tok_note = _tokenizer(ds)
+    _logprobs(page, lf, agents, tokenizer, tok_note)
+    step("staleness")
+    _staleness(page, lf, agents)
+    step("one trajectory")
+    _trajectory(page, opened, lf, tokenizer, audit_table)
+    step("one prompt across the agents")
+    _episode(page, lf, agents)
+    if audit_table is not None:
+        step("audit")
+        _audit(page, audit, audit_table)
+    if run_metrics is not None:
+        step("training metrics")
+        _metrics(page, metrics, run_metrics)
+    return render(page, datasets)
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+
+def _overview(page: Page, opened: list[RolloutDataset]) -> None:
+    parts = []
+    if len(opened) > 1:
+        rows = [{"round": i, "dataset": d.storage.uri, "rows": d.num_rows, "groups": d.num_groups,
+                 "response tokens": d.num_response_tokens, "fingerprint": d.fingerprint} for i, d in enumerate(opened)]
+        parts.append(_p(f"{len(opened)} datasets, read as consecutive rounds; the sections below detail the last."))
+        parts.append(table_html(pl.DataFrame(rows), cls="rounds"))
+    ds = opened[-1]
+    parts.append(table_html(data.overview(ds), cls="overview"))
+    parts.append(table_html(data.status_counts(ds.scan()), cls="status", caption="rows by status"))
+    config = html.escape(json.dumps(ds.config, indent=2, sort_keys=True, default=str))
+    parts.append(f"<details><summary>run config</summary><pre>{config}</pre></details>")
+    page.add("overview", "Overview", *parts)
+
+
+def _rewards(page: Page, opened, lf, agents) -> None:
+    ds = opened[-1]
+    rewards = data.finite_rewards(lf)
+    by_round = data.reward_by_round(rewards, agents)
+    page.add(
+        "reward", "Reward by agent and round",
+        _p(f"Finite rewards only (a failed row may have none); std with ddof={REWARD_STD_DDOF}, as the trainer "
+           "normalizes. <i>round</i> here is the agent system's step (multi_agent: solver 0, rewriter 1, selector 2)."),
+        table_html(data.per_agent(ds, agents), cls="per-agent", caption="by agent (as rollshard-store stats)"),
+        table_html(by_round, cls="by-round", caption="by agent and round"),
+        page.figure(figures.reward_figure(by_round, rewards, agents), "reward by agent and round"),
+    )
+    across = data.rewards_across(opened)
+    all_agents = agents + [a for a in data.natural_sorted(across["agent"].unique().to_list()) if a not in agents]
+    page.add(
+        "rounds", "Reward across rounds",
+        _p("Each dataset is one round of generate -> train -> generate, in the order given."
+           if len(opened) > 1 else "One dataset given (one round); pass several to compare rounds."),
+        table_html(across, cls="across"),
+        page.figure(figures.rounds_figure(across, all_agents), "reward across rounds"),
+    )
+
+
+def _groups_lengths(page: Page, lf, agents) -> None:
+    per_group, by_agent = data.groups(lf, agents)
+    n_zero, n_single = int(per_group["zero_variance"].sum()), int(per_group["single_member"].sum())
+    page.add(
+        "groups", "Groups with zero reward variance",
+        _p(f"zero-variance groups: {n_zero} of {per_group.height} ({n_zero / max(per_group.height, 1):.1%}); "
+           f"single-member groups: {n_single}. A group of 2+ rows with equal rewards has every advantage 0; a "
+           "single-member group (the selector) is trained on its reward."),
+        table_html(by_agent, cls="zero-variance"),
+        page.figure(figures.zero_variance_figure(by_agent, agents), "zero-variance groups"),
+    )
+    lens = data.lengths(lf)
+    page.add(
+        "lengths", "Response length by agent and finish reason",
+        table_html(data.length_summary(lens, agents), cls="lengths"),
+        page.figure(figures.length_figure(lens, agents), "response lengths"),
+    )
+
+
+def _tokenizer(ds: RolloutDataset):
+    path = dataset_tokenizer(ds.config, ds.storage.uri)
+    if path is None:
+        return None, "no local tokenizer named in the run config: showing token ids"
+    from rollshard.store.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path), f"decoded with {path}"
+    except (OSError, ValueError) as e:
+        return None, f"showing token ids: the run config's tokenizer {path} did not load ({' '.join(str(e).split())})"
+
+
+def _logprobs(page: Page, lf, agents, tokenizer, note: str) -> None:
+    tokens = data.trained_tokens(lf, TOKEN_ROWS)
+    lowest = tokens.sort("rollout_logprobs").head(15)
+    if tokenizer is not None:
+        lowest = lowest.with_columns(text=pl.Series(decode_each(tokenizer, lowest["response_tokens"].to_list())))
+    page.add(
+        "logprobs", "Logprobs",
+        _p("Over trained tokens (loss_mask 1); the entropy proxy is the mean surprise of the sampled tokens."),
+        table_html(data.logprob_by_agent(lf, agents), cls="logprobs"),
+        page.figure(figures.logprob_figure(tokens, data.row_mean_logprob(lf), agents), "logprob distributions"),
+        _p(f"lowest-logprob trained tokens ({html.escape(note)}):"),
+        table_html(lowest, cls="lowest"),
+    )
+
+
+def _staleness(page: Page, lf, agents) -> None:
+    counts = data.staleness_counts(lf)
+    page.add(
+        "staleness", "Staleness by weight version",
+        _p("weight_version is the policy that generated a row (the last one when an update landed mid-response: "
+           "multi-version rows). Staleness: versions behind the newest in the dataset, as the trainer counts it."),
+        table_html(data.version_totals(counts), cls="versions"),
+        page.figure(figures.staleness_figure(counts, agents), "rows by weight version"),
+    )
+
+
+def _find_row(opened, sample_id: str):
+    for ds in reversed(opened):
+        try:
+            return data.pick_sample(ds.scan(), sample_id)
+        except ValueError:
+            continue
+    return None
+
+
+def _trajectory(page: Page, opened, lf, tokenizer, audit_table) -> None:
+    from rollshard.store.views import tokens as token_views
+
+    row, trainer, why = None, None, "the first row with a tool/environment (masked) span, else the first row"
+    if audit_table is not None:
+        from rollshard.store.views import mismatch
+
+        worst = mismatch.worst_sample(audit_table)
+        if worst is not None:
+            row = _find_row(opened, worst)
+            if row is not None:
+                by_pos = dict(zip(*mismatch.sample_tokens(audit_table, worst).select("position", "trainer_logprob")
+                                  .get_columns()))
+                trainer = [by_pos.get(i, lp) for i, lp in enumerate(row["rollout_logprobs"])]
+                why = "the worst-mismatch row of the audit report (the largest |trainer - rollout| logprob)"
+            else:
+                why = f"the audit's worst sample {worst!r} is in none of the datasets; showing " + why
+    row = row or data.pick_sample(lf)
+    ids = list(row["response_tokens"])[:MAX_TOKENS_SHOWN]
+    texts = decode_each(tokenizer, ids) if tokenizer is not None else [f"{t} " for t in ids]
+    n = len(row["response_tokens"])
+    mask = list(row["loss_mask"])
+    head = (f"<b>{html.escape(row['sample_id'])}</b>: agent {html.escape(row['agent'])}, round {row['round']}, "
+            f"group {html.escape(row['group_id'])}, reward {_num(row['reward'])}, status {html.escape(row['status'])}, "
+            f"weight_version {html.escape(str(row['weight_version']))}, {n} response tokens "
+            f"({n - sum(mask)} masked). Chosen: {html.escape(why)}.")
+    prompt = (f"<details><summary>prompt text</summary><pre class='prompt'>{html.escape(row['prompt_text'])}</pre>"
+              "</details>") if row["prompt_text"] else ""
+    cut = _p(f"first {MAX_TOKENS_SHOWN:,} of {n:,} tokens shown") if n > MAX_TOKENS_SHOWN else ""
+    page.add(
+        "trajectory", "One trajectory, token by token",
+        _p(head), prompt,
+        token_views.token_html(texts, row["rollout_logprobs"][:MAX_TOKENS_SHOWN], mask[:MAX_TOKENS_SHOWN],
+                               trainer=trainer[:MAX_TOKENS_SHOWN] if trainer else None),
+        cut,
+        page.figure(token_views.token_figure(row), "logprob per token"),
+    )
+
+
+def _episode(page: Page, lf, agents) -> None:
+    from rollshard.store.views import tokens as token_views
+
+    prompt_id = data.pick_episode_prompt(lf)
+    rows = data.episode(lf, prompt_id)
+    page.add(
+        "episode", "One prompt across the agents",
+        _p(f"prompt <code>{html.escape(str(prompt_id))}</code> (the prompt with the most agents, then the most distinct "
+           "rewards): what each role saw and answered; the selector's Judgment and the rewrite it picked."),
+        token_views.episode_html(rows),
+        page.figure(token_views.episode_figure(rows, agents), "rewards of one episode"),
+    )
+
+
+def _audit(page: Page, path: str, table) -> None:
+    from rollshard.store.views import mismatch
+    from rollshard.store.views import tokens as token_views
+    from rollshard.store.audit import worst_tokens
+
+    summary, frames = mismatch.summary_frames(table)
+    worst = mismatch.worst_sample(table)
+    parts = [_p(f"audit report {html.escape(path)}: {summary['overall']['tokens']:,} tokens of "
+                f"{summary['overall']['sequences']:,} sequences; r = trainer - rollout logprob; ratio band "
+                f"{summary['ratio_band']}.")]
+    for key, df in frames.items():
+        parts.append(table_html(df, cls=f"audit-{key}", caption=key.replace("_", " ")))
+    parts.append(table_html(worst_tokens(table, 10), cls="audit-worst", caption="worst tokens"))
+    if worst is not None:
+        parts.append(page.figure(token_views.audit_figure(mismatch.sample_tokens(table, worst), worst),
+                                 "rollout vs trainer logprob"))
+    page.add("audit", "Trainer vs rollout logprobs (audit)", *parts)
+
+
+def _metrics(page: Page, path: str, m) -> None:
+    from rollshard.store.views import metrics as mv
+
+    parts = [_p(f"{html.escape(path)}: {m.steps} steps"
+                + (" (an unfinished last line skipped)" if m.skipped_last_line else "") + ".")]
+    zero = mv.constant_zero(m)
+    if zero:
+        parts.append(_p(f"constant 0 at every step (not plotted): {html.escape(', '.join(zero))}"))
+    for fig, alt in ((mv.panels_figure(m), "training panels"), (mv.others_figure(m), "other metrics"),
+                     (mv.staleness_figure(m), "staleness per step")):
+        if fig is not None:
+            parts.append(page.figure(fig, alt))
+    parts.append(f"<details><summary>every metric: last, min, max</summary>{table_html(mv.summary(m))}</details>")
+    page.add("metrics", "Training metrics", *parts)
+
+
+# -- page ----------------------------------------------------------------------------------------
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1400px;padding:0 24px 48px;
+color:#222;line-height:1.4}
+h1{font-size:1.5em;margin-top:1em} h2{border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:2em}
+nav{background:#f6f6f6;padding:8px 12px;border-radius:6px} nav a{margin-right:12px}
+table.data,table.episode{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
+table.data th,table.data td,table.episode th,table.episode td{border:1px solid #ddd;padding:3px 8px;vertical-align:top}
+table.data th,table.episode th{background:#f2f2f2;text-align:left} td.num{text-align:right;font-variant-numeric:tabular-nums}
+caption{caption-side:top;text-align:left;font-weight:600;padding:4px 0} caption.more{font-weight:400;color:#777}
+img.figure{max-width:100%;height:auto} figure{margin:8px 0}
+pre{background:#fafafa;border:1px solid #eee;padding:6px;white-space:pre-wrap;max-height:24em;overflow:auto;font-size:12px}
+pre.answer{max-height:8em;margin:0;border:none;background:none;padding:0}
+tr.picked{background:#eef7ee} .tokens{max-height:30em;overflow:auto;border:1px solid #eee;padding:6px}
+footer{color:#777;font-size:12px;margin-top:3em}
+"""
+
+
+def render(page: Page, datasets: list[str]) -> str:
+    nav = "".join(f"<a href='#{sid}'>{html.escape(h)}</a>" for sid, h, _ in page.sections)
+    body = "".join(f"<section id='{sid}'><h2>{html.escape(h)}</h2>{b}</section>" for sid, h, b in page.sections)
+    made = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from rollshard.store.schema import SCHEMA_VERSION
+
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(page.title)}</title>"
+            f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head><body>"
+            f"<h1>{html.escape(page.title)}</h1><nav>{nav}</nav>{body}"
+            f"<footer>rollshard-store report of {html.escape(', '.join(datasets))}; schema {SCHEMA_VERSION}; "
+            f"made {made}</footer></body></html>")
+
+
+def write(text: str, out: str) -> str:
+    """``text`` to ``out`` atomically (a temporary file beside it, fsynced, renamed); returns ``out``."""
+    target = os.path.abspath(os.path.expanduser(out))
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--out {out}: no folder {folder}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return out
