@@ -49,7 +49,8 @@ EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
 DEFAULT_MAX_ABS_DIFF = 1e-3
 DEFAULT_TOP = 10
 # Groups per loader step: only how many rows are packed together (a micro-batch holds whole rows up to
-# --micro-batch-tokens); the audit takes no optimizer step, so it changes no number.
+# --micro-batch-tokens); the audit takes no optimizer step, so it changes no number. With --max-rows a step is
+# one group, so the audit stops at the first whole group that reaches N rows.
 GROUPS_PER_STEP = 16
 LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
 
@@ -247,7 +248,7 @@ def _loader_config(args: argparse.Namespace):
         return tuple(part.strip() for part in text.split(",") if part.strip())
 
     return LoaderConfig(
-        groups_per_step=GROUPS_PER_STEP, micro_batch_tokens=args.micro_batch_tokens, shuffle=False, num_epochs=1,
+        groups_per_step=GROUPS_PER_STEP if args.max_rows is None else 1, micro_batch_tokens=args.micro_batch_tokens, shuffle=False, num_epochs=1,
         tail="partial", statuses=names(args.statuses), agents=names(args.agents) if args.agents else None,
     )
 
