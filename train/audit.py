@@ -248,8 +248,9 @@ def _loader_config(args: argparse.Namespace):
         return tuple(part.strip() for part in text.split(",") if part.strip())
 
     return LoaderConfig(
-        groups_per_step=GROUPS_PER_STEP if args.max_rows is None else 1, micro_batch_tokens=args.micro_batch_tokens, shuffle=False, num_epochs=1,
-        tail="partial", statuses=names(args.statuses), agents=names(args.agents) if args.agents else None,
+        groups_per_step=GROUPS_PER_STEP if args.max_rows is None else 1, micro_batch_tokens=args.micro_batch_tokens,
+        shuffle=False, num_epochs=1, tail="partial", statuses=names(args.statuses),
+        agents=names(args.agents) if args.agents else None,
     )
 
 
