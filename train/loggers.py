@@ -200,6 +200,7 @@ class WandbLogger:
                 "WANDB_API_KEY), or log offline with WANDB_MODE=offline and upload later with `wandb sync`"
             ) from e
         self._wandb = wandb
+        self.out.mkdir(parents=True, exist_ok=True)  # for wandb_run.json, when the wandb dir is elsewhere
         self.logged = max(self.logged, self.run.starting_step - 1)  # online: the steps the server already holds
         self._save_state()
 
