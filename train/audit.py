@@ -14,14 +14,15 @@ for top-p/top-k rows (their renormalized ratio is the trainer's support path, ro
 Every trained token (loss_mask 1) is one row of the report (:data:`rollshard.store.audit.AUDIT_SCHEMA`),
 written atomically to ``--out`` (local or s3://); the summary (rollshard.store.audit.summarize, the numbers
 ``rollshard-store report`` shows for the same file) is printed as tables, or as one JSON object with
-``--json`` (train/audit_output.py). The report is held in memory until written (~60 bytes a token);
+``--json`` (train/audit_output.py). The report is held in memory until written (~90 bytes a token with
+ids of ~20 characters: 90 MB per million trained tokens);
 ``--max-rows N`` audits the first N rows (whole groups) of a large dataset.
 
 Exit status: 0 within the thresholds; 1 flagged: ``max |logp - rollout_logp|`` over ``--max-abs-diff``
 (or the mean over ``--max-mean-abs-diff``), one line on stderr with the numbers and where the report is;
 2 no answer: bad input (no dataset, no model, a model whose vocabulary the token ids do not fit, a model
 the trainer's check refuses, no trained token under the filters, an --out that cannot be written), one line
-saying what is wrong and how to fix it.
+saying what is wrong and how to fix it; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ import pyarrow as pa
 import torch
 
 from rollshard.store.audit import AUDIT_SCHEMA
+from rollshard.store.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, ModelConfig, TrainConfig
 
 PROG = "rollshard-train audit"
-EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # fp32 engines agree with the trainer's recomputation to ~2e-5 nats (SGLang measured, DESIGN.md; the embedded
 # engine to ~1e-6 here), so 1e-3 passes any fp32 engine and flags a wrong model, temperature or token alignment.
 # A bf16 engine is ~0.1-1 nats off at its worst token: raise it (and watch the mean) there.
@@ -135,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, DatasetNotFoundError) as e:  # usage and data errors (DataError, ModelCheckError among them)
         _error(e)
         return EXIT_USAGE
-    except OSError as e:  # the report could not be written (permissions, disk full, S3 refused)
-        _error(f"{e}; the report was not written, choose another --out")
+    except OSError as e:  # a read or write failed under us (permissions, disk full, S3 refused)
+        _error(e)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; no report written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     (print_json if args.json else print_tables)(result)
     flags = exceeded(result.summary, max_abs_diff=args.max_abs_diff, max_mean_abs_diff=args.max_mean_abs_diff)
     if flags:
@@ -163,10 +168,10 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     from rollshard.store.mixture import parse_sources
     from rollshard.train.setup import check_model_path
 
-    sources = parse_sources(args.data)
-    model = check_model_path(args.model)
     _check_numbers(args)
     device = _device(args.device)
+    sources = parse_sources(args.data)
+    model = check_model_path(args.model)
     if args.out:
         _check_out(args.out)
     from rollshard.store.dataset import RolloutDataset
@@ -194,7 +199,12 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     dtype = "bfloat16" if backend.bf16 else "float32"  # the compute dtype; the head and log softmax are fp32 anyway
     info = {"data": args.data, "model": model, "device": str(device), "dtype": dtype,
             "attn_implementation": model_cfg.attn_implementation, "rows": rows, "seconds": round(seconds, 3)}
-    report = write_audit(table, args.out, metadata={k: str(v) for k, v in info.items()}) if args.out else None
+    report = None
+    if args.out:
+        try:
+            report = write_audit(table, args.out, metadata={k: str(v) for k, v in info.items()})
+        except OSError as e:
+            raise ValueError(f"cannot write --out {args.out} ({e}); choose another path") from e
     worst = worst_tokens(table, args.top)
     return AuditResult(summary=summarize(table), worst=_contexts(worst, datasets, model), report=report, info=info)
 
@@ -207,10 +217,18 @@ def _check_numbers(args: argparse.Namespace) -> None:
         (args.max_rows is None or args.max_rows >= 1, f"--max-rows {args.max_rows} must be >= 1"),
         (args.micro_batch_tokens >= 1, f"--micro-batch-tokens {args.micro_batch_tokens} must be >= 1"),
         (args.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
+        (bool(_names(args.statuses)) and set(_names(args.statuses)) <= set(STATUS_VALUES),
+         f"--statuses {args.statuses}: choose one or more of {','.join(STATUS_VALUES)}"),
+        (args.agents is None or bool(_names(args.agents)), f"--agents {args.agents!r}: name one or more agents"),
     ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated flag value as its names."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _device(text: str) -> torch.device:
@@ -244,13 +262,10 @@ def _check_out(out: str) -> None:
 def _loader_config(args: argparse.Namespace):
     from rollshard.store.loader import LoaderConfig
 
-    def names(text: str) -> tuple[str, ...]:
-        return tuple(part.strip() for part in text.split(",") if part.strip())
-
     return LoaderConfig(
         groups_per_step=GROUPS_PER_STEP if args.max_rows is None else 1, micro_batch_tokens=args.micro_batch_tokens,
-        shuffle=False, num_epochs=1, tail="partial", statuses=names(args.statuses),
-        agents=names(args.agents) if args.agents else None,
+        shuffle=False, num_epochs=1, tail="partial", statuses=_names(args.statuses),
+        agents=_names(args.agents) if args.agents else None,
     )
 
 

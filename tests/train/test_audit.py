@@ -240,7 +240,7 @@ def foreign_ids(tmp_path_factory):
         ("out-folder", "is a folder; name the report file"),
         ("device", "not a torch device; use cpu, cuda or cuda:N"),
         ("no-token", "no trained token to audit"),
-        ("statuses", "LoaderConfig.statuses"),
+        ("statuses", "--statuses done: choose one or more of completed,truncated,aborted,failed"),
         ("top", "--top -1 must be >= 0"),
     ],
 )
