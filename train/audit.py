@@ -166,6 +166,7 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     """Check the inputs, build the trainer's backend, stream every row through it, write and summarize."""
     from rollshard.store.audit import summarize, worst_tokens, write_audit
     from rollshard.store.mixture import parse_sources
+    from rollshard.train.audit_output import worst_with_context
     from rollshard.train.setup import check_model_path
 
     _check_numbers(args)
@@ -206,7 +207,8 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
         except OSError as e:
             raise ValueError(f"cannot write --out {args.out} ({e}); choose another path") from e
     worst = worst_tokens(table, args.top)
-    return AuditResult(summary=summarize(table), worst=_contexts(worst, datasets, model), report=report, info=info)
+    worst = worst_with_context(worst, datasets, model)
+    return AuditResult(summary=summarize(table), worst=worst, report=report, info=info)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -336,27 +338,3 @@ def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, m
         },
         schema=AUDIT_SCHEMA,
     )
-
-
-def _contexts(worst, datasets: dict, model: str) -> list[dict]:
-    """The worst tokens with their text and decoded context, read back from their sources' rows."""
-    import pyarrow.compute as pc
-
-    from rollshard.store.audit import token_contexts
-    from rollshard.store.tokenizer import TokenizerError, load_tokenizer
-
-    if worst.is_empty():
-        return []
-    try:
-        tokenizer = load_tokenizer(model)
-    except TokenizerError:
-        tokenizer = None  # a model folder without tokenizer files: the ids are shown instead of text
-    out: dict[int, dict] = {}
-    cols = ["sample_id", "prompt_tokens", "response_tokens"]
-    indexed = worst.with_row_index("rank")
-    for name in indexed["source"].unique().to_list():  # sample ids are unique within a source, not across
-        part = indexed.filter(indexed["source"] == name)
-        wanted = pc.field("sample_id").isin(part["sample_id"].to_list())
-        rows = datasets[name].to_arrow().to_table(columns=cols, filter=wanted)
-        out.update(zip(part["rank"].to_list(), token_contexts(rows, part.drop("rank"), tokenizer)))
-    return [out[k] for k in sorted(out)]

@@ -1,4 +1,5 @@
-"""What ``rollshard-train audit`` prints: the summary as tables (rich) or one JSON object, and the flag check.
+"""What ``rollshard-train audit`` prints: the summary as tables (rich) or one JSON object, the flag check, and
+the worst tokens' context (read back from their rows and decoded with the model's tokenizer).
 
 The numbers are :func:`rollshard.store.audit.summarize`'s and :func:`~rollshard.store.audit.worst_tokens`'s;
 nothing here computes a statistic, so ``rollshard-store report`` on the same report shows the same figures.
@@ -124,3 +125,28 @@ def _worst_table(worst: list[dict]):
 def _safe(text: str) -> str:
     """Control characters as escapes (a newline as \\n): model output never moves the terminal's cursor."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def worst_with_context(worst, datasets: dict, model: str) -> list[dict]:
+    """The worst tokens (a :func:`~rollshard.store.audit.worst_tokens` frame) with their text and decoded context,
+    read back from their rows in ``datasets`` (by source name) and decoded by ``model``'s tokenizer."""
+    import pyarrow.compute as pc
+
+    from rollshard.store.audit import token_contexts
+    from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+
+    if worst.is_empty():
+        return []
+    try:
+        tokenizer = load_tokenizer(model)
+    except TokenizerError:
+        tokenizer = None  # a model folder without tokenizer files: the ids are shown instead of text
+    out: dict[int, dict] = {}
+    cols = ["sample_id", "prompt_tokens", "response_tokens"]
+    indexed = worst.with_row_index("rank")
+    for name in indexed["source"].unique().to_list():  # sample ids are unique within a source, not across
+        part = indexed.filter(indexed["source"] == name)
+        wanted = pc.field("sample_id").isin(part["sample_id"].to_list())
+        rows = datasets[name].to_arrow().to_table(columns=cols, filter=wanted)
+        out.update(zip(part["rank"].to_list(), token_contexts(rows, part.drop("rank"), tokenizer)))
+    return [out[k] for k in sorted(out)]

@@ -138,6 +138,20 @@ def test_a_wrong_stored_temperature_is_flagged(wrong_temperature, tiny_gpt2, cap
     assert s["overall"]["max"] > MISMATCH
 
 
+def test_several_sources_are_each_audited_whole(embedded_data, wrong_temperature, tiny_gpt2, capsys):
+    """Mixture syntax: every source whole (weights do not apply), told apart in the report's source column."""
+    rc, out, err = audit(capsys, "--data", f"right={embedded_data}:0.9,wrong={wrong_temperature}:0.1", "--model",
+                         tiny_gpt2, "--json", "--top", "200")
+    s = json.loads(out)
+    assert rc == 1 and FLAG_LINE.match(err.strip()), err
+    assert list(s["by_source"]) == ["right", "wrong"]
+    n = trained_tokens(embedded_data)
+    assert s["by_source"]["right"]["tokens"] == s["by_source"]["wrong"]["tokens"] == n
+    assert s["by_source"]["right"]["max"] <= FP32_AGREEMENT < MISMATCH < s["by_source"]["wrong"]["max"]
+    # The same sample ids in both sources: each worst token's context is its own source's row.
+    assert {w["source"] for w in s["worst"]} == {"right", "wrong"} and all(w["before"] for w in s["worst"])
+
+
 def test_the_audit_is_the_trainers_step_zero(embedded_data, tiny_gpt2, tmp_path, capsys):
     """One step of rollshard-train over every group sees the audit's numbers in its mismatch metrics."""
     from rollshard.train.metrics import read_metrics
