@@ -321,3 +321,55 @@ def test_inspect_a_sample_without_its_id_float32_rewards_and_escaped_output(tmp_
     assert main(["inspect", str(tmp_path / "ds"), "--sample", "random", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["sample"]["sample_id"] in {"p0/policy/0/0", "p0/policy/0/1"} and doc["sample"]["reward"] == 0.3
+
+
+# -- inspect --sample worst-mismatch --audit --------------------------------------------------
+
+
+def _audit(worked, path, offsets: dict[tuple[str, int], float]) -> None:
+    """An audit of every trained token of ``worked``: trainer = rollout + offsets[(sample, position)] (0 elsewhere)."""
+    import pyarrow as pa
+
+    from rollshard.store.audit import AUDIT_SCHEMA, write_audit
+    from rollshard.store.dataset import RolloutDataset
+
+    cols = {n: [] for n in AUDIT_SCHEMA.names}
+    for r in RolloutDataset.open(worked).read().to_pylist():
+        for pos, (tok, lp, m) in enumerate(zip(r["response_tokens"], r["rollout_logprobs"], r["loss_mask"])):
+            if m:
+                values = (r["sample_id"], r["group_id"], r["agent"], "ds", r["weight_version"], 1.0, pos, tok, lp,
+                          lp + offsets.get((r["sample_id"], pos), 0.0))
+                for name, v in zip(AUDIT_SCHEMA.names, values):
+                    cols[name].append(v)
+    write_audit(pa.table(cols, schema=AUDIT_SCHEMA), path)
+
+
+def test_inspect_worst_mismatch_shows_the_trainer_logprob(worked, tmp_path, capsys):
+    audit = tmp_path / "audit.parquet"
+    # p0-solver-1's last token (position 4, rollout -0.5) is the worst: |-0.9 - (-0.5)| = 0.4 > 0.25 of p0-solver-0
+    _audit(worked, audit, {("p0-solver-1", 4): -0.4, ("p0-solver-0", 1): 0.25, ("p0-solver-1", 0): 0.05})
+    assert main(["inspect", str(worked), "--sample", "worst-mismatch", "--audit", str(audit), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sample"]["sample_id"] == "p0-solver-1"
+    toks = doc["tokens"]
+    # masked positions 2 and 3 are not audited: no trainer logprob
+    assert [t["trainer_logprob"] for t in toks] == pytest.approx([-0.05, -0.2, None, None, -0.9], abs=1e-6)
+    assert [t["diff"] for t in toks] == pytest.approx([0.05, 0.0, None, None, -0.4], abs=1e-6)
+    assert doc["audit"] == {"tokens": 3, "abs_diff_mean": pytest.approx(0.15, abs=1e-6),
+                            "abs_diff_max": pytest.approx(0.4, abs=1e-6), "worst_position": 4}
+    assert main(["inspect", str(worked), "--sample", "worst-mismatch", "--audit", str(audit)]) == 0
+    text = capsys.readouterr().out
+    assert "trainer logprob" in text and "-0.9000" in text and "-0.4000" in text and "at position 4" in text
+
+
+def test_inspect_worst_mismatch_bad_input_is_one_line_exit_2(worked, tmp_path, capsys):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    for args, message in (
+        ([], "needs --audit"),
+        (["--audit", str(tmp_path / "missing.parquet")], "no such file"),
+        (["--audit", str(bad)], "--audit"),
+    ):
+        assert main(["inspect", str(worked), "--sample", "worst-mismatch", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

@@ -8,6 +8,8 @@ playwright only drives it.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import shutil
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from PIL import Image
 
 from rollshard.store.audit import AUDIT_SCHEMA, write_audit
 from rollshard.store.dataset import RolloutDataset
@@ -110,6 +113,7 @@ def page(report):
         got = {
             "errors": errors,
             "images": tab.evaluate("[...document.images].map(i => [i.complete, i.naturalWidth, i.src.slice(0, 22)])"),
+            "sources": tab.evaluate("[...document.images].map(i => i.src)"),
             "sections": tab.evaluate("[...document.querySelectorAll('section')].map(s => s.id)"),
             "text": {s: tab.inner_text(f"#{s}") for s in SECTIONS},
             "per_agent": tab.evaluate(
@@ -129,6 +133,10 @@ def test_report_loads_clean_with_every_figure(page):
     assert len(page["images"]) == FIGURES
     assert all(done and width > 0 and src == "data:image/png;base64," for done, width, src in page["images"])
     assert tuple(page["sections"]) == SECTIONS
+    for src, (_, width, _) in zip(page["sources"], page["images"]):  # each PNG whole, not only its header
+        with Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))) as png:
+            png.load()
+            assert png.width == width
 
 
 @pytest.mark.browser
