@@ -150,8 +150,9 @@ def assert_logged_as_jsonl(row: dict, record: dict) -> None:
     hist = row["staleness"]
     assert hist["_type"] == "histogram" and sum(hist["values"]) == record["data/sequences"]
     lags = {k.rsplit("/", 1)[1]: n for k, n in record.items() if k.startswith("staleness/hist/")}
-    for count, lo, hi in zip(hist["values"], hist["bins"], hist["bins"][1:]):  # one bin per lag
-        assert hi - lo == 1.0 and count == lags.get(str(round(lo + 0.5)), 0)
+    for count, lo, hi in zip(hist["values"], hist["bins"], hist["bins"][1:]):  # one bin per lag, centred on it
+        lag = lo + 0.5
+        assert hi - lo == 1.0 and lag == int(lag) and count == lags.get(str(int(lag)), 0)
 
 
 # -- a run with every logger ----------------------------------------------------------------------------------
@@ -255,10 +256,23 @@ def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+NO_WANDB_AND_NOTHING_LOADED = textwrap.dedent("""
+    import sys
+    import rollshard.train.trainer as trainer_mod
+
+    sys.modules["wandb"] = None  # as if not installed
+
+    def loaded(*args, **kwargs):
+        sys.exit("the data or the model was loaded")
+
+    trainer_mod.build_loader = trainer_mod.build_backend = loaded
+""")
+
+
 def test_missing_wandb_is_one_line_before_anything_runs(tiny_dataset, tiny_gpt2, tmp_path):
     out = tmp_path / "run"
     done = run_cli(args_for(tiny_dataset, tiny_gpt2, out, "--logger", "jsonl,wandb"), wandb_env(tmp_path),
-                   prelude="import sys\nsys.modules['wandb'] = None  # as if not installed\n")
+                   prelude=NO_WANDB_AND_NOTHING_LOADED)
     assert done.returncode == 2
     assert done.stderr == f"rollshard-train: error: {WANDB_MISSING}\n" and done.stdout == ""
     assert not out.exists()
