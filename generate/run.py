@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "0); with SGLang servers, checked against the version they serve",
     )
 
+    s.add_argument(
+        "--update-weights", metavar="CHECKPOINT",
+        help="SGLang servers: load this model folder on every server (/update_weights_from_disk, with its version "
+        "or --weight-version) before generating; the path must be visible to the servers",
+    )
+
     r = p.add_argument_group("running")
     r.add_argument(
         "--concurrency", type=int, default=64, metavar="N",
@@ -287,6 +293,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    if args.update_weights is not None and args.engine.strip().startswith("embedded:"):
+        raise UsageError(f"--update-weights is for SGLang servers; the embedded engine loads its model from the "
+                         f"spec: --engine embedded:{args.update_weights}")
     if not args.engine.strip().startswith("embedded:") and (args.device is not None or args.dtype != "float32"):
         raise UsageError("--device and --dtype are for the embedded engine; an SGLang server has its own "
                          "(its --device and --dtype)")
@@ -390,6 +399,8 @@ async def _generate(
     _quiet_model_loading()
     engine = await _connect(args)
     try:
+        if args.update_weights is not None:
+            await _update_weights(engine, args)
         info = await _model_info(engine, args.engine, sampling, args.weight_version)
         tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
         if not tokenizer_path:
@@ -490,6 +501,15 @@ async def _connect(args: argparse.Namespace) -> Engine:
         return make_engine(args.engine, **options)
     except (EngineError, ValueError, OSError) as e:
         raise UsageError(f"cannot start engine {args.engine!r}: {e}") from e
+
+
+async def _update_weights(engine: Engine, args: argparse.Namespace) -> None:
+    """``--update-weights``: every server loads the checkpoint (as its own version unless --weight-version)."""
+    path = resolve_model_path(args.update_weights)
+    try:
+        await engine.update_weights_from_disk(path, args.weight_version)
+    except (EngineError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        raise UsageError(f"--update-weights {args.update_weights}: the servers did not load it: {e}") from e
 
 
 async def _model_info(engine: Engine, spec: str, sampling: SamplingParams, version: str | None) -> dict[str, Any]:

@@ -1,0 +1,224 @@
+"""``rollshard-loop``: rounds with versions carried, a rerun after SIGINT and kill -9 that ends where an
+uninterrupted run ends (bit for bit), SGLang-API servers loading each round's policy, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from safetensors.torch import load_file
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.train.cli import main as train_main
+from rollshard.train.loop import main as loop_main
+from rollshard.train.metrics import read_metrics
+
+from tests.gated_main import REPO, Gate, wait_for_gate
+from tests.generate.conftest import start_embedded_server, stop_server
+
+FP32_LOGPROB_TOL = 1e-5  # embedded engine vs the trainer's packed forward, fp32 CPU
+STEPS_PER_ROUND = 4  # 4 prompts, one group each, one group per step, one epoch
+DEADLINE_S = 600.0  # for a broken run, not an expectation of speed
+
+
+def loop_args(model: Path, out: Path, *extra: str, rounds: int = 2) -> list[str]:
+    return [
+        "--model", str(model), "--out", str(out), "--rounds", str(rounds), "--no-progress", "--json",
+        "--generate", "--task toy --agents single --n-samples 4 --max-new-tokens 8 --limit 4 --commit-every 1",
+        "--train", "--groups-per-step 1 --num-epochs 1 --lr 5e-3 --save-every 1 --no-tensorboard", *extra,
+    ]  # fmt: skip
+
+
+def run_loop(*args: str, gated: tuple[str, int, list[Gate]] | None = None, **popen) -> subprocess.Popen:
+    if gated is None:
+        cmd = [sys.executable, "-m", "rollshard.train.loop", *args]
+    else:
+        stage, k, gates = gated
+        spec = json.dumps([g.__dict__ for g in gates])
+        cmd = [sys.executable, "-m", "tests.train.loop_gated", stage, str(k), spec, *args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    return proc.returncode, out, err
+
+
+def rows(dataset: Path) -> pl.DataFrame:
+    cols = ["sample_id", "response_tokens", "rollout_logprobs", "reward", "weight_version"]
+    return RolloutDataset.open(dataset).scan().select(cols).collect().sort("sample_id")
+
+
+def processes_using(path: Path) -> list[int]:
+    """Pids whose command line names ``path`` (the loop's children write under it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(path) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until_gone(path: Path) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while processes_using(path):
+        assert time.monotonic() < deadline, f"processes still running under {path}: {processes_using(path)}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gpt2, tmp_path_factory) -> tuple[Path, dict]:
+    """Two uninterrupted rounds: (run folder, the summary JSON it printed)."""
+    out = tmp_path_factory.mktemp("loop") / "run"
+    code, stdout, stderr = finish(run_loop(*loop_args(tiny_gpt2, out)))
+    assert code == 0, stderr
+    return out, json.loads(stdout)
+
+
+def test_two_rounds_carry_the_policy_and_its_version(reference):
+    out, summary = reference
+    state = json.loads((out / "loop.json").read_text())
+    r0, r1 = state["rounds"]
+    assert (r0["policy_version"], r0["checkpoint_version"]) == ("0", str(STEPS_PER_ROUND))
+    # Round 1 generates with round 0's checkpoint (the resolved step folder, not `latest`), as its version.
+    assert r1["policy"] == r0["checkpoint"] == "round_000/train/checkpoints/step_00000004"  # kept relative to out
+    assert (r1["policy_version"], r1["checkpoint_version"]) == (str(STEPS_PER_ROUND), str(2 * STEPS_PER_ROUND))
+    assert set(rows(out / "round_000" / "data")["weight_version"]) == {"0"}
+    assert set(rows(out / "round_001" / "data")["weight_version"]) == {"4"}
+    assert RolloutDataset.open(out / "round_001" / "data").config["model"] == str(out / r0["checkpoint"])
+    final = json.loads((out / r1["checkpoint"] / "trainer_state.json").read_text())
+    assert final["weight_version"] == "8" and final["step"] == STEPS_PER_ROUND
+
+    # The summary: each round's reward is its rows' mean; the step-0 mismatch is the engine's fp32 noise.
+    assert [r["round"] for r in summary["rounds"]] == [0, 1]
+    for k, entry in enumerate(summary["rounds"]):
+        data = rows(out / f"round_{k:03d}" / "data")
+        assert entry["rows"] == data.height == 16
+        assert entry["reward_mean"] == pytest.approx(data["reward"].cast(pl.Float64).mean(), abs=1e-12)
+        assert entry["steps"] == STEPS_PER_ROUND
+        assert 0 <= entry["mismatch_max"] <= FP32_LOGPROB_TOL
+
+
+def test_interrupted_and_killed_anywhere_the_rerun_ends_as_an_uninterrupted_run(reference, tiny_gpt2, tmp_path):
+    ref, _ = reference
+    out = tmp_path / "run"
+    args = loop_args(tiny_gpt2, out)
+
+    # 1. SIGINT while round 0 trains, just after its first save: the trainer saves its step and exits 130.
+    saved = Gate("rollshard.train.trainer:save_checkpoint", 1, str(tmp_path / "saved"), str(tmp_path / "go"))
+    proc = run_loop(*args, gated=("train", 0, [saved]))
+    wait_for_gate(proc, saved)
+    proc.send_signal(signal.SIGINT)  # to the loop alone: it forwards the signal to the stage once
+    Path(saved.release).write_text("")
+    code, _, err = finish(proc)
+    assert code == 130, err
+    assert "rollshard-loop: interrupted while training round 0; rerun the same command to continue" in err
+
+    # 2. kill -9 of the loop while round 1 generates, after its first commit: the stage dies with it.
+    committed = Gate("rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "committed"))
+    proc = run_loop(*args, gated=("generate", 1, [committed]))
+    wait_for_gate(proc, committed)
+    proc.kill()
+    finish(proc)
+    wait_until_gone(out)  # no orphaned stage beside the rerun
+    kept = RolloutDataset.open(out / "round_001" / "data")
+    assert kept.num_rows in (4, 8, 12, 16)  # whole groups
+
+    # 3. The same command finishes the run where an uninterrupted one ends: the same rounds, versions,
+    # checkpoints and row counts, the rows committed before the kill kept (their shards, not regenerated).
+    # (Rows match the reference's token for token, but not their shard layout, which follows commit timing,
+    # and the loader's shuffle deals blocks: the training order, and from there the weights, differ.)
+    code, stdout, err = finish(run_loop(*args))
+    assert code == 0, err
+    state, ref_state = (json.loads((p / "loop.json").read_text()) for p in (out, ref))
+    for mine, theirs in zip(state["rounds"], ref_state["rounds"], strict=True):
+        for key in ("round", "policy", "policy_version", "checkpoint", "checkpoint_version"):
+            assert mine[key] == theirs[key], key
+    assert {s.path for s in kept.shards} <= {s.path for s in RolloutDataset.open(out / "round_001" / "data").shards}
+    mine, theirs = rows(out / "round_000" / "data"), rows(ref / "round_000" / "data")
+    assert mine.drop("rollout_logprobs").equals(theirs.drop("rollout_logprobs"))
+    assert rows(out / "round_001" / "data").height == 16  # no prompt twice, none lost
+    assert [r["round"] for r in json.loads(stdout)["rounds"]] == [0, 1]
+
+    # Round 0's training, stopped by SIGINT and resumed by the loop, equals one uninterrupted run on its data.
+    fresh = tmp_path / "fresh"
+    argv = ["--data", out / "round_000" / "data", "--model", tiny_gpt2, "--out", fresh, "--groups-per-step", "1",
+            "--num-epochs", "1", "--lr", "5e-3", "--no-tensorboard", "--no-progress"]  # fmt: skip
+    assert train_main(list(map(str, argv))) == 0
+    losses, fresh_losses = ([m["loss/total"] for m in read_metrics(p)] for p in (out / "round_000" / "train", fresh))
+    assert len(losses) == STEPS_PER_ROUND and losses == fresh_losses  # steps 1..4 once each, bit for bit
+    weights = load_file(out / state["rounds"][0]["checkpoint"] / "model.safetensors")
+    fresh_weights = load_file(fresh / "checkpoints" / "latest" / "model.safetensors")
+    assert weights.keys() == fresh_weights.keys() and all(weights[k].equal(fresh_weights[k]) for k in weights)
+
+
+def test_more_rounds_continue_a_finished_run(reference, tmp_path, tiny_gpt2):
+    ref, _ = reference
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(ref), str(out)], check=True)
+    # A finished run (moved: loop.json names its folders relative to it) is not redone: no stage starts.
+    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out)))
+    assert code == 0 and "generating" not in err and "training" not in err, err
+    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out, rounds=3)))
+    assert code == 0, err
+    assert err.count("generating with") == 1 and "round 3/3: generating" in err
+    r2 = json.loads((out / "loop.json").read_text())["rounds"][2]
+    assert (r2["policy_version"], r2["checkpoint_version"]) == ("8", "12")
+    assert set(rows(out / "round_002" / "data")["weight_version"]) == {"8"}
+
+
+def test_sglang_api_servers_load_each_rounds_policy(tiny_gpt2, tmp_path):
+    server, url = start_embedded_server(tiny_gpt2)  # `rollshard-generate serve`: SGLang's HTTP API
+    try:
+        out = tmp_path / "run"
+        code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--engine", url)))
+        assert code == 0, err
+    finally:
+        stop_server(server)
+    state = json.loads((out / "loop.json").read_text())
+    assert [r["policy_version"] for r in state["rounds"]] == ["0", "4"]
+    assert set(rows(out / "round_000" / "data")["weight_version"]) == {"0"}
+    assert set(rows(out / "round_001" / "data")["weight_version"]) == {"4"}  # served after /update_weights_from_disk
+    assert RolloutDataset.open(out / "round_001" / "data").config["model"] == str(out / state["rounds"][0]["checkpoint"])
+    for entry in json.loads(stdout)["rounds"]:
+        assert entry["mismatch_max"] <= FP32_LOGPROB_TOL  # the server really generated with the trained weights
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--generate", "--out elsewhere"], "--generate may not set --out: the loop sets it for every round"),
+        (["--train=--model=x"], "--train may not set --model: the loop sets it for every round"),
+        (["--rounds", "0"], "--rounds and --window must be >= 1"),
+        (["--generate", "--task 'toy"], "--generate: No closing quotation"),
+    ],
+)
+def test_bad_input_is_one_line(tiny_gpt2, tmp_path, capsys, extra, message):
+    assert loop_main(loop_args(tiny_gpt2, tmp_path / "run") + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_rerun_with_other_settings_or_a_foreign_folder_is_refused(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "round_000").mkdir(parents=True)
+    (out / "loop.json").write_text(json.dumps({"version": 1, "settings": {
+        "model": str(tiny_gpt2.resolve()), "engine": "embedded", "window": 1, "seed": 0, "generate": [], "train": [],
+    }, "rounds": []}))  # fmt: skip
+    assert loop_main(["--model", str(tiny_gpt2), "--out", str(out), "--window", "2"]) == 2
+    assert "was run with another window (1 there, 2 now)" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x").write_text("")
+    assert loop_main(["--model", str(tiny_gpt2), "--out", str(foreign)]) == 2
+    assert "is not a rollshard-loop run (no loop.json)" in capsys.readouterr().err
+    assert not (foreign / "loop.json").exists() and os.listdir(foreign) == ["x"]

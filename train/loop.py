@@ -1,0 +1,378 @@
+"""``rollshard-loop``: offline rounds generate -> train -> generate, versions carried, resumable anywhere.
+
+    rollshard-loop --model M --out RUN --rounds 3 --generate "--task toy ..." --train "--lr 5e-3 ..."
+
+Round k generates ``RUN/round_K/data`` with the policy P_k (P_0 = ``--model``, P_k = the checkpoint round k-1
+trained), then trains P_k on it (or on the last ``--window`` rounds' datasets, mixed) into
+``RUN/round_K/train``, whose checkpoint is P_{k+1}. The stage commands run as child processes
+(``python -m rollshard.generate`` / ``rollshard.train``), so generate and train never import each other and
+each stage keeps its own resume: a rerun of a generation skips committed prompts, a training run is
+restarted with ``--resume``. Versions need no bookkeeping here: a checkpoint records its version, and both
+engines serve it as that version (the embedded engine from ``embedded:CKPT``; SGLang servers load it with
+``--update-weights CKPT``), so the rows of round k carry v(P_k) and the trainer's staleness filter counts real
+updates across the window.
+
+``RUN/loop.json`` holds the settings and what each round finished, written atomically after every stage;
+a rerun of the same command continues at the first unfinished stage (a rerun with other settings is refused,
+naming the setting; ``--rounds`` may grow). The loop kills its children if it dies (SIGKILL included), and
+forwards SIGINT/SIGTERM to the running stage, which commits (generate) or saves (train) before exiting.
+
+Each round trains from P_k with a fresh optimizer (the checkpoint's AdamW state belongs to its own data
+stream, which a resume of another dataset would refuse). Exit status: 0 every round done; 1 a stage failed
+(its own message says why); 2 bad input; 130 interrupted (rerun to continue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.stats import dataset_stats
+from rollshard.store.versions import folder_weight_version, resolve_model_path
+from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.metrics import read_metrics
+
+PROG = "rollshard-loop"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+STATE_FILE = "loop.json"
+STATE_VERSION = 1
+# Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
+GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
+TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--config", "--print-config", "--initial-version")
+PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
+
+
+class UsageError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Offline RL rounds: generate with the current policy, train on the rows, repeat; versions "
+        "carried, resumable (rerun the same command to continue).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, metavar="PATH", help="the policy of round 0 (a model folder or checkpoint)")
+    p.add_argument("--out", required=True, metavar="RUN", help="run folder: RUN/round_K/{data,train}, RUN/loop.json")
+    p.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds to run (a rerun may raise it)")
+    p.add_argument(
+        "--engine", default="embedded", metavar="SPEC",
+        help="'embedded' (each round's policy in process), or SGLang URL[,URL...] / one sglang-router URL: the "
+        "servers load each round's policy with /update_weights_from_disk (paths must be visible to them)",
+    )
+    p.add_argument(
+        "--window", type=int, default=1, metavar="W",
+        help="train round k on the datasets of rounds k-W+1..k, mixed with equal weights (pair it with "
+        "--train '--max-staleness S')",
+    )
+    p.add_argument("--seed", type=int, default=0, help="generation seed of round 0; round k uses seed + k")
+    p.add_argument(
+        "--generate", action="append", default=[], metavar="ARGS",
+        help="flags for rollshard-generate, one quoted string (repeatable), e.g. \"--task toy --n-samples 16\"",
+    )
+    p.add_argument(
+        "--train", action="append", default=[], metavar="ARGS",
+        help="flags for rollshard-train, one quoted string (repeatable), e.g. \"--lr 5e-3 --num-epochs 3\"",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print each stage's command and exit")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="pass --no-progress to every stage")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        loop = Loop.from_args(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        for k in range(args.rounds):
+            policy = str(loop.policy_path(k)) if k == 0 else f"<checkpoint of round {k - 1}>"
+            print(shlex.join(loop.generate_command(k, policy)))
+            print(shlex.join(loop.train_command(k, policy)))
+        return EXIT_OK
+    code = loop.run(args.rounds)
+    rows = loop.summary()
+    if args.json:
+        print(json.dumps({"run": str(loop.out), "rounds": rows}, indent=2))
+    else:
+        print_summary(rows)
+    return code
+
+
+class Loop:
+    def __init__(self, out: Path, settings: dict[str, Any], rounds: list[dict[str, Any]], *, progress: bool):
+        self.out, self.settings, self.rounds, self.progress = out, settings, rounds, progress
+        self._child: subprocess.Popen | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Loop:
+        if args.rounds < 1 or args.window < 1:
+            raise UsageError("--rounds and --window must be >= 1")
+        model = Path(args.model)
+        if not model.is_dir():
+            raise UsageError(f"--model {args.model}: no such model folder")
+        generate_args = _split("--generate", args.generate, GENERATE_OWNED)
+        train_args = _split("--train", args.train, TRAIN_OWNED)
+        settings = {
+            "model": resolve_model_path(model),
+            "engine": args.engine,
+            "window": args.window,
+            "seed": args.seed,
+            "generate": generate_args,
+            "train": train_args,
+        }
+        out = Path(args.out).absolute()
+        state = _read_state(out)
+        if state is None:
+            rounds: list[dict[str, Any]] = []
+        else:
+            for key, value in settings.items():
+                if state["settings"].get(key) != value:
+                    raise UsageError(
+                        f"{out} was run with another {key} ({state['settings'].get(key)!r} there, {value!r} now); "
+                        "rerun with the same settings to continue, or choose a new --out"
+                    )
+            rounds = state["rounds"]
+        return cls(out, settings, rounds, progress=not args.no_progress)
+
+    # ---- paths and commands ------------------------------------------------------------------
+
+    def round_dir(self, k: int) -> Path:
+        return self.out / f"round_{k:03d}"
+
+    def policy_path(self, k: int) -> Path:
+        """P_k: --model for round 0, else the (resolved) checkpoint round k-1 finished with."""
+        return Path(self.settings["model"]) if k == 0 else self.out / self.rounds[k - 1]["checkpoint"]
+
+    def generate_command(self, k: int, policy: str) -> list[str]:
+        engine, version = self.settings["engine"], self.rounds[k]["policy_version"] if k < len(self.rounds) else "0"
+        where = (
+            ["--engine", f"embedded:{policy}"] if engine == "embedded"
+            # A folder without a version of its own (round 0's model) is served as the version the loop names.
+            else ["--engine", engine, "--update-weights", policy, "--weight-version", version]
+        )  # fmt: skip
+        return [
+            sys.executable, "-m", "rollshard.generate", *where, "--out", str(self.round_dir(k) / "data"),
+            "--seed", str(self.settings["seed"] + k), *self.settings["generate"], *self._quiet(),
+        ]  # fmt: skip
+
+    def train_command(self, k: int, policy: str) -> list[str]:
+        first = max(0, k - self.settings["window"] + 1)
+        data = ",".join(str(self.round_dir(j) / "data") for j in range(first, k + 1))
+        out = self.round_dir(k) / "train"
+        # Killed after (or during) a save: continue from it. The trainer also repairs a save torn between renames.
+        resume = ["--resume"] if (out / "checkpoints").exists() else []
+        return [
+            sys.executable, "-m", "rollshard.train", "--data", data, "--model", policy, "--out", str(out),
+            *resume, *self.settings["train"], *self._quiet(),
+        ]  # fmt: skip
+
+    def _name(self, path: Path) -> str:
+        """A path as loop.json keeps it: relative to the run folder when inside it, so a run can be moved."""
+        path = Path(path).absolute()
+        return str(path.relative_to(self.out)) if path.is_relative_to(self.out) else str(path)
+
+    def _quiet(self) -> list[str]:
+        return [] if self.progress else ["--no-progress"]
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def run(self, rounds: int) -> int:
+        self._save()
+        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for k in range(rounds):
+                code = self._round(k, rounds)
+                if code != EXIT_OK:
+                    return code
+            return EXIT_OK
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _round(self, k: int, rounds: int) -> int:
+        if k == len(self.rounds):
+            policy = self.policy_path(k)
+            self.rounds.append({"round": k, "policy": self._name(policy), "policy_version": folder_weight_version(policy) or "0"})
+            self._save()
+        state = self.rounds[k]
+        if state.get("trained"):
+            return EXIT_OK
+        if not state.get("generated"):
+            code = self._stage(k, rounds, "generating", self.generate_command(k, str(self.policy_path(k))))
+            if code != EXIT_OK:
+                return code
+            state.update(generated=True, data=_data_summary(self.round_dir(k) / "data"))
+            self._save()
+        code = self._stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
+        if code != EXIT_OK:
+            return code
+        ckpt = latest_checkpoint(self.round_dir(k) / "train")
+        if ckpt is None:  # nothing passed the filters: no step, no checkpoint
+            _say(f"round {k}: training wrote no checkpoint (no step ran: see its output above); check the --train filters")
+            return EXIT_FAILED
+        state.update(
+            trained=True, checkpoint=self._name(ckpt.path), checkpoint_version=ckpt.weight_version,
+            train=_train_summary(self.round_dir(k) / "train"),
+        )  # fmt: skip
+        self._save()
+        return EXIT_OK
+
+    def _stage(self, k: int, rounds: int, what: str, command: list[str]) -> int:
+        _say(f"round {k + 1}/{rounds}: {what} with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})")
+        started = time.perf_counter()
+        # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
+        self._child = subprocess.Popen(command, stdout=sys.stderr, preexec_fn=_die_with_parent, process_group=0)
+        try:
+            code = self._child.wait()
+        finally:
+            self._child = None
+        if code == EXIT_OK:
+            _say(f"round {k + 1}/{rounds}: {what} done in {time.perf_counter() - started:.1f} s")
+            return EXIT_OK
+        if code in (EXIT_INTERRUPTED, -signal.SIGINT, -signal.SIGTERM):
+            _say(f"interrupted while {what} round {k}; rerun the same command to continue")
+            return EXIT_INTERRUPTED
+        _say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
+        return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
+
+    def _forward(self, signum: int, frame) -> None:
+        """SIGINT/SIGTERM: the stage (in its own process group, so a terminal's Ctrl-C reaches it once, from
+        here) commits or saves and exits 130; the loop then stops."""
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    def _save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"version": STATE_VERSION, "settings": self.settings, "rounds": self.rounds}
+        tmp = self.out / f".{STATE_FILE}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / STATE_FILE)
+
+    # ---- summary -----------------------------------------------------------------------------
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One entry per generated round: reward by agent of its rows, its training's step-0 mismatch."""
+        rows = []
+        for state in self.rounds:
+            if not state.get("generated"):
+                continue
+            train = state.get("train", {})
+            rows.append({
+                "round": state["round"], "policy_version": state["policy_version"],
+                **state["data"], **train, "checkpoint_version": state.get("checkpoint_version"),
+            })  # fmt: skip
+        return rows
+
+
+def _split(flag: str, values: list[str], owned: tuple[str, ...]) -> list[str]:
+    try:
+        tokens = [t for v in values for t in shlex.split(v)]
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from e
+    for t in tokens:
+        name = t.split("=", 1)[0]
+        if name in owned:
+            raise UsageError(f"{flag} may not set {name}: the loop sets it for every round (see --help)")
+    return tokens
+
+
+def _read_state(out: Path) -> dict[str, Any] | None:
+    path = out / STATE_FILE
+    if not path.exists():
+        if out.exists() and any(out.iterdir()):
+            raise UsageError(f"{out} exists and is not a {PROG} run (no {STATE_FILE}); choose a new --out")
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is unreadable ({e}); choose a new --out") from e
+    if state.get("version", 0) > STATE_VERSION:
+        raise UsageError(f"{path} was written by a newer rollshard (state version {state['version']}); upgrade")
+    return state
+
+
+def _data_summary(path: Path) -> dict[str, Any]:
+    stats = dataset_stats(RolloutDataset.open(path))
+    agents = stats["agents"]
+    rows = sum(a["rows"] for a in agents.values())
+    reward = sum((a.get("reward_mean") or 0.0) * a["reward_rows"] for a in agents.values())
+    reward_rows = sum(a["reward_rows"] for a in agents.values())
+    return {
+        "rows": rows,
+        "reward_mean": reward / reward_rows if reward_rows else None,
+        "reward_by_agent": {name: a.get("reward_mean") for name, a in agents.items()},
+    }
+
+
+def _train_summary(out: Path) -> dict[str, Any]:
+    metrics = read_metrics(out)
+    first, last = metrics[0], metrics[-1]
+    return {
+        "steps": len(metrics),
+        "mismatch_mean": first.get("mismatch/abs_diff_mean"),  # step 0: the weights that generated the round
+        "mismatch_max": first.get("mismatch/abs_diff_max"),
+        "last_loss": last.get("loss/total"),
+    }
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    agents = sorted({a for r in rows for a in r["reward_by_agent"]})
+    agents = agents if len(agents) > 1 else []  # one agent: its reward is the round's
+    table = Table(title="rollshard-loop: reward of each round's rows (generated by that round's policy)")
+    for name in ("round", "version", "rows", "reward", *(f"reward {a}" for a in agents), "step-0 |dlogp| mean/max",
+                 "steps", "-> version"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for r in rows:
+        mismatch = "-" if r.get("mismatch_max") is None else f"{r['mismatch_mean']:.1e} / {r['mismatch_max']:.1e}"
+        table.add_row(
+            str(r["round"]), r["policy_version"], str(r["rows"]), _num(r["reward_mean"]),
+            *(_num(r["reward_by_agent"].get(a)) for a in agents), mismatch, str(r.get("steps", "-")),
+            r.get("checkpoint_version") or "-",
+        )  # fmt: skip
+    Console(width=200).print(table)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the loop dies (a kill -9 of the loop must not leave a stage running
+    beside the rerun that continues it)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _LOOP_PID:  # the loop died between fork and prctl
+        os._exit(EXIT_INTERRUPTED)
+
+
+_LOOP_PID = os.getpid()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
