@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--train", action="append", default=[], metavar="ARGS",
         help="flags for rollshard-train, one quoted string (repeatable), e.g. \"--lr 5e-3 --num-epochs 3\"",
     )
+    p.add_argument(
+        "--no-report", action="store_true",
+        help="skip RUN/report.html (rollshard-store report of every round's rows and the last training's metrics)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print each stage's command and exit")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="pass --no-progress to every stage")
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(loop.train_command(k, policy)))
         return EXIT_OK
     code = loop.run(args.rounds)
+    if code == EXIT_OK and not args.no_report:
+        loop.write_report()
     rows = loop.summary()
     if args.json:
         print(json.dumps({"run": str(loop.out), "rounds": rows}, indent=2))
@@ -265,6 +271,20 @@ class Loop:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.out / STATE_FILE)
+
+    def write_report(self) -> None:
+        """RUN/report.html: reward across the rounds, the last round's rows in detail, its training's metrics. A
+        report that cannot be made (no matplotlib) is a warning: the rounds are done."""
+        from rollshard.store import report
+
+        datasets = [str(self.round_dir(s["round"]) / "data") for s in self.rounds if s.get("generated")]
+        metrics = self.round_dir(self.rounds[-1]["round"]) / "train" / "metrics.jsonl"
+        try:
+            path = report.write(report.build(datasets, metrics=str(metrics)), str(self.out / "report.html"))
+        except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
+            _say(f"no report: {e}")
+            return
+        _say(f"report of {len(datasets)} rounds: {path}")
 
     # ---- summary -----------------------------------------------------------------------------
 

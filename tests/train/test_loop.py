@@ -28,9 +28,10 @@ STEPS_PER_ROUND = 4  # 4 prompts, one group each, one group per step, one epoch
 DEADLINE_S = 600.0  # for a broken run, not an expectation of speed
 
 
-def loop_args(model: Path, out: Path, *extra: str, rounds: int = 2) -> list[str]:
+def loop_args(model: Path, out: Path, *extra: str, rounds: int = 2, report: bool = False) -> list[str]:
     return [
         "--model", str(model), "--out", str(out), "--rounds", str(rounds), "--no-progress", "--json",
+        *([] if report else ["--no-report"]),
         "--generate", "--task toy --agents single --n-samples 4 --max-new-tokens 8 --limit 4 --commit-every 1",
         "--train", "--groups-per-step 1 --num-epochs 1 --lr 5e-3 --save-every 1 --no-tensorboard", *extra,
     ]  # fmt: skip
@@ -79,7 +80,7 @@ def wait_until_gone(path: Path) -> None:
 def reference(tiny_gpt2, tmp_path_factory) -> tuple[Path, dict]:
     """Two uninterrupted rounds: (run folder, the summary JSON it printed)."""
     out = tmp_path_factory.mktemp("loop") / "run"
-    code, stdout, stderr = finish(run_loop(*loop_args(tiny_gpt2, out)))
+    code, stdout, stderr = finish(run_loop(*loop_args(tiny_gpt2, out, report=True)))
     assert code == 0, stderr
     return out, json.loads(stdout)
 
@@ -97,6 +98,10 @@ def test_two_rounds_carry_the_policy_and_its_version(reference):
     assert RolloutDataset.open(out / "round_001" / "data").config["model"] == str(out / r0["checkpoint"])
     final = json.loads((out / r1["checkpoint"] / "trainer_state.json").read_text())
     assert final["weight_version"] == "8" and final["step"] == STEPS_PER_ROUND
+
+    # The report: both rounds' rows, the last training's metrics.
+    page = (out / "report.html").read_text()
+    assert "Reward across rounds" in page and str(out / "round_001" / "data") in page and "metrics.jsonl" in page
 
     # The summary: each round's reward is its rows' mean; the step-0 mismatch is the engine's fp32 noise.
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
@@ -222,3 +227,17 @@ def test_a_rerun_with_other_settings_or_a_foreign_folder_is_refused(tiny_gpt2, t
     assert loop_main(["--model", str(tiny_gpt2), "--out", str(foreign)]) == 2
     assert "is not a rollshard-loop run (no loop.json)" in capsys.readouterr().err
     assert not (foreign / "loop.json").exists() and os.listdir(foreign) == ["x"]
+
+
+def test_a_window_trains_on_the_last_rounds(tiny_gpt2, tmp_path):
+    from rollshard.train.loop import Loop, build_parser
+
+    args = build_parser().parse_args(loop_args(tiny_gpt2, tmp_path / "run", "--window", "2", rounds=3))
+    loop = Loop.from_args(args)
+    data = [loop.train_command(k, "P")[loop.train_command(k, "P").index("--data") + 1] for k in range(3)]
+    run = tmp_path / "run"
+    assert data == [
+        f"{run}/round_000/data",
+        f"{run}/round_000/data,{run}/round_001/data",  # equal weights: the mixture's default
+        f"{run}/round_001/data,{run}/round_002/data",
+    ]
