@@ -122,6 +122,7 @@ class Loop:
     def __init__(self, out: Path, settings: dict[str, Any], rounds: list[dict[str, Any]], *, progress: bool):
         self.out, self.settings, self.rounds, self.progress = out, settings, rounds, progress
         self._child: subprocess.Popen | None = None
+        self._stop: int | None = None  # the signal that asked the loop to stop
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Loop:
@@ -238,6 +239,9 @@ class Loop:
         return EXIT_OK
 
     def _stage(self, k: int, rounds: int, what: str, command: list[str]) -> int:
+        if self._stop is not None:  # a signal between stages: start no other
+            _say(f"interrupted before {what} round {k}; rerun the same command to continue")
+            return EXIT_INTERRUPTED
         _say(f"round {k + 1}/{rounds}: {what} with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})")
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
@@ -258,6 +262,7 @@ class Loop:
     def _forward(self, signum: int, frame) -> None:
         """SIGINT/SIGTERM: the stage (in its own process group, so a terminal's Ctrl-C reaches it once, from
         here) commits or saves and exits 130; the loop then stops."""
+        self._stop = signum
         child = self._child
         if child is not None and child.poll() is None:
             child.send_signal(signum)
