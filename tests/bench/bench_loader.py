@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench_loader.py [--groups 2400] [--window 256] [--rss-window 64] [--json]
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
-    .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3]
+    .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3] [--json]
     .venv/bin/python tests/bench/bench_loader.py --supports [--groups 400] [--top-k 20] [--repeat 3] [--json]
     .venv/bin/python tests/bench/bench_loader.py --throughput [--groups 2400] [--repeat 3] [--json]
 
@@ -179,13 +179,21 @@ def mix_bench(tmp: Path, base: pa.Table, args) -> None:
         t_one = min(t_one, t)
         t, mixed = best_of(1, lambda: loader_run(None, config, mix=spec))
         t_mix = min(t_mix, t)
-    print(f"two datasets of {args.groups} groups (8 rows each), groups_per_step 8, window {args.window}, "
-          f"best of {args.repeat}\n")
-    print("| loader | groups | groups/s | M tokens/s |")
-    print("|---|---|---|---|")
-    print(f"| RolloutLoader, one dataset | {one['groups']} | {one['groups'] / t_one:,.0f} | {n_load(one, t_one):.1f} |")
-    print(f"| MixtureLoader a:0.7,b:0.3 | {mixed['groups']} | {mixed['groups'] / t_mix:,.0f} | "
-          f"{n_load(mixed, t_mix):.1f} |")
+    say = functools.partial(print, file=sys.stderr) if args.json else print  # --json: figures on stdout
+    say(f"two datasets of {args.groups} groups (8 rows each), groups_per_step 8, window {args.window}, "
+        f"best of {args.repeat}\n")
+    say("| loader | groups | groups/s | M tokens/s |")
+    say("|---|---|---|---|")
+    say(f"| RolloutLoader, one dataset | {one['groups']} | {one['groups'] / t_one:,.0f} | {n_load(one, t_one):.1f} |")
+    say(f"| MixtureLoader a:0.7,b:0.3 | {mixed['groups']} | {mixed['groups'] / t_mix:,.0f} | "
+        f"{n_load(mixed, t_mix):.1f} |")
+    if args.json:
+        print(json.dumps({
+            "groups": args.groups, "window": args.window, "repeat": args.repeat,
+            "one": {"groups": one["groups"], "seconds": t_one, "m_tokens_per_s": n_load(one, t_one)},
+            "mixture": {"groups": mixed["groups"], "seconds": t_mix, "m_tokens_per_s": n_load(mixed, t_mix)},
+            "mixture_vs_one": (mixed["groups"] / t_mix) / (one["groups"] / t_one),
+        }, indent=1))  # fmt: skip
 
 
 def supports_bench(tmp: Path, args) -> None:
