@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per model turn (default: %(default)s)")
     s.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     s.add_argument(
+        "--ignore-eos", action="store_true",
+        help="SGLang's ignore_eos: neither the model's eos nor a stop token id ends a turn, only --max-new-tokens or "
+        "a --stop string (rows end 'truncated'); the eos stays in the distribution, so the logprobs keep their "
+        "meaning (for benchmarks and fixed-length rollouts)",
+    )
+    s.add_argument(
         "--seed", type=int, default=0,
         help="run seed; request seeds derive from it and the sample id (default: %(default)s)",
     )
@@ -479,6 +485,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
+        ignore_eos=args.ignore_eos,
         return_sampling_mask=args.return_sampling_mask,
     )
 
@@ -542,6 +549,16 @@ def _context_len(args: argparse.Namespace, info: dict[str, Any], tokenizer) -> i
     return int(limit) if isinstance(limit, int) and 0 < limit < MAX_SANE_CONTEXT else None
 
 
+def _sampling_config(sampling: SamplingParams) -> dict[str, Any]:
+    """The run config's ``sampling``: every field but the per-request seed and the support (recorded apart).
+    ``ignore_eos`` only when set: configs written before it existed mean false, and the resume check compares
+    the dicts key by key, so a false written out would refuse to resume every earlier dataset."""
+    out = {k: v for k, v in dataclasses.asdict(sampling).items() if k not in ("sampling_seed", "return_sampling_mask")}
+    if not out["ignore_eos"]:
+        del out["ignore_eos"]
+    return out
+
+
 def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sampling: SamplingParams) -> dict[str, Any]:
     """The run config (stored with every shard); the engine's fields are added once it answers."""
     try:
@@ -565,9 +582,7 @@ def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sa
         "id_key": args.id_key,
         "limit": args.limit,
         # return_sampling_mask is recorded as sampling_support: a config without it (before schema 1.1) means off.
-        "sampling": {
-            k: v for k, v in dataclasses.asdict(sampling).items() if k not in ("sampling_seed", "return_sampling_mask")
-        },
+        "sampling": _sampling_config(sampling),
         "sampling_support": "on" if sampling.return_sampling_mask else "off",
         "sampling_support_mode": args.sampling_support,  # as given (auto resolves to the value above)
         "seed": args.seed,

@@ -59,7 +59,6 @@ class GenerateRequest:
     rid: str | None
     return_logprob: bool
     return_sampling_mask: bool = False
-    ignore_eos: bool = False  # sampling_params.ignore_eos (SGLang's): no token ends the request
 
 
 def _is_int(v: Any) -> bool:
@@ -88,15 +87,15 @@ def _neutral_ok(v: Any, neutral: Any) -> bool:
     return _is_number(v) and v == neutral
 
 
-def parse_sampling(raw: Any) -> tuple[SamplingParams, bool]:
-    """``sampling_params`` -> (SamplingParams, ignore_eos), or RequestError naming the field."""
+def parse_sampling(raw: Any) -> SamplingParams:
+    """``sampling_params`` -> SamplingParams, or RequestError naming the field."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be a JSON object, got {type(raw).__name__}")
     # return_sampling_mask is a request-level key in SGLang, unknown inside sampling_params (400 there too).
     fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"return_sampling_mask"}
-    unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING and k != "ignore_eos")
+    unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING)
     if unsupported:
         names = ", ".join(f"sampling_params.{k}" for k in unsupported)
         raise RequestError(f"{names}: not a sampling parameter the embedded engine supports")
@@ -143,7 +142,8 @@ def parse_sampling(raw: Any) -> tuple[SamplingParams, bool]:
     out.update(stop=stop, stop_token_ids=ids, sampling_seed=seed)
     out["no_stop_trim"] = _bool(raw, "no_stop_trim", default.no_stop_trim, where)
     out["skip_special_tokens"] = _bool(raw, "skip_special_tokens", default.skip_special_tokens, where)
-    return SamplingParams(**out), _bool(raw, "ignore_eos", False, where)
+    out["ignore_eos"] = _bool(raw, "ignore_eos", default.ignore_eos, where)
+    return SamplingParams(**out)
 
 
 def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) -> GenerateRequest:
@@ -185,7 +185,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
     lp_start = body.get("logprob_start_len", -1)
     if not _is_int(lp_start):
         raise RequestError(f"logprob_start_len must be an integer, got {lp_start!r}")
-    sampling, ignore_eos = parse_sampling(body.get("sampling_params"))
+    sampling = parse_sampling(body.get("sampling_params"))
     mask = _bool(body, "return_sampling_mask", False)
     mode = body.get("sampling_logprobs_mode")
     if mode is not None and (mode != "selected" or not mask):
@@ -201,7 +201,6 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
         rid=rid,
         return_logprob=_bool(body, "return_logprob", False),
         return_sampling_mask=mask,
-        ignore_eos=ignore_eos,
     )
 
 

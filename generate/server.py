@@ -137,7 +137,7 @@ class Server:
             input_ids = await asyncio.to_thread(encode, self.engine.tokenizer, req.text)
         start = time.perf_counter()
         try:
-            result = await self.engine.generate(input_ids, req.sampling, rid=req.rid, ignore_eos=req.ignore_eos)
+            result = await self.engine.generate(input_ids, req.sampling, rid=req.rid)
         except EngineError as e:
             return _error(400, str(e))
         meta: dict[str, Any] = {

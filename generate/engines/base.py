@@ -45,6 +45,10 @@ class SamplingParams:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    # SGLang's: no token ends the request (neither an eos nor stop_token_ids); stop strings and max_new_tokens
+    # still do. Only the finish check changes: the eos stays in the distribution (SGLang masks no logit for it;
+    # only min_new_tokens, sent at 0, would), so the logprobs keep their definition and the trainer's match.
+    ignore_eos: bool = False
     # Not a sampling parameter: ask the engine for each output token's sampling support (SGLang's request-level
     # ``return_sampling_mask``); the result then carries sampling_logprobs and sampling_support.
     return_sampling_mask: bool = False

@@ -21,6 +21,12 @@ request asking for it must truncate (top_k >= 1 or top_p < 1) or be greedy: an u
 is the vocabulary, refused. Unlike SGLang, a top-p without a top-k is accepted here (the serve API refuses
 it, as SGLang does); its supports can be long.
 
+``SamplingParams.ignore_eos`` is SGLang's (``Req._check_token_based_finish`` in 0.5.23): neither an eos
+nor a ``stop_token_ids`` id ends the request, a stop string or ``max_new_tokens`` does. Like SGLang it
+changes only when a request finishes, not what is sampled: no logit is masked (SGLang masks stop ids
+only below ``min_new_tokens``, which is neutral here), so an eos drawn mid-response stays in it with its
+logprob, and the logprobs are the trainer's log softmax(logits / T) as without it.
+
 Each request draws its random numbers from its own generator, seeded by
 ``sampling_seed`` or, when absent, by the engine seed and the request's arrival
 order, and the sampler draws in vocabulary order, so a seeded request's tokens do not
@@ -163,8 +169,12 @@ class EmbeddedEngine(Engine):
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None, ignore_eos: bool = False
     ) -> GenerateResult:
-        """``ignore_eos``: SGLang's sampling parameter: no token ends the request (neither the model's eos
-        tokens nor ``stop_token_ids``); stop strings and ``max_new_tokens`` still do."""
+        """``sampling.ignore_eos`` (SGLang's): no token ends the request (neither the model's eos tokens nor
+        ``stop_token_ids``); stop strings and ``max_new_tokens`` still do, and the sampler is unchanged (the eos
+        can still be drawn, with its unmasked logprob). The keyword ``ignore_eos=True`` is the same as setting it
+        in ``sampling``."""
+        if ignore_eos and not sampling.ignore_eos:
+            sampling = dataclasses.replace(sampling, ignore_eos=True)
         rid = rid or uuid.uuid4().hex
         if self._closed.is_set():
             raise EngineError(f"request {rid}: the embedded engine is closed")
@@ -205,7 +215,7 @@ class EmbeddedEngine(Engine):
             loop=loop,
             future=loop.create_future(),
             start=time.perf_counter(),
-            stop_ids=frozenset() if ignore_eos else frozenset(self.eos_ids) | frozenset(sampling.stop_token_ids or ()),
+            stop_ids=frozenset() if sampling.ignore_eos else frozenset(self.eos_ids) | set(sampling.stop_token_ids or ()),
             max_new_tokens=sampling.max_new_tokens,
             generator=generator,
         )

@@ -22,6 +22,21 @@ def tiny_gpt2_seed1(tmp_path_factory, tiny_gpt2) -> Path:
     return init_model(tmp_path_factory.mktemp("models") / "tiny-gpt2-seed1", preset="tiny-gpt2", seed=1)
 
 
+@pytest.fixture(scope="session")
+def eos_everywhere(tiny_gpt2, tmp_path_factory) -> Path:
+    """tiny_gpt2 whose generation_config declares every id an eos: any first token ends a response, certainly."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("models") / "tiny-gpt2-eos-everywhere"
+    shutil.copytree(tiny_gpt2, path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gen = path / "generation_config.json"
+    cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps({**cfg, "eos_token_id": list(range(vocab))}))
+    return path
+
+
 def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     """log softmax(logits / T) of each response token from one unpadded fp32 forward (greedy: T -> 1)."""
     ids = torch.tensor([prompt + response])

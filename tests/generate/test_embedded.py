@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import shutil
 
@@ -185,6 +186,34 @@ def test_ignore_eos_ignores_eos_and_stop_token_ids_but_not_stop_strings(tiny_gpt
     assert ignored.logprobs == pytest.approx(base.logprobs, abs=TOL)
     # A stop string still does.
     assert by_str.finish_reason == "stop" and by_str.finish_detail == {"matched": base.text[-2:]}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_ignore_eos_samples_past_the_eos_from_the_unmasked_distribution(
+    tiny_gpt2, eos_everywhere, teacher_forced, temperature
+):
+    n = 24
+    sp = SamplingParams(temperature=temperature, max_new_tokens=n, sampling_seed=11)
+
+    async def go(path, sampling, **kw):
+        async with EmbeddedEngine(path) as eng:
+            return await eng.generate(PROMPTS[1], sampling, **kw)
+
+    stopped = run(go(eos_everywhere, sp))
+    ignored = run(go(eos_everywhere, dataclasses.replace(sp, ignore_eos=True)))
+    by_keyword = run(go(eos_everywhere, sp, ignore_eos=True))
+    plain = run(go(tiny_gpt2, dataclasses.replace(sp, ignore_eos=True)))  # the model's own (rare) eos ignored too
+    assert stopped.finish_reason == "stop" and stopped.finish_detail == {"matched": stopped.output_ids[0]}
+    assert len(stopped.output_ids) == 1
+    # Every token drawn is an eos here, and none ends the request: it runs to max_new_tokens.
+    assert ignored.finish_reason == "length" and ignored.finish_detail == {"length": n}
+    assert len(ignored.output_ids) == len(ignored.logprobs) == n
+    # SGLang masks no eos logit for ignore_eos: the same seed draws the same tokens as from a model whose eos
+    # never comes up, and the logprobs are the trainer's log softmax(logits / T), the eos ids included.
+    assert ignored.output_ids == plain.output_ids and ignored.output_ids[0] == stopped.output_ids[0]
+    want = teacher_forced(load_causal_lm(tiny_gpt2), PROMPTS[1], ignored.output_ids, temperature)
+    assert max(abs(a - b) for a, b in zip(ignored.logprobs, want)) <= TOL
+    assert by_keyword.output_ids == ignored.output_ids and by_keyword.logprobs == ignored.logprobs
 
 
 def test_seeded_sampling_is_reproducible(tiny_gpt2):

@@ -582,15 +582,37 @@ def test_a_server_that_dies_mid_run_ends_it_with_one_line(tiny_gpt2, tmp_path, c
 
 def test_server_with_preferred_sampling_params_is_refused(tiny_gpt2, tmp_path, capsys):
     args = ["--agents", "single", "--task", "toy", "--limit", "2", "--no-progress", "--out", str(tmp_path / "ds")]
-    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "ignore_eos": True}) as server:
+    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "stop_regex": "x+"}) as server:
         assert main(["--engine", server.url, *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"engine {server.url!r} cannot be used as it is: SGLang server" in err
-        assert "ignore_eos=True (client sends none); restart it without --preferred-sampling-params" in err
+        assert "stop_regex='x+' (client sends none); restart it without --preferred-sampling-params" in err
         assert not (tmp_path / "ds").exists()
     # A preference for a parameter the client always sends is overridden by the request: accepted.
-    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "min_p": 0.2}) as server:
+    with FakeSGLang(tiny_gpt2, preferred={"temperature": 0.7, "min_p": 0.2, "ignore_eos": True}) as server:
         assert main(["--engine", server.url, *args]) == 0
+
+
+def test_ignore_eos_flag_runs_turns_past_the_eos_and_is_a_resume_setting(eos_everywhere, tiny_gpt2, tmp_path, capsys):
+    args = ["--agents", "single", "--task", "toy", "--limit", "2", "--n-samples", "2", "--max-new-tokens", "5",
+            "--no-progress"]
+    stops, ignores = tmp_path / "stops", tmp_path / "ignores"
+    assert main(["--engine", f"embedded:{eos_everywhere}", *args, "--out", str(stops)]) == 0
+    assert main(["--engine", f"embedded:{eos_everywhere}", *args, "--ignore-eos", "--out", str(ignores)]) == 0
+    # Every id is an eos of this model: without the flag each response is its first token, with it max_new_tokens.
+    assert {(len(r["response_tokens"]), r["status"]) for r in rows_of(stops)} == {(1, "completed")}
+    assert {(len(r["response_tokens"]), r["status"]) for r in rows_of(ignores)} == {(5, "truncated")}
+    assert_valid(ignores)
+    assert RolloutDataset.open(ignores).config["sampling"]["ignore_eos"] is True
+    assert "ignore_eos" not in RolloutDataset.open(stops).config["sampling"]  # as configs from before the flag
+    capsys.readouterr()
+    assert main(["--engine", f"embedded:{eos_everywhere}", *args, "--out", str(ignores)]) == 2
+    assert "holds rows generated with another sampling.ignore_eos (true there, null now" in capsys.readouterr().err
+    assert main(["--engine", f"embedded:{eos_everywhere}", *args, "--ignore-eos", "--out", str(stops)]) == 2
+    assert "holds rows generated with another sampling.ignore_eos (null there, true now" in capsys.readouterr().err
+    with FakeSGLang(tiny_gpt2) as server:  # the SGLang client sends it
+        assert main(["--engine", server.url, *args, "--ignore-eos", "--out", str(tmp_path / "http")]) == 0
+        assert {body["sampling_params"]["ignore_eos"] for body, _ in server.sent.values()} == {True}
 
 
 def test_an_interrupt_during_the_final_commit_still_counts(tiny_gpt2, tmp_path, monkeypatch):

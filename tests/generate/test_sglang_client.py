@@ -48,6 +48,7 @@ def test_request_shape_and_parsed_result():
                 "max_new_tokens": 3,
                 "no_stop_trim": False,
                 "skip_special_tokens": True,
+                "ignore_eos": False,
                 # Spelled out so neither the server's defaults nor its --preferred-sampling-params apply.
                 "min_p": 0.0,
                 "frequency_penalty": 0.0,
@@ -71,6 +72,16 @@ def test_neutral_sampling_is_sent_and_never_overrides_a_field():
     sent = SamplingParams(temperature=0.3, stop=["x"]).to_json()
     assert {k: sent[k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING
     assert sent["temperature"] == 0.3 and sent["stop"] == ["x"] and "sampling_seed" not in sent
+
+
+def test_ignore_eos_is_sent_in_sampling_params():
+    async def go():
+        async with FakeSGLang(["ok"]) as fake:
+            async with SGLangEngine(fake.url, config=SGLangConfig(**FAST)) as eng:
+                await eng.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="r")
+            return fake
+
+    assert run(go()).requests[0]["sampling_params"]["ignore_eos"] is True
 
 
 def test_newer_server_fields_are_tolerated_and_spans_kept():

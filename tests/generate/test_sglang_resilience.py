@@ -397,7 +397,7 @@ def test_health_check_fails_at_once_on_a_4xx_or_a_bad_model_info(health, info, m
 @pytest.mark.parametrize(
     "preferred",
     [None, "{}", {}, {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "min_p": 0}, '{"top_k": -1}',
-     {"temperature": 0.7, "repetition_penalty": 1.1, "max_new_tokens": 64}],
+     {"temperature": 0.7, "repetition_penalty": 1.1, "max_new_tokens": 64, "ignore_eos": True}],
     ids=["none", "empty-string", "empty", "equal", "equal-string", "overridden"],  # the client sends every one
 )
 def test_a_server_without_effective_preferred_sampling_params_passes(preferred):
@@ -414,7 +414,7 @@ def test_a_server_without_effective_preferred_sampling_params_passes(preferred):
     "preferred, sampling, diff",
     [
         ('{"stop": ["\\n"]}', None, "stop=['\\n'] (client sends none)"),
-        ({"ignore_eos": True}, None, "ignore_eos=True (client sends none)"),
+        ({"stop_regex": "x+"}, None, "stop_regex='x+' (client sends none)"),
         ({"temperature": 0.5, "regex": "[0-9]+"}, SamplingParams(temperature=0.5), "regex='[0-9]+' (client sends none)"),
     ],
     ids=["stop-json-string", "unknown-key", "request-sampling"],
