@@ -9,6 +9,7 @@ it takes ~30 s to start on an idle machine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import pytest
@@ -79,6 +80,30 @@ def test_stop_token_is_returned_with_its_logprob_like_the_embedded_engine(sglang
     first = base.output_ids.index(stop_id)
     assert stopped.output_ids == base.output_ids[: first + 1] and len(stopped.logprobs) == first + 1
     assert stopped.finish_reason == "stop" and stopped.finish_detail["matched"] == stop_id
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ignore_eos_runs_past_stop_ids_like_the_embedded_engine(sglang_server, tiny_gpt2, temperature):
+    vocab = load_causal_lm(tiny_gpt2).config.vocab_size
+    # Every id a stop id: without ignore_eos any first token ends the request, on either engine, whatever is drawn.
+    sp = SamplingParams(temperature=temperature, max_new_tokens=16, stop_token_ids=list(range(vocab)))
+
+    async def both(sampling):
+        async with make_engine(sglang_server) as real, make_engine(f"embedded:{tiny_gpt2}") as embedded:
+            return await real.generate(PROMPTS[1], sampling), await embedded.generate(PROMPTS[1], sampling)
+
+    stopped = run(both(sp))
+    ignored = run(both(dataclasses.replace(sp, ignore_eos=True)))
+    for res in stopped:
+        assert (res.finish_reason, len(res.output_ids)) == ("stop", 1)
+        assert res.finish_detail["matched"] == res.output_ids[0]
+    for res in ignored:
+        assert (res.finish_reason, res.finish_detail, len(res.output_ids), len(res.logprobs)) == (
+            "length", {"length": 16}, 16, 16
+        )
+    if temperature == 0.0:  # greedy: the same tokens, and no logit masked on either side
+        assert ignored[0].output_ids == ignored[1].output_ids
+        assert max(abs(a - b) for a, b in zip(ignored[0].logprobs, ignored[1].logprobs)) <= TOL
 
 
 def test_aborted_request_keeps_matching_logprobs(sglang_server):
