@@ -25,6 +25,7 @@ stream, which a resume of another dataset would refuse). Exit status: 0 every ro
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -47,7 +48,13 @@ STATE_FILE = "loop.json"
 STATE_VERSION = 1
 # Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
 GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
-TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--config", "--print-config", "--initial-version")
+TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--print-config", "--initial-version")
+# When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
+# made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.
+FROZEN_BY = {"model": "generated", "engine": "generated", "seed": "generated", "generate": "generated",
+             "window": "trained", "train": "trained", "audit": "trained"}  # fmt: skip
+AUDIT_OWNED = ("--data", "--model", "--out", "--json")
+LOCK_FILE = ".loop.lock"
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
 
 
@@ -83,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--train", action="append", default=[], metavar="ARGS",
         help="flags for rollshard-train, one quoted string (repeatable), e.g. \"--lr 5e-3 --num-epochs 3\"",
+    )
+    p.add_argument(
+        "--audit", action="store_true",
+        help="before training a round, audit its rows against the policy that generated them (rollshard-train "
+        "audit, RUN/round_K/audit.parquet) and stop if they are off it (a wrong temperature, another checkpoint "
+        "served): the loop never trains on them",
+    )
+    p.add_argument(
+        "--audit-args", action="append", default=[], metavar="ARGS",
+        help="flags for rollshard-train audit, e.g. \"--max-abs-diff 0.05\" for a bf16 engine (repeatable)",
     )
     p.add_argument(
         "--no-report", action="store_true",
@@ -131,8 +148,14 @@ class Loop:
         model = Path(args.model)
         if not model.is_dir():
             raise UsageError(f"--model {args.model}: no such model folder")
+        if args.engine != "embedded" and not args.engine.startswith(("http://", "https://")):
+            raise UsageError(f"--engine {args.engine!r}: 'embedded' (each round's policy in process) or SGLang "
+                             "URL[,URL...]; the model is --model")
+        if "://" in args.out:
+            raise UsageError(f"--out {args.out}: the loop runs in a local folder (its datasets and checkpoints live "
+                             "there); copy a finished round's data to S3 with any tool")
         generate_args = _split("--generate", args.generate, GENERATE_OWNED)
-        train_args = _split("--train", args.train, TRAIN_OWNED)
+        train_args = _split("--train", args.train, TRAIN_OWNED, known=_train_flags())
         settings = {
             "model": resolve_model_path(model),
             "engine": args.engine,
@@ -140,19 +163,20 @@ class Loop:
             "seed": args.seed,
             "generate": generate_args,
             "train": train_args,
+            "audit": _split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
         }
         out = Path(args.out).absolute()
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {args.out} is a file; the loop needs a folder (a new one, or an earlier run's)")
         state = _read_state(out)
-        if state is None:
-            rounds: list[dict[str, Any]] = []
-        else:
-            for key, value in settings.items():
-                if state["settings"].get(key) != value:
-                    raise UsageError(
-                        f"{out} was run with another {key} ({state['settings'].get(key)!r} there, {value!r} now); "
-                        "rerun with the same settings to continue, or choose a new --out"
-                    )
-            rounds = state["rounds"]
+        rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
+        for key, value in settings.items():
+            before = value if state is None else state["settings"].get(key)
+            if before != value and any(r.get(FROZEN_BY[key]) for r in rounds):
+                raise UsageError(
+                    f"{out} was run with another {key} ({before!r} there, {value!r} now); rerun with the same "
+                    "settings to continue, or choose a new --out"
+                )
         return cls(out, settings, rounds, progress=not args.no_progress)
 
     # ---- paths and commands ------------------------------------------------------------------
@@ -182,9 +206,20 @@ class Loop:
         out = self.round_dir(k) / "train"
         # Killed after (or during) a save: continue from it. The trainer also repairs a save torn between renames.
         resume = ["--resume"] if (out / "checkpoints").exists() else []
+        train = self.settings["train"]
+        # With wandb, each round is a run of its own; name it after the round (every round's folder is `train`).
+        if any("wandb" in t for t in train) and not any(t.startswith("--wandb-name") for t in train):
+            train = ["--wandb-name", f"{self.out.name}/round_{k:03d}", *train]
         return [
             sys.executable, "-m", "rollshard.train", "--data", data, "--model", policy, "--out", str(out),
-            *resume, *self.settings["train"], *self._quiet(),
+            *resume, *train, *self._quiet(),
+        ]  # fmt: skip
+
+    def audit_command(self, k: int, policy: str) -> list[str]:
+        return [
+            sys.executable, "-m", "rollshard.train", "audit", "--data", str(self.round_dir(k) / "data"),
+            "--model", policy, "--out", str(self.round_dir(k) / "audit.parquet"), "--json",
+            *self.settings["audit"], *self._quiet(),
         ]  # fmt: skip
 
     def _name(self, path: Path) -> str:
@@ -198,6 +233,14 @@ class Loop:
     # ---- running -----------------------------------------------------------------------------
 
     def run(self, rounds: int) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = open(self.out / LOCK_FILE, "a")  # held until this process ends: one loop per run folder
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            _say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
+            return EXIT_USAGE
         self._save()
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -209,6 +252,7 @@ class Loop:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            lock.close()
 
     def _round(self, k: int, rounds: int) -> int:
         if k == len(self.rounds):
@@ -224,6 +268,12 @@ class Loop:
                 return code
             state.update(generated=True, data=_data_summary(self.round_dir(k) / "data"))
             self._save()
+        if self.settings["audit"] is not None and not state.get("audit"):
+            code, summary = self._audit(k, rounds)
+            if code != EXIT_OK:
+                return code
+            state.update(audit=summary)
+            self._save()
         code = self._stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
         if code != EXIT_OK:
             return code
@@ -238,25 +288,48 @@ class Loop:
         self._save()
         return EXIT_OK
 
-    def _stage(self, k: int, rounds: int, what: str, command: list[str]) -> int:
+    def _audit(self, k: int, rounds: int) -> tuple[int, dict[str, Any] | None]:
+        """The audit stage: (exit code, the overall mismatch of the round's rows). Flagged rows stop the loop."""
+        report = self.round_dir(k) / "audit.json"
+        code = self._stage(k, rounds, "auditing", self.audit_command(k, str(self.policy_path(k))), stdout=report)
+        try:  # exit 1 with its summary printed is a flag; exit 1 without one is a failure
+            overall = json.loads(report.read_text())["overall"]
+        except (OSError, ValueError, KeyError, TypeError):
+            overall = None
+        if code == EXIT_FAILED and overall is not None:  # flagged: its own line said by how much
+            _say(f"round {k}: the audit flagged its rows (above; {self.round_dir(k) / 'audit.parquet'}); not training "
+                 "on them. Fix the engine's settings and regenerate the round (delete its data folder), or accept "
+                 "the mismatch with --audit-args '--max-abs-diff X'")
+            return EXIT_FAILED, None
+        if code != EXIT_OK or overall is None:
+            if code == EXIT_FAILED:
+                _say(f"round {k}: auditing failed (exit 1, see above); fix it and rerun the same command to continue")
+            return code if code != EXIT_OK else EXIT_FAILED, None
+        return EXIT_OK, {k: overall[k] for k in ("tokens", "mean", "max", "p99", "ratio_outside", "k3")}
+
+    def _stage(self, k: int, rounds: int, what: str, command: list[str], stdout: Path | None = None) -> int:
         if self._stop is not None:  # a signal between stages: start no other
             _say(f"interrupted before {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
         _say(f"round {k + 1}/{rounds}: {what} with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})")
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
-        self._child = subprocess.Popen(command, stdout=sys.stderr, preexec_fn=_die_with_parent, process_group=0)
+        sink = open(stdout, "w") if stdout is not None else sys.stderr
         try:
+            self._child = subprocess.Popen(command, stdout=sink, preexec_fn=_die_with_parent, process_group=0)
             code = self._child.wait()
         finally:
             self._child = None
+            if stdout is not None:
+                sink.close()
         if code == EXIT_OK:
             _say(f"round {k + 1}/{rounds}: {what} done in {time.perf_counter() - started:.1f} s")
             return EXIT_OK
         if code in (EXIT_INTERRUPTED, -signal.SIGINT, -signal.SIGTERM):
             _say(f"interrupted while {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
-        _say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
+        if not (what == "auditing" and code == EXIT_FAILED):  # a flagged audit is said by the audit stage
+            _say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
         return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
     def _forward(self, signum: int, frame) -> None:
@@ -302,33 +375,47 @@ class Loop:
             train = state.get("train", {})
             rows.append({
                 "round": state["round"], "policy_version": state["policy_version"],
-                **state["data"], **train, "checkpoint_version": state.get("checkpoint_version"),
+                **state["data"], **train, "audit": state.get("audit"),
+                "checkpoint_version": state.get("checkpoint_version"),
             })  # fmt: skip
         return rows
 
 
-def _split(flag: str, values: list[str], owned: tuple[str, ...]) -> list[str]:
+def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[str] | None = None) -> list[str]:
+    """The flags of one stage; refuses those the loop sets, abbreviated too (argparse takes ``--eng`` for
+    ``--engine``), except a flag of the stage's own (``known``) that happens to begin one (``--mode``)."""
     try:
         tokens = [t for v in values for t in shlex.split(v)]
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from e
     for t in tokens:
         name = t.split("=", 1)[0]
-        if name in owned:
-            raise UsageError(f"{flag} may not set {name}: the loop sets it for every round (see --help)")
+        if not name.startswith("--") or name == "--":
+            continue
+        taken = [o for o in owned if o == name or (o.startswith(name) and (known is None or name not in known))]
+        if taken:
+            raise UsageError(f"{flag} may not set {taken[0]}: the loop sets it for every round (see --help)")
     return tokens
+
+
+def _train_flags() -> set[str]:
+    from rollshard.train.cli import build_parser as train_parser
+
+    return set(train_parser()._option_string_actions)
 
 
 def _read_state(out: Path) -> dict[str, Any] | None:
     path = out / STATE_FILE
     if not path.exists():
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):  # a lock alone: a run that just began
             raise UsageError(f"{out} exists and is not a {PROG} run (no {STATE_FILE}); choose a new --out")
         return None
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"{path} is unreadable ({e}); choose a new --out") from e
+    if not (isinstance(state, dict) and isinstance(state.get("settings"), dict) and isinstance(state.get("rounds"), list)):
+        raise UsageError(f"{path} is not a {PROG} state file (no settings and rounds); choose a new --out")
     if state.get("version", 0) > STATE_VERSION:
         raise UsageError(f"{path} was written by a newer rollshard (state version {state['version']}); upgrade")
     return state
@@ -352,7 +439,8 @@ def _train_summary(out: Path) -> dict[str, Any]:
     first, last = metrics[0], metrics[-1]
     return {
         "steps": len(metrics),
-        "mismatch_mean": first.get("mismatch/abs_diff_mean"),  # step 0: the weights that generated the round
+        # The first step's batch, at the weights that generated the round (--audit: every row of it).
+        "mismatch_mean": first.get("mismatch/abs_diff_mean"),
         "mismatch_max": first.get("mismatch/abs_diff_max"),
         "last_loss": last.get("loss/total"),
     }
@@ -365,11 +453,14 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     agents = sorted({a for r in rows for a in r["reward_by_agent"]})
     agents = agents if len(agents) > 1 else []  # one agent: its reward is the round's
     table = Table(title="rollshard-loop: reward of each round's rows (generated by that round's policy)")
-    for name in ("round", "version", "rows", "reward", *(f"reward {a}" for a in agents), "step-0 |dlogp| mean/max",
-                 "steps", "-> version"):  # fmt: skip
+    audited = any(r.get("audit") for r in rows)
+    label = "audit |dlogp| mean/max" if audited else "first-step |dlogp| mean/max"
+    for name in ("round", "version", "rows", "reward", *(f"reward {a}" for a in agents), label, "steps",
+                 "-> version"):  # fmt: skip
         table.add_column(name, justify="right")
     for r in rows:
-        mismatch = "-" if r.get("mismatch_max") is None else f"{r['mismatch_mean']:.1e} / {r['mismatch_max']:.1e}"
+        m = r.get("audit") if audited else {"mean": r.get("mismatch_mean"), "max": r.get("mismatch_max")}
+        mismatch = "-" if not m or m.get("max") is None else f"{m['mean']:.1e} / {m['max']:.1e}"
         table.add_row(
             str(r["round"]), r["policy_version"], str(r["rows"]), _num(r["reward_mean"]),
             *(_num(r["reward_by_agent"].get(a)) for a in agents), mismatch, str(r.get("steps", "-")),

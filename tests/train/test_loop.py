@@ -80,7 +80,7 @@ def wait_until_gone(path: Path) -> None:
 def reference(tiny_gpt2, tmp_path_factory) -> tuple[Path, dict]:
     """Two uninterrupted rounds: (run folder, the summary JSON it printed)."""
     out = tmp_path_factory.mktemp("loop") / "run"
-    code, stdout, stderr = finish(run_loop(*loop_args(tiny_gpt2, out, report=True)))
+    code, stdout, stderr = finish(run_loop(*loop_args(tiny_gpt2, out, "--audit", report=True)))
     assert code == 0, stderr
     return out, json.loads(stdout)
 
@@ -111,6 +111,11 @@ def test_two_rounds_carry_the_policy_and_its_version(reference):
         assert entry["reward_mean"] == pytest.approx(data["reward"].cast(pl.Float64).mean(), abs=1e-12)
         assert entry["steps"] == STEPS_PER_ROUND
         assert 0 <= entry["mismatch_max"] <= FP32_LOGPROB_TOL
+        # --audit: every trained token of the round against the policy that generated it, before training.
+        trained_tokens = RolloutDataset.open(out / f"round_{k:03d}" / "data").scan().select(
+            pl.col("loss_mask").list.sum()).collect().sum().item()
+        assert entry["audit"]["tokens"] == trained_tokens and entry["audit"]["max"] <= FP32_LOGPROB_TOL
+        assert pl.read_parquet(out / f"round_{k:03d}" / "audit.parquet").height == trained_tokens
 
 
 def test_interrupted_and_killed_anywhere_the_rerun_ends_as_an_uninterrupted_run(reference, tiny_gpt2, tmp_path):
@@ -205,6 +210,9 @@ def test_sglang_api_servers_load_each_rounds_policy(tiny_gpt2, tmp_path):
         (["--train=--model=x"], "--train may not set --model: the loop sets it for every round"),
         (["--rounds", "0"], "--rounds and --window must be >= 1"),
         (["--generate", "--task 'toy"], "--generate: No closing quotation"),
+        (["--generate", "--eng embedded:/elsewhere"], "--generate may not set --engine"),  # argparse's abbreviation
+        (["--engine", "embedded:/elsewhere"], "--engine 'embedded:/elsewhere': 'embedded' (each round's policy"),
+        (["--out", "s3://bucket/run"], "--out s3://bucket/run: the loop runs in a local folder"),
     ],
 )
 def test_bad_input_is_one_line(tiny_gpt2, tmp_path, capsys, extra, message):
@@ -218,7 +226,7 @@ def test_a_rerun_with_other_settings_or_a_foreign_folder_is_refused(tiny_gpt2, t
     (out / "round_000").mkdir(parents=True)
     (out / "loop.json").write_text(json.dumps({"version": 1, "settings": {
         "model": str(tiny_gpt2.resolve()), "engine": "embedded", "window": 1, "seed": 0, "generate": [], "train": [],
-    }, "rounds": []}))  # fmt: skip
+    }, "rounds": [{"round": 0, "policy": str(tiny_gpt2), "policy_version": "0", "generated": True, "trained": True}]}))  # fmt: skip
     assert loop_main(["--model", str(tiny_gpt2), "--out", str(out), "--window", "2"]) == 2
     assert "was run with another window (1 there, 2 now)" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
@@ -241,3 +249,60 @@ def test_a_window_trains_on_the_last_rounds(tiny_gpt2, tmp_path):
         f"{run}/round_000/data,{run}/round_001/data",  # equal weights: the mixture's default
         f"{run}/round_001/data,{run}/round_002/data",
     ]
+
+
+def test_stage_flags_of_their_own_pass_and_a_file_or_a_damaged_state_is_refused(tiny_gpt2, tmp_path, capsys):
+    from rollshard.train.loop import Loop, build_parser
+
+    # --mode begins --model and --config is the trainer's own: neither is taken for a flag the loop sets.
+    args = build_parser().parse_args(loop_args(tiny_gpt2, tmp_path / "run", "--train", "--mode decoupled --config c.yaml"))
+    assert Loop.from_args(args).train_command(0, "P")[-6:-1] == ["--no-tensorboard", "--mode", "decoupled",
+                                                                  "--config", "c.yaml"]
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert loop_main(loop_args(tiny_gpt2, afile)) == 2
+    assert "is a file; the loop needs a folder" in capsys.readouterr().err
+    for i, bad in enumerate(("{}", "[]", '{"settings": {}, "rounds": {}}')):
+        run = tmp_path / f"damaged{i}"
+        run.mkdir()
+        (run / "loop.json").write_text(bad)
+        assert loop_main(loop_args(tiny_gpt2, run)) == 2
+        err = capsys.readouterr().err
+        assert "is not a rollshard-loop state file" in err and err.count("\n") == 1, err
+
+
+def test_one_loop_per_run_folder(tiny_gpt2, tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".loop.lock", "a") as held:  # another loop holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert loop_main(loop_args(tiny_gpt2, out)) == 2
+    err = capsys.readouterr().err
+    assert f"another rollshard-loop is running in {out}" in err
+    assert not (out / "round_000").exists()
+
+
+def test_a_stage_that_failed_on_its_flags_is_fixed_by_rerunning_with_others(tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--train", "--lrr 1", rounds=1)))
+    assert code == 2 and "unrecognized arguments: --lrr 1" in err and "training failed (exit 2" in err
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--train", "--lr 1e-3", rounds=1)))
+    assert code == 0, err
+    assert "generating" not in err  # the round's rows were kept, only the training ran
+    # Once a round trained, its flags are the run's: another value is refused.
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--train", "--lr 2e-3", rounds=2)))
+    assert code == 2 and "was run with another train" in err
+
+
+def test_a_flagged_audit_stops_the_round_before_training(tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    # fp32 rounding (~5e-7) is over a threshold of 1e-9: the audit flags the rows, and nothing trains on them.
+    args = loop_args(tiny_gpt2, out, "--audit", "--audit-args", "--max-abs-diff 1e-9", rounds=1)
+    code, stdout, err = finish(run_loop(*args))
+    assert code == 1, err
+    assert "rollshard-train audit: flagged: max |logp - rollout_logp|" in err
+    assert "round 0: the audit flagged its rows" in err and "not training on them" in err
+    assert not (out / "round_000" / "train").exists()
+    assert "steps" not in json.loads(stdout)["rounds"][0]  # generated, audited, never trained
