@@ -1,34 +1,44 @@
 """Trainer benchmark: step time vs a bare torch loop, packing, data wait, step-0 logprob agreement.
 
     .venv/bin/python tests/bench/bench_train.py [--sizes tiny,small] [--prompts 16] [--n-samples 8]
-                                                [--max-new-tokens 128] [--steps 8] [--repeat 3] [--threads N] [--json]
+                                                [--max-new-tokens 128] [--steps 8] [--repeat 5] [--threads N] [--json]
 
 Data: the embedded engine samples the toy task with a tiny GPT-2 model (random
 weights, local tokenizer), so the rollout logprobs are an engine's, not the trainer's.
 Per model size (``tiny``: the test model, 64 hidden x 2 layers; ``small``: 256 x 4,
 same tokenizer, random weights; each samples its own data):
 
-1. Overhead: the trainer's step (advantages, packed logprobs, loss and its metrics,
-   backward per micro-batch, AdamW) against a bare loop over the same packed
-   micro-batches: ``model(input_ids, position_ids).logits`` -> fp32 log softmax ->
-   gather -> ``-(A * logp).sum() / n`` -> backward, then AdamW. Both on the same
-   pre-read steps (no data loading), best of ``--repeat`` passes; target <= 10%. The bare
-   loop runs twice: on ``sdpa`` (what a plain loop gets: transformers' dense block-diagonal
-   mask of the packed row) and on the trainer's own kernel (``rollshard_varlen``); the
-   overhead is against the latter, the speed-up against the former.
+1. Overhead: the trainer's ``run()`` over pre-read steps (advantages, packed logprobs,
+   loss and its metrics, backward per micro-batch, clipping, AdamW, metrics merged and
+   written to ``metrics.jsonl``; no data loading, no checkpoint) against a bare loop
+   doing the same maths on the same packed micro-batches, with nothing else: group-normalized
+   advantages, ``base_model`` -> the fp32 head at the loss positions / temperature ->
+   ``logits[token] - logsumexp`` -> the clipped PPO loss over the global token count ->
+   backward, then the gradient clipped to the same norm and the same AdamW. Target <= 3%.
+   Each pass starts from freshly loaded models (the trainer: a fresh ``Trainer``) and every
+   side trains one untimed warm-up step first, so no window holds start-up or first-step
+   allocation. The sides alternate step by step within a pass (the trainer's loader runs
+   the bare loops on each step before handing it over), so a shared machine's load lands
+   on them alike; the overhead is the median over ``--repeat`` passes of the pass's ratio.
+   The bare loop runs on the trainer's own kernel
+   (``rollshard_varlen``, the overhead's reference) and on ``sdpa`` (what a plain loop
+   gets: transformers' dense block-diagonal mask of the packed row; the speed-up's).
 2. The trainer over the real loader: tokens/s, packing efficiency, data wait share.
 3. Step 0 with unchanged weights: max and mean |logp - rollout_logp|, ratio, clip
    fraction (targets: <= 1e-5 fp32 CPU, 1, 0).
 
-Prints markdown tables for the README's Performance section.
+Prints markdown tables for the README's Performance section, or with ``--json`` one JSON
+object on stdout (everything else goes to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,11 +46,13 @@ from pathlib import Path
 import torch
 
 from rollshard.store.loader import LoaderConfig, RolloutLoader
+from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.train.attention import VARLEN
 from rollshard.train.config import TrainConfig
 from rollshard.train.trainer import Trainer
 
 SIZES = {"tiny": None, "small": {"n_embd": 256, "n_layer": 4, "n_head": 4}}
+SIDES = ("bare", "trainer", "bare_sdpa")  # bare: the overhead's reference (varlen); bare_sdpa: the speed-up's
 
 
 def build_models(root: Path, sizes: list[str]) -> dict[str, Path]:
@@ -75,29 +87,35 @@ def generate(model: Path, out: Path, args) -> None:
         "--engine", f"embedded:{model}", "--agents", "single", "--task", "toy", "--n-samples", str(args.n_samples),
         "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.prompts), "--out", str(out), "--no-progress",
     ]  # fmt: skip
-    assert generate_main(argv) == 0
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the tables or the JSON object alone
+        assert generate_main(argv) == 0
 
 
-def train_config(data: Path, model: Path, out: Path, args, **trainer) -> TrainConfig:
+def train_config(data: Path, model: Path, out: Path, args, *, steps: int | None = None, **trainer) -> TrainConfig:
     return TrainConfig.from_dict(
         {
             "data": {"path": str(data), "groups_per_step": args.groups_per_step,
                      "micro_batch_tokens": args.micro_batch_tokens, "num_epochs": None},
             "model": {"path": str(model)},
             "optim": {"lr": 1e-5},
-            "trainer": {"out": str(out), "max_steps": args.steps, "progress": False, "tensorboard": False, **trainer},
+            "trainer": {"out": str(out), "max_steps": steps or args.steps, "progress": False, "tensorboard": False,
+                        **trainer},
         }
     ).validate()
 
 
 class ListLoader:
-    """Pre-read steps, replayed: the trainer's loop without data loading."""
+    """Pre-read steps, replayed: the trainer's loop without data loading. ``before(i, step)`` runs each time
+    the loop asks for step ``i``, which it does once the previous step is trained, logged and saved."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, before=None):
         self.steps = steps
+        self.before = before or (lambda i, step: None)
 
     def __iter__(self):
-        return iter(self.steps)
+        for i, step in enumerate(self.steps):
+            self.before(i, step)
+            yield step
 
     def set_current_version(self, version) -> None:
         pass
@@ -116,37 +134,102 @@ def read_steps(data: Path, args) -> list:
         return [next(it) for _ in range(args.steps)]
 
 
-def bare_pass(model, optimizer, steps) -> float:
-    """Seconds for a minimal GRPO-shaped forward/backward/AdamW over the steps."""
-    t0 = time.perf_counter()
-    for step in steps:
-        n = sum(float(mb.loss_mask.sum()) for mb in step.micro_batches)
-        for mb in step.micro_batches:
-            logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False).logits[0]
-            logp = torch.log_softmax(logits[:-1].float() / mb.temperature[1:, None], dim=-1)
-            logp = logp.gather(-1, mb.input_ids[1:, None])[:, 0]  # [T-1]: logits at t-1 score token t
-            adv = torch.repeat_interleave(mb.rewards - mb.rewards.mean(), (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long())
-            loss = -(adv[1:] * logp * mb.loss_mask[1:]).sum() / n
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+# -- the bare loop: the trainer's maths (defaults of TrainConfig) and nothing else -----------------------------
 
 
-def trainer_pass(config: TrainConfig, steps, run: int) -> tuple[float, list[dict]]:
-    cfg = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, out=f"{config.trainer.out}-{run}"))
-    trainer = Trainer(cfg, loader=ListLoader(steps))
+def group_advantages(step) -> list[torch.Tensor]:  # per micro-batch [T]
+    """GRPO: (r - mean of its group) / (std of its group + 1e-6), broadcast to the loss tokens."""
+    mbs = step.micro_batches
+    r = torch.cat([mb.rewards for mb in mbs]).double()  # [N]
+    g = torch.cat([mb.seq_group for mb in mbs]).long()  # [N]
+    G = len(step.group_ids)
+    size = torch.bincount(g, minlength=G)  # [G]
+    mean = torch.zeros(G, dtype=r.dtype).index_add_(0, g, r) / size  # [G]
+    sq = torch.zeros(G, dtype=r.dtype).index_add_(0, g, (r - mean[g]) ** 2)  # [G]
+    std = (sq / (size - 1).clamp(min=1)).sqrt()  # [G]
+    adv = ((r - mean[g]) / (std[g] + 1e-6)).float().split([mb.num_sequences for mb in mbs])  # [S] each
+    return [torch.repeat_interleave(a, (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()) * mb.loss_mask
+            for a, mb in zip(adv, mbs)]
+
+
+def bare_step(model, optimizer, step, *, max_grad_norm: float, eps_low: float = 0.2, eps_high: float = 0.28) -> None:
+    n = max(float(sum(mb.loss_mask.sum() for mb in step.micro_batches)), 1.0)  # global count of loss tokens
+    head = model.get_output_embeddings()
+    for mb, adv in zip(step.micro_batches, group_advantages(step)):
+        at = torch.nonzero(mb.loss_mask > 0).flatten()  # [K] loss positions
+        hidden = model.base_model(
+            input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False
+        ).last_hidden_state[0]  # [T, H]
+        temp = mb.temperature[at].float()  # [K]
+        temp = torch.where(temp < GREEDY_TEMPERATURE_EPS, torch.ones_like(temp), temp)
+        logits = head(hidden.index_select(0, at - 1)) / temp[:, None]  # [K, V] fp32: logits at t-1 score token t
+        logp = logits.gather(-1, mb.input_ids[at, None])[:, 0] - torch.logsumexp(logits, -1)  # [K]
+        ratio = torch.exp((logp - mb.rollout_logprobs[at]).clamp(-20.0, 20.0))  # [K]
+        A = adv[at]  # [K]
+        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))  # [K]
+        (pg.sum() / n).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class BareLoop:
+    """A freshly loaded model and its AdamW, with the trainer's settings."""
+
+    def __init__(self, model_path: Path, attention: str, config: TrainConfig):
+        from transformers import AutoModelForCausalLM
+
+        o = config.optim
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=attention
+        ).eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.adam_eps, weight_decay=o.weight_decay
+        )
+        self.max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
+
+    def step(self, step) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        bare_step(self.model, self.optimizer, step, max_grad_norm=self.max_norm)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
+def paired_pass(data: Path, model: Path, out: Path, steps, args) -> dict[str, tuple[float, float]]:
+    """Wall and CPU seconds of each side over ``steps``, the sides alternating step by step, so a shared
+    machine's load lands on them alike: a fresh ``Trainer`` runs ``run()`` over the steps, and whenever it
+    asks for the next step its loader first runs that step on each bare loop (fresh models). Every side
+    trains one untimed warm-up step first. The trainer's time of a step runs from the moment it got the step
+    to the moment it asked for the next (or ``run()`` returned): the step trained, its metrics merged and
+    logged; start-up is outside. CPU time (``process_time``, one torch thread) leaves out the time the
+    process waited for a core that other processes held."""
+    config = train_config(data, model, out, args, steps=len(steps) + 1)
+    bares = {"bare": BareLoop(model, VARLEN, config), "bare_sdpa": BareLoop(model, "sdpa", config)}
+    spent = {side: [0.0, 0.0] for side in SIDES}
+    got = [0.0, 0.0]  # when the trainer got its current step: wall, CPU
+
+    def trainer_segment() -> None:
+        spent["trainer"][0] += time.perf_counter() - got[0]
+        spent["trainer"][1] += time.process_time() - got[1]
+
+    def before(i: int, step) -> None:
+        if i > 1:  # i - 1 timed steps done (step 0 is the warm-up)
+            trainer_segment()
+        for name in sorted(bares, reverse=bool(i % 2)):
+            wall, cpu = bares[name].step(step)
+            if i > 0:
+                spent[name][0] += wall
+                spent[name][1] += cpu
+        got[:] = time.perf_counter(), time.process_time()
+
+    trainer = Trainer(config, loader=ListLoader([steps[0], *steps], before))
     trainer.save = lambda: None  # checkpoint writing is not part of a step
-    t0 = time.perf_counter()
-    history = trainer.run()
-    elapsed = time.perf_counter() - t0
+    trainer.run()
+    trainer_segment()
     trainer.close()
-    return elapsed, history
+    return {side: (wall, cpu) for side, (wall, cpu) in spent.items()}
 
 
 def bench_size(size: str, model: Path, root: Path, args) -> dict:
-    from transformers import AutoModelForCausalLM
-
     data = root / f"data-{size}"
     t0 = time.perf_counter()
     generate(model, data, args)
@@ -154,36 +237,37 @@ def bench_size(size: str, model: Path, root: Path, args) -> dict:
     steps = read_steps(data, args)
     tokens = sum(s.num_tokens for s in steps)
 
-    bare_by_attention = {}
-    for attention in ("sdpa", VARLEN):  # what a plain loop gets (a dense packed mask), and the trainer's kernel
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=attention).eval()
-        opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
-        bare_pass(hf, opt, steps[:1])  # warm up
-        bare_by_attention[attention] = min(bare_pass(hf, opt, steps) for _ in range(args.repeat))
-    bare, bare_varlen = bare_by_attention["sdpa"], bare_by_attention[VARLEN]
-
-    config = train_config(data, model, root / f"run-{size}", args)
-    trainer_pass(config, steps[:1], -1)  # warm up
-    runs = [trainer_pass(config, steps, r) for r in range(args.repeat)]
-    ours = min(t for t, _ in runs)
+    passes = [paired_pass(data, model, root / f"pass-{size}-{r}", steps, args) for r in range(args.repeat)]
+    wall = {side: [p[side][0] for p in passes] for side in SIDES}
+    cpu = {side: [p[side][1] for p in passes] for side in SIDES}
+    ratios = [t / b for t, b in zip(wall["trainer"], wall["bare"])]
+    cpu_ratios = [t / b for t, b in zip(cpu["trainer"], cpu["bare"])]
+    ms = {side: [1e3 * t / len(steps) for t in ts] for side, ts in wall.items()}
 
     real = Trainer(train_config(data, model, root / f"real-{size}", args))
-    history = real.run()
+    with contextlib.redirect_stdout(sys.stderr):
+        history = real.run()
+    params = sum(p.numel() for p in real.backend.params)
     real.close()
     m0 = history[0]
     later = history[1:] or history
     return {
         "size": size,
-        "params": sum(p.numel() for p in hf.parameters()),
+        "params": params,
         "rows/step": steps[0].num_sequences,
         "tokens/step": tokens / len(steps),
         "micro/step": statistics.mean(len(s.micro_batches) for s in steps),
         "gen_s": gen_s,
-        "bare_ms": 1e3 * bare / len(steps),
-        "bare_varlen_ms": 1e3 * bare_varlen / len(steps),
-        "trainer_ms": 1e3 * ours / len(steps),
-        "overhead": ours / bare_varlen - 1,  # against the same attention kernel
-        "speedup_vs_sdpa_loop": bare / ours,
+        "repeat": args.repeat,
+        "bare_sdpa_ms": statistics.median(ms["bare_sdpa"]),
+        "bare_ms": statistics.median(ms["bare"]),
+        "trainer_ms": statistics.median(ms["trainer"]),
+        "passes_ms": ms,
+        "overhead": statistics.median(ratios) - 1,  # against the same attention kernel, median of the passes
+        "overhead_passes": [r - 1 for r in ratios],
+        "overhead_cpu": statistics.median(cpu_ratios) - 1,  # the same from CPU time: no wait for a busy core
+        "overhead_cpu_passes": [r - 1 for r in cpu_ratios],
+        "speedup_vs_sdpa_loop": statistics.median(s / t for s, t in zip(wall["bare_sdpa"], wall["trainer"])),
         "tok_s": statistics.mean(h["perf/tokens_per_s"] for h in later),
         "packing": statistics.mean(h["loader/packing_efficiency"] for h in history),
         "wait": statistics.mean(h["perf/data_wait_share"] for h in later),
@@ -204,7 +288,7 @@ def main() -> None:
     ap.add_argument("--groups-per-step", type=int, default=4)
     ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5, help="passes, each with the sides interleaved (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     args = ap.parse_args()
@@ -216,24 +300,31 @@ def main() -> None:
         models = build_models(root, sizes)
         results = [bench_size(s, models[s], root, args) for s in sizes]
 
-    print(f"\ntorch threads {torch.get_num_threads()}, {args.steps} steps of {args.groups_per_step} groups x "
-          f"{args.n_samples} rows, micro-batch budget {args.micro_batch_tokens} tokens\n")
+    setting = {
+        "threads": torch.get_num_threads(), "steps": args.steps, "groups_per_step": args.groups_per_step,
+        "rows_per_group": args.n_samples, "micro_batch_tokens": args.micro_batch_tokens, "repeat": args.repeat,
+        "load_average": list(os.getloadavg()),
+    }  # fmt: skip
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "results": results}))
+        print(json.dumps({**setting, "results": results}))
         return
+    print(f"\ntorch threads {setting['threads']}, {args.steps} steps of {args.groups_per_step} groups x "
+          f"{args.n_samples} rows, micro-batch budget {args.micro_batch_tokens} tokens, {args.repeat} passes "
+          f"interleaved step by step (median), load average {setting['load_average'][0]:.2f}\n")
     print("| model | params | tokens/step | micro-batches/step | bare loop, sdpa ms/step | bare loop, varlen ms/step "
-          "| trainer ms/step | overhead vs varlen loop | trainer vs sdpa loop |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| trainer ms/step | overhead vs varlen loop (passes min..max) | overhead, CPU time | trainer vs sdpa loop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['size']} | {r['params'] / 1e6:.2f}M | {r['tokens/step']:.0f} | {r['micro/step']:.1f} | "
-              f"{r['bare_ms']:.1f} | {r['bare_varlen_ms']:.1f} | {r['trainer_ms']:.1f} | {100 * r['overhead']:+.1f}% | "
-              f"{r['speedup_vs_sdpa_loop']:.2f}x |")
+        lo, hi = min(r["overhead_passes"]), max(r["overhead_passes"])
+        print(f"| {r['size']} | {r['params'] / 1e6:.2f}M | {r['tokens/step']:,.0f} | {r['micro/step']:.1f} | "
+              f"{r['bare_sdpa_ms']:,.1f} | {r['bare_ms']:,.1f} | {r['trainer_ms']:,.1f} | {100 * r['overhead']:+.1f}% "
+              f"({100 * lo:+.1f}..{100 * hi:+.1f}%) | {100 * r['overhead_cpu']:+.1f}% | {r['speedup_vs_sdpa_loop']:.2f}x |")
     print("\n| model | trainer tokens/s (real loader) | packing efficiency | data wait share (step 1 / later) |")
-    print("|---|---|---|---|")
+    print("|---|---:|---:|---:|")
     for r in results:
-        print(f"| {r['size']} | {r['tok_s']:.0f} | {r['packing']:.3f} | {100 * r['wait_first']:.1f}% / {100 * r['wait']:.2f}% |")
+        print(f"| {r['size']} | {r['tok_s']:,.0f} | {r['packing']:.3f} | {100 * r['wait_first']:.1f}% / {100 * r['wait']:.2f}% |")
     print("\n| model | step 0 max abs(logp - rollout_logp) | mean | ratio mean | clip fraction |")
-    print("|---|---|---|---|---|")
+    print("|---|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['size']} | {r['abs_max']:.2e} | {r['abs_mean']:.2e} | {r['ratio']:.7f} | {r['clip']:.3f} |")
 
