@@ -18,14 +18,24 @@ Groups: by agent, by weight version (the row's last one; ``unknown`` when it has
 position bucket (:data:`POSITION_EDGES`), by the row's stored temperature (0 is greedy: the logprob is then
 of the unscaled logits) and by source (the ``--data`` source a row came from; one for a single dataset).
 
+What was audited: the file's metadata names every ``--data`` source with its dataset's URI and fingerprint
+(:data:`META_DATASETS`, :class:`AuditedDataset`; schema 1.1). Sample ids repeat across datasets (every round of
+rollshard-loop reuses the prompt ids), so a reader pairs an audited token with its row by (dataset, sample_id):
+the dataset whose fingerprint the report names for the token's ``source``. A 1.0 report names none
+(:func:`audited_datasets` returns None).
+
 Files are written atomically: to a temporary name beside the target, then renamed (on S3: uploaded, then
-moved, so the final key appears whole or not at all). A reader refuses a report of a newer major version.
+moved, so the final key appears whole or not at all); :func:`check_destination` checks the target up front,
+before the work that makes the report. A reader refuses a report of a newer major version.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +47,10 @@ import pyarrow.parquet as pq
 
 from rollshard.store.errors import DataError
 
-AUDIT_SCHEMA_VERSION = "1.0"
+AUDIT_SCHEMA_VERSION = "1.1"  # 1.1: META_DATASETS names the datasets audited
 AUDIT_SCHEMA_MAJOR = 1
 META_AUDIT_VERSION = b"rollshard.audit_schema_version"
+META_DATASETS = b"rollshard.audit_datasets"  # JSON list of AuditedDataset, one per source
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -68,7 +79,30 @@ CONTEXT_BEFORE, CONTEXT_AFTER = 8, 3  # tokens of decoded context around a worst
 
 
 class AuditSchemaError(DataError):
-    """A file that is not an audit report, or one of a newer major version."""
+    """A file that is not an audit report, one of a newer major version, or one that cannot be read."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditedDataset:
+    """One ``--data`` source of an audit: its name (the report's ``source`` column), the dataset's URI and its
+    fingerprint (``RolloutDataset.fingerprint``) when audited."""
+
+    source: str
+    uri: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, source: str, dataset) -> "AuditedDataset":
+        """The entry of ``dataset`` (a RolloutDataset) read as ``source``; a local path made absolute."""
+        return cls(source=source, uri=location(dataset.storage.uri), fingerprint=dataset.fingerprint)
+
+    def __str__(self) -> str:
+        return f"{self.uri} (fingerprint {self.fingerprint})"
+
+
+def location(uri: str) -> str:
+    """A dataset's URI as recorded and compared: a local path absolute, a URI as it is."""
+    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
 
 
 # -- the numbers ---------------------------------------------------------------------------------
@@ -116,7 +150,7 @@ def _stats_exprs() -> list[pl.Expr]:
     a = pl.col("abs_diff")
     return [
         pl.len().alias("tokens"),
-        pl.col("sample_id").n_unique().alias("sequences"),
+        pl.struct("source", "sample_id").n_unique().alias("sequences"),  # ids repeat across sources
         a.mean().alias("mean"),
         a.max().alias("max"),
         *[a.quantile(q, interpolation="linear").alias(_qname(q)) for q in QUANTILES],
@@ -179,9 +213,10 @@ def _order(key: str):
 
 
 def worst_tokens(report: pa.Table | pl.DataFrame, n: int) -> pl.DataFrame:
-    """The ``n`` tokens of largest ``|r|`` (ties: by sample id, then position), with the report's columns and
-    ``diff``, ``abs_diff``, ``ratio`` (``exp(r)``, clamped as :func:`per_token`)."""
-    df = per_token(report).sort(["abs_diff", "sample_id", "position"], descending=[True, False, False]).head(n)
+    """The ``n`` tokens of largest ``|r|`` (ties: by sample id, source, then position), with the report's columns
+    and ``diff``, ``abs_diff``, ``ratio`` (``exp(r)``, clamped as :func:`per_token`)."""
+    keys = ["abs_diff", "sample_id", "source", "position"]
+    df = per_token(report).sort(keys, descending=[True, False, False, False]).head(n)
     return df.select([*AUDIT_SCHEMA.names, "diff", "abs_diff", "ratio"])
 
 
@@ -223,14 +258,55 @@ def _filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), str(Path(text).expanduser().resolve())
 
 
-def write_audit(table: pa.Table, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> str:
+def check_destination(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse, in one line (ValueError), a ``path`` :func:`write_audit` could not write: a folder, or one whose
+    parent folder (for S3 and GCS: bucket) is missing or cannot be reached. Checked before the work that makes
+    the report, not after it."""
+    text = os.fspath(path)
+    if "://" not in text:
+        p = Path(text).expanduser()
+        if p.is_dir():
+            raise ValueError(f"{flag} {text} is a folder; name the report file, e.g. {flag} {p / 'audit.parquet'}")
+        if not p.parent.resolve().is_dir():
+            raise ValueError(f"{flag} {text}: no folder {p.parent}; create it first or choose another path")
+        return
+    try:
+        fs, where = pafs.FileSystem.from_uri(text)
+    except (pa.ArrowInvalid, ValueError, OSError) as e:  # OSError: an S3 bucket whose region cannot be resolved
+        raise ValueError(f"{flag} {text}: cannot open it ({_one_line(e)}); check the bucket name, the endpoint "
+                         "(AWS_ENDPOINT_URL) and your credentials") from e
+    where = where.rstrip("/")
+    if "/" not in where:
+        raise ValueError(f"{flag} {text} names no file; name the report, e.g. {flag} {text.rstrip('/')}/audit.parquet")
+    # An object store's folders exist only as key prefixes: what must exist there is the bucket.
+    parent = where.split("/", 1)[0] if fs.type_name in ("s3", "gcs") else where.rsplit("/", 1)[0] or "/"
+    try:
+        parent_info, info = fs.get_file_info([parent, where])
+    except OSError as e:
+        raise ValueError(f"{flag} {text}: cannot reach {parent} ({_one_line(e)}); check the bucket name, the "
+                         "endpoint (AWS_ENDPOINT_URL) and your credentials") from e
+    if parent_info.type != pafs.FileType.Directory:
+        kind = "bucket" if fs.type_name in ("s3", "gcs") else "folder"
+        raise ValueError(f"{flag} {text}: no {kind} {parent}; create it first or choose another path")
+    if info.type == pafs.FileType.Directory:
+        raise ValueError(f"{flag} {text} is a folder; name the report file, e.g. "
+                         f"{flag} {text.rstrip('/')}/audit.parquet")
+
+
+def write_audit(table: pa.Table, path: str | os.PathLike, *, datasets: list[AuditedDataset],
+                metadata: dict[str, str] | None = None) -> str:
     """Write ``table`` (cast to :data:`AUDIT_SCHEMA`) to ``path`` (local or a pyarrow URI such as s3://)
-    atomically; ``metadata`` (e.g. the model and dataset audited) is added to the file's key/value metadata.
-    Returns the path written."""
-    fs, where = _filesystem(path)
+    atomically. ``datasets`` names what was audited, one entry per value of the ``source`` column (at least);
+    ``metadata`` (e.g. the model) is added to the file's key/value metadata. Returns the path written."""
+    named = {d.source for d in datasets}
+    unnamed = sorted(set(table.column("source").unique().to_pylist()) - named)
+    if unnamed:
+        raise ValueError(f"write_audit: source(s) {', '.join(unnamed)} of the report are not in datasets")
+    extra = {**(metadata or {}), META_DATASETS.decode(): json.dumps([asdict(d) for d in datasets])}
     schema = AUDIT_SCHEMA.with_metadata({**(AUDIT_SCHEMA.metadata or {}), **{k.encode(): v.encode() for k, v in
-                                                                           (metadata or {}).items()}})
+                                                                           extra.items()}})
     table = table.select(AUDIT_SCHEMA.names).cast(schema)
+    fs, where = _filesystem(path)
     parent, name = where.rsplit("/", 1) if "/" in where else ("", where)
     tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
     local = isinstance(fs, pafs.LocalFileSystem)
@@ -255,13 +331,18 @@ def write_audit(table: pa.Table, path: str | os.PathLike, *, metadata: dict[str,
 
 
 def read_audit(path: str | os.PathLike) -> pa.Table:
-    """A report written by :func:`write_audit`; :class:`AuditSchemaError` (one line) for a file that is not one
-    or is of a newer major version, FileNotFoundError for a missing one."""
-    fs, where = _filesystem(path)
+    """A report written by :func:`write_audit`; :class:`AuditSchemaError` (one line) for a file that is not one,
+    is of a newer major version or cannot be read (an S3 bucket that does not exist), FileNotFoundError for a
+    missing one."""
     try:
-        pf = pq.ParquetFile(fs.open_input_file(where))
-    except FileNotFoundError:
-        raise
+        fs, where = _filesystem(path)
+        source = fs.open_input_file(where)
+    except FileNotFoundError as e:  # pyarrow's says where in its own words: name the path as given
+        raise FileNotFoundError(errno.ENOENT, "no such file", os.fspath(path)) from e
+    except (OSError, ValueError) as e:
+        raise AuditSchemaError(f"{path}: cannot read it ({_one_line(e)}); check the path and your access to it") from e
+    try:
+        pf = pq.ParquetFile(source)
     except (OSError, pa.ArrowInvalid) as e:
         raise AuditSchemaError(f"{path}: not a Parquet file ({_one_line(e)}); pass the file rollshard-train audit "
                                "--out wrote") from e
@@ -280,7 +361,24 @@ def read_audit(path: str | os.PathLike) -> pa.Table:
     missing = [n for n in AUDIT_SCHEMA.names if n not in pf.schema_arrow.names]
     if missing:
         raise AuditSchemaError(f"{path}: audit report without column(s) {', '.join(missing)}")
-    return pf.read(columns=AUDIT_SCHEMA.names)
+    table = pf.read(columns=AUDIT_SCHEMA.names)
+    try:
+        audited_datasets(table)
+    except ValueError as e:
+        raise AuditSchemaError(f"{path}: {e}") from e
+    return table
+
+
+def audited_datasets(table: pa.Table) -> list[AuditedDataset] | None:
+    """The datasets a report (:func:`read_audit`) was made of, one per source; None for a report of audit schema
+    1.0, which does not say. ValueError for an unreadable entry."""
+    raw = (table.schema.metadata or {}).get(META_DATASETS)
+    if raw is None:
+        return None
+    try:
+        return [AuditedDataset(**d) for d in json.loads(raw)]
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"unreadable {META_DATASETS.decode()} in its metadata ({_one_line(e)})") from e
 
 
 def report_metadata(table: pa.Table) -> dict[str, str]:

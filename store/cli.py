@@ -155,17 +155,22 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"--audit: {e}")
         return EXIT_USAGE
     except RowInvariantError as e:  # a parent row the writer refuses: the parent is damaged
-        _error(f"{args.path}: {e}; run `{PROG} validate {args.path}`")
+        _error(f"{_datasets(args)}: {e}; run `{PROG} validate {_datasets(args)}`")
         return EXIT_PROBLEMS
     except DataError as e:  # a damaged shard or manifest: the message names it and points at validate
-        _error(f"{args.path}: {e}")
+        _error(f"{_datasets(args)}: {e}")
         return EXIT_PROBLEMS
     except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
-        _error(f"cannot read {args.path}: {_one_line(e)}; run `{PROG} validate {args.path}`")
+        _error(f"cannot read {_datasets(args)}: {_one_line(e)}; run `{PROG} validate` on it")
         return EXIT_PROBLEMS
     except ValueError as e:  # a location pyarrow cannot open, an unreadable manifest
         _error(f"{e}")
         return EXIT_USAGE
+
+
+def _datasets(args) -> str:
+    """The dataset(s) a command read, for an error line: ``report`` takes several."""
+    return " ".join(args.paths) if args.command == "report" else args.path
 
 
 # -- validate -------------------------------------------------------------------------------
@@ -272,7 +277,12 @@ def _report(args, err: Console) -> int:
     from rollshard.store import report
     from rollshard.store.views.figures import MissingPlotting
     from rollshard.store.views.metrics import MetricsError
+    from rollshard.store.views.mismatch import AuditDatasetError
 
+    try:
+        report.check_out(args.out)  # before the page is built, not after
+    except ValueError as e:
+        raise _UsageError(str(e)) from e
     for path, flag in ((args.audit, "--audit"), (args.metrics, "--metrics")):
         if path is not None and "://" not in path and not os.path.isfile(path):
             raise _UsageError(f"{flag} {path}: no such file")
@@ -281,15 +291,20 @@ def _report(args, err: Console) -> int:
         task = bar.add_task("starting", total=None)
         try:
             text = report.build(args.paths, audit=args.audit, metrics=args.metrics,
-                                step=lambda name: bar.update(task, description=name))
+                                step=lambda name: bar.update(task, description=name), warn=_warning)
         except (MissingPlotting, MetricsError) as e:
             raise _UsageError(str(e)) from e
+        except AuditDatasetError as e:
+            raise _UsageError(f"--audit {e}") from e
+        except DatasetNotFoundError:
+            raise  # its message says what is missing and how to make one
         except FileNotFoundError as e:  # the audit file vanished, or an S3 key that does not exist
-            raise _UsageError(f"{e.filename or e}: no such file") from e
+            flag = {args.audit: "--audit ", args.metrics: "--metrics "}.get(e.filename, "")
+            raise _UsageError(f"{flag}{e.filename or _one_line(e)}: no such file") from e
         bar.update(task, description=f"writing {args.out}")
         try:
             report.write(text, args.out)
-        except FileNotFoundError as e:
+        except ValueError as e:  # the folder went away while the page was built
             raise _UsageError(str(e)) from e
     print(f"{PROG} report: wrote {args.out} ({len(text.encode()) / 1e6:.1f} MB)", file=sys.stderr)
     return EXIT_OK
@@ -431,15 +446,17 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     from rollshard.store.tokenizer import load_tokenizer
     from rollshard.store.views.paths import dataset_tokenizer
 
-    audit = _audit_tokens(args)
+    audit, sources = _audit_tokens(args, ds)
     if args.sample == WORST_MISMATCH:
         if audit is None:
             raise _UsageError(f"--sample {WORST_MISMATCH} needs --audit AUDIT.parquet (written by rollshard-train audit)")
         from rollshard.store.views.mismatch import worst_sample
 
-        sid = worst_sample(audit)
-        if sid is None:
+        worst = worst_sample(audit)
+        if worst is None:
             raise _UsageError(f"--audit {args.audit}: the audit report has no tokens")
+        source, sid = worst
+        sources = [source] if sources is not None else None  # the worst token's source, when the report names it
         row = find_sample(ds, sid)
         if row is None:
             raise _UsageError(f"--audit {args.audit}: its worst sample {sid!r} is not in {ds.storage.uri} "
@@ -470,7 +487,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     if audit is not None:  # the trainer's logprob of each audited (trained) token, by position
         from rollshard.store.views.mismatch import sample_tokens
 
-        got = sample_tokens(audit, row["sample_id"])
+        got = sample_tokens(audit, row["sample_id"], sources[0] if sources else None)
         trainer = dict(zip(got["position"].to_list(), got["trainer_logprob"].to_list()))
         if not trainer:
             print(f"note: sample {row['sample_id']!r} is not in the audit report {args.audit}", file=sys.stderr)
@@ -543,15 +560,25 @@ WORST_MISMATCH = "worst-mismatch"
 DIFF_WARN = 0.1  # |trainer - rollout| above it: a ratio outside about [0.9, 1.1], where a PPO clip of 0.1 acts
 
 
-def _audit_tokens(args):
-    """The audit report of ``--audit`` (None without it); a bad file is a one-line usage error."""
+def _audit_tokens(args, ds: RolloutDataset):
+    """The tokens of ``--audit`` that are of ``ds`` and the report's sources that are ``ds`` (None, None without
+    --audit; the whole report and None for a report naming no dataset, with a warning); a bad file, or an audit
+    of another dataset, is a one-line usage error."""
     if args.audit is None:
-        return None
-    from rollshard.store.views.mismatch import load
+        return None, None
+    from rollshard.store.views.mismatch import UNPAIRED, AuditDatasetError, load, pair
 
     if "://" not in args.audit and not os.path.isfile(args.audit):
         raise _UsageError(f"--audit {args.audit}: no such file")
-    return load(args.audit)
+    report = load(args.audit)
+    try:
+        pairing = pair(report, [ds], audit=args.audit)
+    except AuditDatasetError as e:
+        raise _UsageError(f"--audit {e}") from e
+    if pairing.audited is None:
+        _warning(f"--audit {args.audit} {UNPAIRED}")
+        return report, None
+    return pairing.tokens(report), pairing.sources_of(ds)
 
 
 def _audit_line(tokens: list[dict[str, Any]]) -> dict[str, Any]:
@@ -604,6 +631,10 @@ def _row(table: Table, *cells: Any, style: str | None = None) -> None:
 def _error(message: str) -> None:
     """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
     print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _warning(message: str) -> None:
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
 
 
 def _print_json(out: Console, doc: Any) -> None:

@@ -4,10 +4,14 @@
 
 Several datasets are read as consecutive rounds (round 0 first): the page compares reward per agent
 across them, and details the last one. With an audit report (``rollshard-train audit``), the trajectory
-shown token by token is the worst-mismatch one, its trainer logprobs beside the rollout ones.
+shown token by token is the worst-mismatch one, its trainer logprobs beside the rollout ones: the worst token
+of the sources the report names whose dataset (by fingerprint) is among those given, its row read from that
+dataset (sample ids repeat across rounds). An audit of none of them is refused; one of audit schema 1.0, which
+names no dataset, is paired by sample_id alone (newest dataset first), with a warning.
 
 Figures are inline PNGs (base64 data URIs); the page loads nothing from the network and runs no script.
-It is written to a temporary file beside ``--out``, then renamed.
+It is written to a temporary file beside ``--out`` (a local path, checked up front by :func:`check_out`), then
+renamed.
 """
 
 from __future__ import annotations
@@ -57,20 +61,25 @@ def _p(text: str) -> str:
 
 
 def build(datasets: list[str], *, audit: str | None = None, metrics: str | None = None,
-          step: Callable[[str], None] = lambda _: None) -> str:
-    """The report page as HTML text. ``step(name)`` is called as each section starts (progress)."""
+          step: Callable[[str], None] = lambda _: None, warn: Callable[[str], None] = lambda _: None) -> str:
+    """The report page as HTML text. ``step(name)`` is called as each section starts (progress), ``warn(text)``
+    with what the page had to guess (an audit report naming no dataset). An audit of none of ``datasets`` is
+    refused (:class:`~rollshard.store.views.mismatch.AuditDatasetError`) before any section is built."""
     figures.mpl()  # the one-line error about the extra, before any work
     step("opening datasets")
     opened = [RolloutDataset.open(p) for p in datasets]
     for ds in opened:
         if ds.num_rows == 0:
             raise ValueError(f"{ds.storage.uri}: the dataset has no rows (no committed shard); nothing to report")
-    audit_table = None
+    audit_table = pairing = None
     if audit is not None:
         from rollshard.store.views import mismatch
 
         step("reading the audit report")
         audit_table = mismatch.load(audit)
+        pairing = mismatch.pair(audit_table, opened, audit=audit)
+        if pairing.audited is None:
+            warn(f"--audit {audit} {mismatch.UNPAIRED}")
     run_metrics = None
     if metrics is not None:
         from rollshard.store.views import metrics as metrics_views
@@ -94,12 +103,12 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
     step("staleness")
     _staleness(page, lf, agents)
     step("one trajectory")
-    _trajectory(page, opened, lf, tokenizer, audit_table)
+    _trajectory(page, lf, tokenizer, audit_table, pairing)
     step("one prompt across the agents")
     _episode(page, lf, agents)
     if audit_table is not None:
         step("audit")
-        _audit(page, audit, audit_table)
+        _audit(page, audit, audit_table, pairing)
     if run_metrics is not None:
         step("training metrics")
         _metrics(page, metrics, run_metrics)
@@ -204,32 +213,25 @@ def _staleness(page: Page, lf, agents) -> None:
     )
 
 
-def _find_row(opened, sample_id: str):
-    for ds in reversed(opened):
-        try:
-            return data.pick_sample(ds.scan(), sample_id)
-        except ValueError:
-            continue
-    return None
-
-
-def _trajectory(page: Page, opened, lf, tokenizer, audit_table) -> None:
+def _trajectory(page: Page, lf, tokenizer, audit_table, pairing) -> None:
     from rollshard.store.views import tokens as token_views
 
     row, trainer, why = None, None, "the first row with a tool/environment (masked) span, else the first row"
     if audit_table is not None:
         from rollshard.store.views import mismatch
 
-        worst = mismatch.worst_sample(audit_table)
+        worst = mismatch.worst_sample(pairing.tokens(audit_table))
         if worst is not None:
-            row = _find_row(opened, worst)
+            source, sid = worst
+            ds, row = pairing.find_row(source, sid)
             if row is not None:
-                by_pos = dict(zip(*mismatch.sample_tokens(audit_table, worst).select("position", "trainer_logprob")
-                                  .get_columns()))
+                got = mismatch.sample_tokens(audit_table, sid, source)
+                by_pos = dict(zip(got["position"].to_list(), got["trainer_logprob"].to_list()))
                 trainer = [by_pos.get(i, lp) for i, lp in enumerate(row["rollout_logprobs"])]
-                why = "the worst-mismatch row of the audit report (the largest |trainer - rollout| logprob)"
+                why = ("the worst-mismatch row of the audit report (the largest |trainer - rollout| logprob), "
+                       f"of {ds.storage.uri}")
             else:
-                why = f"the audit's worst sample {worst!r} is in none of the datasets; showing " + why
+                why = f"the audit's worst sample {sid!r} is in none of the datasets; showing " + why
     row = row or data.pick_sample(lf)
     ids = list(row["response_tokens"])[:MAX_TOKENS_SHOWN]
     texts = decode_each(tokenizer, ids) if tokenizer is not None else [f"{t} " for t in ids]
@@ -266,21 +268,24 @@ def _episode(page: Page, lf, agents) -> None:
     )
 
 
-def _audit(page: Page, path: str, table) -> None:
+def _audit(page: Page, path: str, table, pairing) -> None:
     from rollshard.store.views import mismatch
     from rollshard.store.views import tokens as token_views
     from rollshard.store.audit import worst_tokens
 
     summary, frames = mismatch.summary_frames(table)
-    worst = mismatch.worst_sample(table)
-    parts = [_p(f"audit report {html.escape(path)}: {summary['overall']['tokens']:,} tokens of "
-                f"{summary['overall']['sequences']:,} sequences; r = trainer - rollout logprob; ratio band "
-                f"{summary['ratio_band']}.")]
+    worst = mismatch.worst_sample(pairing.tokens(table))
+    parts = [_p(f"audit report {html.escape(path)} ({html.escape(pairing.describe())}): "
+                f"{summary['overall']['tokens']:,} tokens of {summary['overall']['sequences']:,} sequences; "
+                f"r = trainer - rollout logprob; ratio band {summary['ratio_band']}.")]
+    if pairing.audited is None:
+        parts.append(_p(f"<b>warning</b>: the report {html.escape(mismatch.UNPAIRED)}."))
     for key, df in frames.items():
         parts.append(table_html(df, cls=f"audit-{key}", caption=key.replace("_", " ")))
     parts.append(table_html(worst_tokens(table, 10), cls="audit-worst", caption="worst tokens"))
     if worst is not None:
-        parts.append(page.figure(token_views.audit_figure(mismatch.sample_tokens(table, worst), worst),
+        source, sid = worst
+        parts.append(page.figure(token_views.audit_figure(mismatch.sample_tokens(table, sid, source), sid),
                                  "rollout vs trainer logprob"))
     page.add("audit", "Trainer vs rollout logprobs (audit)", *parts)
 
@@ -333,12 +338,26 @@ def render(page: Page, datasets: list[str]) -> str:
             f"made {made}</footer></body></html>")
 
 
-def write(text: str, out: str) -> str:
-    """``text`` to ``out`` atomically (a temporary file beside it, fsynced, renamed); returns ``out``."""
+def check_out(out: str) -> str:
+    """The absolute local path of ``--out``; ValueError (one line) for a URI, a folder or a missing parent
+    folder. Checked before the page is built."""
+    if "://" in out:
+        raise ValueError(f"--out {out}: the report is written to a local file; write it here, then copy it "
+                         "(e.g. aws s3 cp)")
     target = os.path.abspath(os.path.expanduser(out))
+    if os.path.isdir(target):
+        raise ValueError(f"--out {out} is a folder; name the page, e.g. --out {os.path.join(out, 'report.html')}")
     folder = os.path.dirname(target)
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--out {out}: no folder {folder}")
+        raise ValueError(f"--out {out}: no folder {folder}; create it first or choose another path")
+    return target
+
+
+def write(text: str, out: str) -> str:
+    """``text`` to ``out`` (:func:`check_out`) atomically (a temporary file beside it, fsynced, renamed);
+    returns ``out``."""
+    target = check_out(out)
+    folder = os.path.dirname(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

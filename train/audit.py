@@ -12,7 +12,9 @@ check. Both sides are full-softmax logprobs: ``rollout_logprobs`` is the engine'
 for top-p/top-k rows (their renormalized ratio is the trainer's support path, rollshard.train.support).
 
 Every trained token (loss_mask 1) is one row of the report (:data:`rollshard.store.audit.AUDIT_SCHEMA`),
-written atomically to ``--out`` (local or s3://); the summary (rollshard.store.audit.summarize, the numbers
+written atomically to ``--out`` (local or s3://; checked before the model loads: the folder or bucket exists,
+``--out`` is not a folder), its metadata naming each source's dataset URI and fingerprint (what ``rollshard-store
+report --audit`` and ``inspect --audit`` pair the rows by); the summary (rollshard.store.audit.summarize, the numbers
 ``rollshard-store report`` shows for the same file) is printed as tables, or as one JSON object with
 ``--json`` (train/audit_output.py). The report is held in memory until written (~90 bytes a token with
 ids of ~20 characters: 90 MB per million trained tokens);
@@ -32,7 +34,6 @@ import dataclasses
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -164,7 +165,7 @@ class AuditResult:
 
 def run_audit(args: argparse.Namespace) -> AuditResult:
     """Check the inputs, build the trainer's backend, stream every row through it, write and summarize."""
-    from rollshard.store.audit import summarize, worst_tokens, write_audit
+    from rollshard.store.audit import AuditedDataset, check_destination, summarize, worst_tokens, write_audit
     from rollshard.store.mixture import parse_sources
     from rollshard.train.audit_output import worst_with_context
     from rollshard.train.setup import check_model_path
@@ -174,7 +175,7 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     sources = parse_sources(args.data)
     model = check_model_path(args.model)
     if args.out:
-        _check_out(args.out)
+        check_destination(args.out)  # a bad --out said now, not after the model load and the whole pass
     from rollshard.store.dataset import RolloutDataset
 
     datasets = {s.name: RolloutDataset.open(s.path) for s in sources}  # DatasetNotFoundError before the model loads
@@ -203,7 +204,8 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     report = None
     if args.out:
         try:
-            report = write_audit(table, args.out, metadata={k: str(v) for k, v in info.items()})
+            audited = [AuditedDataset.of(name, ds) for name, ds in datasets.items()]
+            report = write_audit(table, args.out, datasets=audited, metadata={k: str(v) for k, v in info.items()})
         except OSError as e:
             raise ValueError(f"cannot write --out {args.out} ({e}); choose another path") from e
     worst = worst_tokens(table, args.top)
@@ -248,17 +250,6 @@ def _device(text: str) -> torch.device:
         if (dev.index or 0) >= count:
             raise ValueError(f"--device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return dev
-
-
-def _check_out(out: str) -> None:
-    """A local --out must be a file in an existing folder (checked before the model loads, not after the pass)."""
-    if "://" in out:
-        return
-    p = Path(out).expanduser()
-    if p.is_dir():
-        raise ValueError(f"--out {out} is a folder; name the report file, e.g. --out {p / 'audit.parquet'}")
-    if not p.parent.resolve().is_dir():
-        raise ValueError(f"--out {out}: no folder {p.parent}; create it first or choose another path")
 
 
 def _loader_config(args: argparse.Namespace):

@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -22,8 +23,12 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from rollshard.store.audit import AUDIT_SCHEMA, write_audit
+from rollshard.store import report as report_module
+from rollshard.store.audit import AUDIT_SCHEMA, AuditedDataset, write_audit
+from rollshard.store.cli import main
 from rollshard.store.dataset import RolloutDataset
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter
 
 SOLVERS = 11  # solver/0/10 exists: the episode must list it after solver/0/9
 WORST_DIFF = -0.75  # the one token whose trainer logprob is far from the rollout one
@@ -67,7 +72,8 @@ def write_audit_for(dataset: Path, path: Path) -> tuple[str, int]:
                     cols[k].append(v)
     worst = len(cols["sample_id"]) // 2
     cols["trainer_logprob"][worst] = cols["rollout_logprob"][worst] + WORST_DIFF
-    write_audit(pa.table(cols, schema=AUDIT_SCHEMA), path)
+    ds = RolloutDataset.open(dataset)
+    write_audit(pa.table(cols, schema=AUDIT_SCHEMA), path, datasets=[AuditedDataset.of(dataset.name, ds)])
     return cols["sample_id"][worst], cols["position"][worst]
 
 
@@ -194,3 +200,131 @@ def test_report_help_and_bad_input_are_one_line_exit_2(rounds, tmp_path):
         assert done.returncode == 2, (args, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
         assert not out.exists()
+
+
+# -- fast: two synthetic rounds with the same sample ids, no browser ---------------------------------------------
+
+OFF = 0.5  # the one audited token whose trainer logprob is off, of round 0's p0-policy-0-1 (position 1)
+
+
+@pytest.fixture(scope="module")
+def same_ids(tmp_path_factory) -> list[Path]:
+    """Two rounds of 2 groups of 2 rows, as rollshard-loop makes them: the same sample ids, other tokens."""
+    root = tmp_path_factory.mktemp("same-ids")
+    out = []
+    for seed in (0, 1):
+        table = synthetic_table(2, 2, seed=seed, prompt_len=(3, 6), response_len=(6, 12))
+        with ShardWriter(root / f"r{seed}", writer_id="w", config={}) as w:
+            w.write_groups(table)
+        out.append(root / f"r{seed}")
+    return out
+
+
+def audit_of(dataset: Path, path: Path, *, recorded: bool = True) -> None:
+    """Every token of ``dataset``: trainer = rollout, except p0-policy-0-1's position 1, off by OFF. Without
+    ``recorded``, an audit report of schema 1.0 (no dataset named)."""
+    import pyarrow.parquet as pq
+
+    ds = RolloutDataset.open(dataset)
+    cols = {n: [] for n in AUDIT_SCHEMA.names}
+    for r in ds.read().to_pylist():
+        for pos, (tok, lp) in enumerate(zip(r["response_tokens"], r["rollout_logprobs"])):
+            off = OFF if (r["sample_id"], pos) == ("p0-policy-0-1", 1) else 0.0
+            values = (r["sample_id"], r["group_id"], r["agent"], dataset.name, r["weight_version"], 1.0, pos, tok, lp,
+                      lp + off)
+            for name, v in zip(AUDIT_SCHEMA.names, values):
+                cols[name].append(v)
+    table = pa.table(cols, schema=AUDIT_SCHEMA)
+    if recorded:
+        write_audit(table, path, datasets=[AuditedDataset.of(dataset.name, ds)])
+    else:
+        pq.write_table(table.replace_schema_metadata({"rollshard.audit_schema_version": "1.0"}), path)
+
+
+def trajectory_diffs(page: str) -> list[str]:
+    """The trainer - rollout diff of every token of the page's one trajectory (its hover texts)."""
+    section = page[page.index("<section id='trajectory'>"):page.index("<section id='episode'>")]
+    return re.findall(r"\(diff ([+-][0-9.]+)\)", section)
+
+
+def test_report_pairs_the_audit_with_its_own_rounds_rows(same_ids, tmp_path):
+    """An audit of round 0, two rounds given: the trajectory is round 0's row (round 1's has the same id)."""
+    r0, r1 = same_ids
+    audit = tmp_path / "a0.parquet"
+    audit_of(r0, audit)
+    page = report_module.build([str(r0), str(r1)], audit=str(audit))
+    diffs = trajectory_diffs(page)
+    row = next(r for r in RolloutDataset.open(r0).read().to_pylist() if r["sample_id"] == "p0-policy-0-1")
+    # round 0's own tokens: every diff 0 but the one of position 1 (round 1's row would show its logprobs'
+    # distance from round 0's trainer logprobs instead)
+    assert diffs == ["+0.0000", f"+{OFF:.4f}"] + ["+0.0000"] * (len(row["response_tokens"]) - 2)
+    assert f"of {r0}" in page and f"fingerprint {RolloutDataset.open(r0).fingerprint}" in page
+
+
+def test_report_refuses_an_audit_of_another_round(same_ids, tmp_path, capsys, monkeypatch):
+    r0, r1 = same_ids
+    audit, out = tmp_path / "a0.parquet", tmp_path / "r.html"
+    audit_of(r0, audit)
+    assert main(["report", str(r1), "--out", str(out), "--audit", str(audit), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    f0, f1 = RolloutDataset.open(r0).fingerprint, RolloutDataset.open(r1).fingerprint
+    assert err == (f"rollshard-store: error: --audit {audit}: the audit is of {r0} (fingerprint {f0}), not of {r1} "
+                   f"(fingerprint {f1}); pass that dataset or re-run rollshard-train audit --data {r1}\n")
+    assert not out.exists()
+
+
+def test_report_reads_an_audit_naming_no_dataset_with_a_warning(same_ids, tmp_path, capsys):
+    """A report of audit schema 1.0: rows matched by sample_id alone, newest dataset first, said on stderr."""
+    r0, r1 = same_ids
+    audit, out = tmp_path / "old.parquet", tmp_path / "r.html"
+    audit_of(r0, audit, recorded=False)
+    assert main(["report", str(r0), "--out", str(out), "--audit", str(audit), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --audit" in err and "names no audited dataset" in err and "re-run rollshard-train audit" in err
+    page = out.read_text()
+    assert "names no audited dataset" in page and trajectory_diffs(page)[1] == f"+{OFF:.4f}"
+
+
+def test_report_bad_out_is_one_line_before_the_page_is_built(same_ids, tmp_path, capsys, monkeypatch):
+    def no_page(*args, **kwargs):
+        raise AssertionError("the page was built before --out was checked")
+
+    monkeypatch.setattr(report_module, "build", no_page)
+    for out, message in (
+        (tmp_path, f"--out {tmp_path} is a folder; name the page, e.g. --out {tmp_path / 'report.html'}"),
+        (tmp_path / "no" / "r.html", f"--out {tmp_path / 'no' / 'r.html'}: no folder {tmp_path / 'no'}"),
+        ("s3://bucket/r.html", "--out s3://bucket/r.html: the report is written to a local file"),
+    ):
+        assert main(["report", str(same_ids[0]), "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_report_read_errors_are_one_line(same_ids, tmp_path, capsys, monkeypatch, s3_dataset):
+    out = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no rollshard dataset here" in err and "no such file" not in err, err
+    # an --audit in a bucket that does not exist: the read fails under pyarrow
+    nobucket = "s3://no-such-bucket-here/a.parquet"
+    assert main(["report", str(same_ids[0]), "--out", str(out), "--audit", nobucket, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rollshard-store: error: --audit {nobucket}: no such file\n"
+    # a shard cut short
+    damaged = tmp_path / "damaged"
+    shutil.copytree(same_ids[0], damaged)
+    shard = RolloutDataset.open(damaged).files[0]
+    Path(shard).write_bytes(Path(shard).read_bytes()[:-200])
+    assert main(["report", str(damaged), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(damaged) in err, err
+    # a read refused under pyarrow (S3 access denied, an I/O error): the datasets named, no traceback
+    def refused(*args, **kwargs):
+        raise OSError("AWS Error ACCESS_DENIED during GetObject operation")
+
+    monkeypatch.setattr(RolloutDataset, "scan", refused)
+    assert main(["report", str(same_ids[0]), str(same_ids[1]), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"rollshard-store: error: cannot read {same_ids[0]} {same_ids[1]}: AWS Error ACCESS_DENIED during "
+                   "GetObject operation; run `rollshard-store validate` on it\n")
+    assert not out.exists()
