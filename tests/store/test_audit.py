@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollshard.store import audit
-from rollshard.store.audit import AUDIT_SCHEMA, AuditSchemaError, read_audit, summarize, worst_tokens, write_audit
+from rollshard.store.audit import (AUDIT_SCHEMA, AuditedDataset, AuditSchemaError, audited_datasets, check_destination,
+                                   read_audit, summarize, worst_tokens, write_audit)
 
 # Six tokens; every logprob is a binary fraction, so r = trainer - rollout is exact in float32 and float64.
 #   sample agent     version T    pos  rollout  trainer   r        |r|     exp(r)  outside [0.9, 1.1]
@@ -33,14 +34,15 @@ TOKENS = [
 # e^0.125 - 1.125 = 0.0081484531, e^-0.0625 - 0.9375 = 0.0019130628, e^2 - 3 = 4.3890560989.
 K3 = [0.0, 0.034025416687741505, 0.10653065971263342, 0.008148453066826322, 0.0019130628134757868, 4.38905609893065]
 TIGHT = 1e-12
+DATA = [AuditedDataset(source="data", uri="/runs/data", fingerprint="0123456789abcdef")]
 
 
-def table(tokens=TOKENS) -> pa.Table:
+def table(tokens=TOKENS, source: str = "data") -> pa.Table:
     cols = list(zip(*tokens))
     return pa.table(
         {
             "sample_id": cols[0], "group_id": [f"g-{s}" for s in cols[0]], "agent": cols[1],
-            "source": ["data"] * len(tokens), "weight_version": pa.array(cols[2], pa.string()),
+            "source": [source] * len(tokens), "weight_version": pa.array(cols[2], pa.string()),
             "temperature": pa.array(cols[3], pa.float32()), "position": pa.array(cols[4], pa.int32()),
             "token": pa.array(range(len(tokens)), pa.int32()), "rollout_logprob": pa.array(cols[5], pa.float32()),
             "trainer_logprob": pa.array(cols[6], pa.float32()),
@@ -88,6 +90,18 @@ def test_groups_worked_by_hand():
     assert list(versions) == ["0", "1", audit.UNKNOWN_VERSION]  # integers by value, a row without one last
     assert [versions[k]["sequences"] for k in versions] == [1, 1, 1]
     assert list(s["by_source"]) == ["data"]
+
+
+def test_sequences_are_counted_per_source():
+    """Two rounds of the same prompts (rollshard-loop reuses the ids): s1, s2, s3 of each are 6 sequences."""
+    both = pa.concat_tables([table(source="r0"), table(source="r1")])
+    s = summarize(both)
+    assert s["overall"]["tokens"] == 12 and s["overall"]["sequences"] == 6
+    assert [s["by_source"][k]["sequences"] for k in ("r0", "r1")] == [3, 3]
+    assert s["by_agent"]["solver"]["sequences"] == 2  # s1 of r0 and s1 of r1
+    # equal |r| in both rounds: the tie broken by source after the sample id
+    w = worst_tokens(both, 2)
+    assert list(zip(w["source"], w["sample_id"], w["position"])) == [("r0", "s3", 300), ("r1", "s3", 300)]
 
 
 def test_versions_sort_as_integers():
@@ -139,17 +153,65 @@ def test_contexts_from_the_rows():
 
 def test_write_read_roundtrip(tmp_path):
     path = tmp_path / "audit.parquet"
-    assert write_audit(table(), path, metadata={"model": "m"}) == os.fspath(path)
+    assert write_audit(table(), path, datasets=DATA, metadata={"model": "m"}) == os.fspath(path)
     back = read_audit(path)
     assert back.equals(table().cast(back.schema))
     assert audit.report_metadata(back)["model"] == "m"
-    assert audit.report_metadata(back)["rollshard.audit_schema_version"] == audit.AUDIT_SCHEMA_VERSION
+    assert audit.report_metadata(back)["rollshard.audit_schema_version"] == audit.AUDIT_SCHEMA_VERSION == "1.1"
+    assert audited_datasets(back) == DATA
     assert os.listdir(tmp_path) == ["audit.parquet"]  # no temporary file left
+
+
+def test_the_datasets_audited_are_named(tmp_path):
+    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.synthetic import synthetic_table
+    from rollshard.store.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "r0", writer_id="w", config={}) as w:
+        w.write_groups(synthetic_table(1, 2, prompt_len=(2, 3), response_len=(2, 3)))
+    ds = RolloutDataset.open(os.path.relpath(tmp_path / "r0"))
+    entry = AuditedDataset.of("r0", ds)
+    assert entry == AuditedDataset(source="r0", uri=str(tmp_path / "r0"), fingerprint=ds.fingerprint)  # absolute
+    with pytest.raises(ValueError, match="source\\(s\\) data of the report are not in datasets"):
+        write_audit(table(), tmp_path / "a.parquet", datasets=[entry])  # every source must be named
+    assert not (tmp_path / "a.parquet").exists()
+    # a report of schema 1.0 names none; one whose entry is damaged is refused in one line
+    old = tmp_path / "old.parquet"
+    pq.write_table(table().replace_schema_metadata({"rollshard.audit_schema_version": "1.0"}), old)
+    assert audited_datasets(read_audit(old)) is None
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table().replace_schema_metadata({"rollshard.audit_schema_version": "1.1",
+                                                    "rollshard.audit_datasets": '[{"source": "data"}]'}), bad)
+    with pytest.raises(AuditSchemaError, match="unreadable rollshard.audit_datasets") as e:
+        read_audit(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_check_destination_local(tmp_path):
+    check_destination(tmp_path / "a.parquet")  # a new file in an existing folder
+    with pytest.raises(ValueError, match=f"--out {tmp_path} is a folder; name the report file"):
+        check_destination(tmp_path)
+    with pytest.raises(ValueError, match="no folder .*/no; create it first"):
+        check_destination(tmp_path / "no" / "a.parquet")
+    with pytest.raises(ValueError, match="no folder .*/no; create it first"):
+        check_destination((tmp_path / "no" / "a.parquet").as_uri())
+
+
+def test_check_destination_s3(s3_dataset):
+    bucket = s3_dataset.rsplit("/", 1)[0]
+    check_destination(f"{bucket}/reports/audit.parquet")  # a prefix with no key yet: the bucket is what must exist
+    write_audit(table(), f"{bucket}/reports/audit.parquet", datasets=DATA)
+    with pytest.raises(ValueError, match=r"--out s3://\S+/reports is a folder"):
+        check_destination(f"{bucket}/reports")
+    with pytest.raises(ValueError, match="--out s3://no-such-bucket-here/a.parquet: no bucket no-such-bucket-here"):
+        check_destination("s3://no-such-bucket-here/a.parquet")
+    with pytest.raises(ValueError, match="names no file"):
+        check_destination(bucket)
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     path = tmp_path / "audit.parquet"
-    write_audit(table(), path)
+    write_audit(table(), path, datasets=DATA)
     before = path.read_bytes()
 
     def refuse(src, dst):
@@ -157,7 +219,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(OSError, match="disk full"):
-        write_audit(table().slice(0, 2), path)
+        write_audit(table().slice(0, 2), path, datasets=DATA)
     assert path.read_bytes() == before  # the old report intact
     assert os.listdir(tmp_path) == ["audit.parquet"]  # and the temporary file removed
 
@@ -186,7 +248,7 @@ def test_read_refuses_newer_major_and_foreign_files(tmp_path):
 
 def test_s3_roundtrip(s3_dataset):
     uri = s3_dataset.rsplit("/", 1)[0] + "/reports/audit.parquet"
-    write_audit(table(), uri)
+    write_audit(table(), uri, datasets=DATA)
     assert read_audit(uri).num_rows == 6
     fs, root = pafs.FileSystem.from_uri(uri.rsplit("/", 1)[0])
     names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(root))]

@@ -326,22 +326,30 @@ def test_inspect_a_sample_without_its_id_float32_rewards_and_escaped_output(tmp_
 # -- inspect --sample worst-mismatch --audit --------------------------------------------------
 
 
-def _audit(worked, path, offsets: dict[tuple[str, int], float]) -> None:
-    """An audit of every trained token of ``worked``: trainer = rollout + offsets[(sample, position)] (0 elsewhere)."""
+def _audit_table(worked, offsets: dict[tuple[str, int], float], source: str = "ds"):
+    """Every trained token of ``worked``: trainer = rollout + offsets[(sample, position)] (0 elsewhere)."""
     import pyarrow as pa
 
-    from rollshard.store.audit import AUDIT_SCHEMA, write_audit
+    from rollshard.store.audit import AUDIT_SCHEMA
     from rollshard.store.dataset import RolloutDataset
 
     cols = {n: [] for n in AUDIT_SCHEMA.names}
     for r in RolloutDataset.open(worked).read().to_pylist():
         for pos, (tok, lp, m) in enumerate(zip(r["response_tokens"], r["rollout_logprobs"], r["loss_mask"])):
             if m:
-                values = (r["sample_id"], r["group_id"], r["agent"], "ds", r["weight_version"], 1.0, pos, tok, lp,
+                values = (r["sample_id"], r["group_id"], r["agent"], source, r["weight_version"], 1.0, pos, tok, lp,
                           lp + offsets.get((r["sample_id"], pos), 0.0))
                 for name, v in zip(AUDIT_SCHEMA.names, values):
                     cols[name].append(v)
-    write_audit(pa.table(cols, schema=AUDIT_SCHEMA), path)
+    return pa.table(cols, schema=AUDIT_SCHEMA)
+
+
+def _audit(worked, path, offsets: dict[tuple[str, int], float]) -> None:
+    """The audit report of ``worked`` (:func:`_audit_table`), naming it."""
+    from rollshard.store.audit import AuditedDataset, write_audit
+    from rollshard.store.dataset import RolloutDataset
+
+    write_audit(_audit_table(worked, offsets), path, datasets=[AuditedDataset.of("ds", RolloutDataset.open(worked))])
 
 
 def test_inspect_worst_mismatch_shows_the_trainer_logprob(worked, tmp_path, capsys):
@@ -373,3 +381,71 @@ def test_inspect_worst_mismatch_bad_input_is_one_line_exit_2(worked, tmp_path, c
         assert main(["inspect", str(worked), "--sample", "worst-mismatch", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.fixture(scope="module")
+def next_round(tmp_path_factory) -> Path:
+    """The next round of ``worked``'s prompts, as rollshard-loop writes it: the same sample ids, other responses."""
+    import dataclasses
+
+    root = tmp_path_factory.mktemp("round1") / "ds"
+    with ShardWriter(root, writer_id="w0", config={}) as w:
+        for _, rows in P0 + P1:
+            w.write_group([dataclasses.replace(r, response_tokens=r.response_tokens[1:] + r.response_tokens[:1])
+                           for r in rows])
+    return root
+
+
+def test_inspect_refuses_an_audit_of_another_round(worked, next_round, tmp_path, capsys):
+    """Round 0's audit with round 1's dataset: the same sample ids, so the old pairing by id showed round 0's
+    trainer logprobs beside round 1's tokens. Refused in one line, whichever --sample."""
+    from rollshard.store.dataset import RolloutDataset
+
+    audit = tmp_path / "a0.parquet"
+    _audit(worked, audit, {("p0-solver-1", 4): -0.4})
+    f0, f1 = RolloutDataset.open(worked).fingerprint, RolloutDataset.open(next_round).fingerprint
+    assert f0 != f1
+    expected = (f"rollshard-store: error: --audit {audit}: the audit is of {worked} (fingerprint {f0}), not of "
+                f"{next_round} (fingerprint {f1}); pass that dataset or re-run rollshard-train audit --data "
+                f"{next_round}\n")
+    for sample in ("worst-mismatch", "p0-solver-1"):
+        assert main(["inspect", str(next_round), "--sample", sample, "--audit", str(audit), "--json"]) == 2
+        cap = capsys.readouterr()
+        assert cap.err == expected and cap.out == ""
+
+
+def test_inspect_an_audit_of_two_rounds_shows_the_rounds_own_tokens(worked, next_round, tmp_path, capsys):
+    """``audit --data r0,r1``: the worst token is round 1's; inspecting round 0 shows round 0's worst row and its
+    own trainer logprobs, not round 1's of the same sample id."""
+    import pyarrow as pa
+
+    from rollshard.store.audit import AuditedDataset, write_audit
+    from rollshard.store.dataset import RolloutDataset
+
+    audit = tmp_path / "a01.parquet"
+    both = pa.concat_tables([_audit_table(worked, {("p0-solver-0", 1): 0.25}, source="r0"),
+                             _audit_table(next_round, {("p0-solver-1", 4): -0.4, ("p0-solver-0", 1): 0.125},
+                                          source="r1")])
+    write_audit(both, audit, datasets=[AuditedDataset.of("r0", RolloutDataset.open(worked)),
+                                       AuditedDataset.of("r1", RolloutDataset.open(next_round))])
+    assert main(["inspect", str(worked), "--sample", "worst-mismatch", "--audit", str(audit), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sample"]["sample_id"] == "p0-solver-0"  # round 0's worst (0.25), not round 1's p0-solver-1
+    assert [t["diff"] for t in doc["tokens"]] == pytest.approx([0.0, 0.25, 0.0], abs=1e-6)
+    assert main(["inspect", str(next_round), "--sample", "p0-solver-0", "--audit", str(audit), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [t["diff"] for t in doc["tokens"]] == pytest.approx([0.0, 0.125, 0.0], abs=1e-6)  # round 1's own
+
+
+def test_inspect_an_audit_naming_no_dataset_warns(worked, tmp_path, capsys):
+    """A report of audit schema 1.0 (written before it named its datasets): read, paired by sample_id, said."""
+    import pyarrow.parquet as pq
+
+    old = tmp_path / "old.parquet"
+    table = _audit_table(worked, {("p0-solver-1", 4): -0.4})
+    pq.write_table(table.replace_schema_metadata({"rollshard.audit_schema_version": "1.0"}), old)
+    assert main(["inspect", str(worked), "--sample", "worst-mismatch", "--audit", str(old), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["sample"]["sample_id"] == "p0-solver-1"
+    assert cap.err.count("\n") == 1 and cap.err.startswith(f"rollshard-store: warning: --audit {old} names no audited "
+                                                           "dataset"), cap.err

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollshard.store import audit as store_audit
-from rollshard.store.audit import read_audit, summarize
+from rollshard.store.audit import AuditedDataset, audited_datasets, read_audit, summarize
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.schema import Row, Status
 from rollshard.store.writer import ShardWriter
@@ -103,6 +103,10 @@ def test_embedded_data_agrees_with_its_model(embedded_data, tiny_gpt2, tmp_path)
 
     table = read_audit(report)
     assert table.num_rows == o["tokens"]
+    # what was audited, for rollshard-store report / inspect to pair the rows by (dataset, sample_id)
+    (source,) = set(table["source"].to_pylist())
+    assert audited_datasets(table) == [AuditedDataset(source=source, uri=str(embedded_data),
+                                                      fingerprint=RolloutDataset.open(embedded_data).fingerprint)]
     back = summarize(table)  # the file gives the printed numbers (rollshard-store report reads the same)
     assert {k: out[k] for k in back} == json.loads(json.dumps(back))
     # Every report row is its row's stored logprob at that response position (the alignment of the token).
@@ -138,15 +142,24 @@ def test_a_wrong_stored_temperature_is_flagged(wrong_temperature, tiny_gpt2, cap
     assert s["overall"]["max"] > MISMATCH
 
 
-def test_several_sources_are_each_audited_whole(embedded_data, wrong_temperature, tiny_gpt2, capsys):
+def test_several_sources_are_each_audited_whole(embedded_data, wrong_temperature, tiny_gpt2, tmp_path, capsys):
     """Mixture syntax: every source whole (weights do not apply), told apart in the report's source column."""
+    report = tmp_path / "a.parquet"
     rc, out, err = audit(capsys, "--data", f"right={embedded_data}:0.9,wrong={wrong_temperature}:0.1", "--model",
-                         tiny_gpt2, "--json", "--top", "200")
+                         tiny_gpt2, "--json", "--top", "200", "--out", report)
     s = json.loads(out)
     assert rc == 1 and FLAG_LINE.match(err.strip()), err
     assert list(s["by_source"]) == ["right", "wrong"]
     n = trained_tokens(embedded_data)
     assert s["by_source"]["right"]["tokens"] == s["by_source"]["wrong"]["tokens"] == n
+    # the same sample ids in both: each source's rows are sequences of their own
+    rows = RolloutDataset.open(embedded_data).read(["sample_id", "loss_mask", "status"]).to_pylist()
+    trained = sum(1 for r in rows if r["status"] in ("completed", "truncated") and any(r["loss_mask"]))
+    assert s["by_source"]["right"]["sequences"] == s["by_source"]["wrong"]["sequences"] == trained
+    assert s["overall"]["sequences"] == 2 * trained
+    assert audited_datasets(read_audit(report)) == [
+        AuditedDataset(source=name, uri=str(path), fingerprint=RolloutDataset.open(path).fingerprint)
+        for name, path in (("right", embedded_data), ("wrong", wrong_temperature))]
     assert s["by_source"]["right"]["max"] <= FP32_AGREEMENT < MISMATCH < s["by_source"]["wrong"]["max"]
     # The same sample ids in both sources: each worst token's context is its own source's row.
     assert {w["source"] for w in s["worst"]} == {"right", "wrong"} and all(w["before"] for w in s["worst"])
@@ -278,6 +291,31 @@ def test_bad_input_is_one_line_and_exit_2(case, expected, embedded_data, foreign
     elif case == "top":
         extra = ["--top", "-1"]
     rc, out, err = audit(capsys, "--data", data, "--model", model, *extra)
+    assert rc == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("rollshard-train audit: error: "), err
+    assert re.search(expected, err), err
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("s3://no-such-bucket-here/a.parquet", r"--out s3://no-such-bucket-here/a\.parquet: no bucket no-such-bucket-here; "
+     "create it first"),
+    ("BUCKET", r"--out s3://\S+ names no file; name the report, e\.g\. --out s3://\S+/audit\.parquet"),
+    ("BUCKET/reports", r"--out s3://\S+/reports is a folder; name the report file"),
+])
+def test_an_s3_out_is_checked_before_the_model_loads(where, expected, foreign_ids, tiny_gpt2, s3_dataset, capsys,
+                                                     monkeypatch):
+    from rollshard.store.audit import write_audit
+    from rollshard.train import backends
+
+    bucket = s3_dataset.rsplit("/", 1)[0]
+    table = pa.table({n: pa.array([], f.type) for n, f in zip(store_audit.AUDIT_SCHEMA.names, store_audit.AUDIT_SCHEMA)})
+    write_audit(table, f"{bucket}/reports/old.parquet", datasets=[])  # makes s3://BUCKET/reports a folder
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(backends, "build_backend", no_model)
+    rc, out, err = audit(capsys, "--data", foreign_ids, "--model", tiny_gpt2, "--out", where.replace("BUCKET", bucket))
     assert rc == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("rollshard-train audit: error: "), err
     assert re.search(expected, err), err
