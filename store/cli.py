@@ -7,10 +7,12 @@ cut short or not the manifest's size, :class:`~rollshard.store.errors.DataError`
 line naming it; they do not hash shards: ``validate`` checks the checksums; ``filter``
 refuses a parent shard whose sha256 is not its manifest's); 2 a usage error
 (bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
-any shard, an unknown ``--sample``, an unreadable ``--audit`` or ``--metrics`` file, a dataset without rows
-to ``report``; for ``filter`` an ``--agent`` the dataset does not
-have, an ``--out`` that is not new, or a rerun into it with other filters or a changed
-parent); 130 ``filter`` interrupted (rerun the same command to resume). ``--json`` prints one
+any shard, an unknown ``--sample``, an unreadable ``--audit`` or ``--metrics`` file, an ``--audit`` of none of
+the datasets given (the report names what it audited: its datasets' fingerprints; one of audit schema 1.0
+names none and is paired by sample_id alone, with a warning), a dataset without rows to ``report`` or a
+``report --out`` that is a folder, in no folder or a URI (checked before the page is built); for ``filter``
+an ``--agent`` the dataset does not have, an ``--out`` that is not new, or a rerun into it with other filters
+or a changed parent); 130 ``filter`` interrupted (rerun the same command to resume). ``--json`` prints one
 JSON document on stdout and nothing else there; progress goes to stderr when it is a
 terminal.
 """
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show one row's tokens, logprobs and loss mask: its sample_id, or 'first' or 'random', or "
                         "'worst-mismatch' (with --audit: the row of the largest |trainer - rollout| logprob)")
     i.add_argument("--audit", metavar="AUDIT.parquet",
-                   help="a rollshard-train audit report: --sample shows the trainer logprob beside the rollout one")
+                   help="a rollshard-train audit report of this dataset (refused for another one): --sample shows the "
+                        "trainer logprob beside the rollout one")
     i.add_argument("--json", action="store_true", help="print as JSON")
     i.add_argument(
         "--tokenizer",
@@ -123,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     r.add_argument("paths", nargs="+", metavar="DATASET", help="dataset directories, oldest round first")
-    r.add_argument("--out", required=True, metavar="REPORT.html", help="the page to write (replaced atomically)")
-    r.add_argument("--audit", metavar="AUDIT.parquet", help="the per-token audit report of rollshard-train audit")
+    r.add_argument("--out", required=True, metavar="REPORT.html",
+                   help="the page to write, a local file (replaced atomically)")
+    r.add_argument("--audit", metavar="AUDIT.parquet",
+                   help="the per-token audit report of rollshard-train audit of one (or more) of the datasets")
     r.add_argument("--metrics", metavar="METRICS.jsonl", help="a training run's OUT/metrics.jsonl")
     r.add_argument("--no-progress", action="store_true", help="no progress display")
     return p
@@ -299,7 +304,7 @@ def _report(args, err: Console) -> int:
         except DatasetNotFoundError:
             raise  # its message says what is missing and how to make one
         except FileNotFoundError as e:  # the audit file vanished, or an S3 key that does not exist
-            flag = {args.audit: "--audit ", args.metrics: "--metrics "}.get(e.filename, "")
+            flag = {args.audit: "--audit ", args.metrics: "--metrics "}.get(e.filename, "") if e.filename else ""
             raise _UsageError(f"{flag}{e.filename or _one_line(e)}: no such file") from e
         bar.update(task, description=f"writing {args.out}")
         try:
