@@ -1,13 +1,16 @@
 """Engine benchmarks: the SGLang client against its C/L ceiling; the embedded engine against what users run instead.
 
-    .venv/bin/python tests/bench/bench_engines.py [--only client|engines] [--models tiny,26m] [--repeat 3]
+    .venv/bin/python tests/bench/bench_engines.py [--only client|engines] [--client-repeat 3] [--models tiny,26m] [--repeat 3]
                                                   [--workloads equal,mixed] [--sglang] [--threads N] [--json]
 
 (a) client: the SGLang client against a stand-in server (a subprocess, so its CPU is not
     counted) that answers every ``/generate`` after a fixed latency L with a canned
     response of ``--tokens`` tokens and logprobs. With C requests in flight the
-    ceiling is C / L requests per second; the client should reach >= 95% of it. Client
-    CPU time is reported per 1,000 response tokens (JSON decode + strict validation).
+    ceiling is C / L requests per second; the client should reach >= 95% of it. Beside it, in
+    turn against the same server (``--client-repeat`` rounds), a bare aiohttp session that parses
+    nothing: what any aiohttp client reaches against this server on this machine. Both open one
+    connection per slot before the clock starts (a run keeps its connections). Client CPU time is
+    reported per 1,000 response tokens (JSON decode + strict validation).
 (b) engines: on one model, the same requests through
     * ``generate``: plain transformers ``generate()``, static batches of ``--batch`` in arrival order
       (left-padded, each batch run to its longest request), sampling at temperature 1 over the whole
@@ -34,12 +37,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from rollshard.generate.engines import SamplingParams
@@ -97,7 +102,8 @@ async def client_run(url: str, concurrency: int, n_requests: int) -> tuple[float
     eng = SGLangEngine(url, config=SGLangConfig(max_concurrency=concurrency))
     prompt = list(range(64))
     sp = SamplingParams(max_new_tokens=256)
-    await eng.generate(prompt, sp)  # warm the connection pool
+    # Warm one connection per slot: a run keeps its connections for minutes; opening them is not the steady state.
+    await asyncio.gather(*(eng.generate(prompt, sp) for _ in range(concurrency)))
     queue = iter(range(n_requests))
     tokens = 0
 
@@ -114,46 +120,94 @@ async def client_run(url: str, concurrency: int, n_requests: int) -> tuple[float
     return wall, cpu, tokens
 
 
+async def bare_run(url: str, concurrency: int, n_requests: int) -> tuple[float, float, int]:
+    """The floor of any aiohttp client: the same requests through a bare session that parses nothing."""
+    body = json.dumps(
+        {"input_ids": list(range(64)), "sampling_params": {"max_new_tokens": 256}, "return_logprob": True}
+    ).encode()
+    connector = aiohttp.TCPConnector(limit=concurrency + 16, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> int:
+            async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                return len(await r.read())
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+        queue = iter(range(n_requests))
+
+        async def worker() -> None:
+            for _ in queue:
+                await one()
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - t0, time.process_time() - cpu0, 0
+
+
+CLIENT_CASES = [(32, 0.1), (256, 1.0), (512, 2.0)]  # a stress case (many requests/s), then SGLang-like latencies
+
+
 def bench_client(args) -> list[dict]:
+    """Per case one stand-in server; the bare session and the client in turn, ``--client-repeat`` rounds each, so a
+    busy machine slows both alike; medians, and the client's ratio to the bare session per round."""
     figures = []
-    # From a stress case (short latency, many requests per second) to SGLang-like latencies with many in flight.
-    for concurrency, latency in [(32, 0.1), (256, 1.0), (512, 2.0)]:
+    for concurrency, latency in CLIENT_CASES:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--serve-canned", str(latency), "--tokens", str(args.tokens)],
             stdout=subprocess.PIPE,
             text=True,
         )
+        ceiling = concurrency / latency
+        n = concurrency * args.requests_per_slot
+        bare, client, cpu_ms = [], [], []
         try:
-            port = int(proc.stdout.readline())
-            n = concurrency * args.requests_per_slot
-            wall, cpu, tokens = asyncio.run(client_run(f"http://127.0.0.1:{port}", concurrency, n))
+            url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+            for _ in range(args.client_repeat):
+                wall, _, _ = asyncio.run(bare_run(url, concurrency, n))
+                bare.append(n / wall / ceiling)
+                wall, cpu, tokens = asyncio.run(client_run(url, concurrency, n))
+                client.append(n / wall / ceiling)
+                cpu_ms.append(1000 * cpu / tokens * 1000)
         finally:
             proc.terminate()
             proc.wait()
-        ceiling = concurrency / latency
-        achieved = n / wall
         figures.append(
             {
                 "concurrency": concurrency,
                 "latency_ms": round(latency * 1000),
                 "ceiling_req_s": round(ceiling),
-                "achieved_req_s": round(achieved),
-                "ratio": round(achieved / ceiling, 3),
-                "client_cpu_ms_per_1k_tokens": round(1000 * cpu / tokens * 1000, 2),
+                "achieved_req_s": round(statistics.median(client) * ceiling),
+                "ratio": round(statistics.median(client), 3),
+                "ratio_range": [round(min(client), 3), round(max(client), 3)],
+                "bare_ratio": round(statistics.median(bare), 3),
+                "client_over_bare": round(statistics.median(c / b for c, b in zip(client, bare)), 3),
+                "client_cpu_ms_per_1k_tokens": round(statistics.median(cpu_ms), 2),
+                "server_loop": "uvloop" if _has_uvloop() else "asyncio",
             }
         )
     return figures
 
 
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def client_table(figures: list[dict]) -> list[str]:
     rows = [
-        "| in flight C | latency L | ceiling C/L req/s | achieved req/s | ratio | client CPU ms / 1k tokens |",
-        "|---|---|---|---|---|---|",
+        "| in flight C | latency L | ceiling C/L req/s | achieved req/s | ratio (range) | bare aiohttp ratio | "
+        "client / bare | client CPU ms / 1k tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
+        lo, hi = f["ratio_range"]
         rows.append(
             f"| {f['concurrency']} | {f['latency_ms']} ms | {f['ceiling_req_s']} | {f['achieved_req_s']} | "
-            f"{f['ratio']:.3f} | {f['client_cpu_ms_per_1k_tokens']:.2f} |"
+            f"{f['ratio']:.3f} ({lo:.3f}-{hi:.3f}) | {f['bare_ratio']:.3f} | {f['client_over_bare']:.3f} | "
+            f"{f['client_cpu_ms_per_1k_tokens']:.2f} |"
         )
     return rows
 
@@ -405,6 +459,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["client", "engines"], default=None, help="run one part (default: both)")
     ap.add_argument("--requests-per-slot", type=int, default=8, help="requests per concurrency slot (client bench)")
+    ap.add_argument("--client-repeat", type=int, default=3, help="rounds of the client bench per case")
     ap.add_argument("--tokens", type=int, default=256, help="response tokens per canned response (client bench)")
     ap.add_argument("--models", default="tiny,26m", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--workloads", default="equal,mixed", help="comma-separated, of equal, mixed")
@@ -444,7 +499,8 @@ def main() -> None:
         print(json.dumps(figures))
         return
     if "client" in figures:
-        print(f"SGLang client vs a {args.tokens}-token canned server\n")
+        loop = figures["client"][0]["server_loop"]
+        print(f"SGLang client vs a {args.tokens}-token canned server ({loop} loop), median of {args.client_repeat}\n")
         print("\n".join(client_table(figures["client"])))
     if "engines" in figures:
         print(f"\nEngines vs transformers generate(), batch {args.batch}, response tokens/s (median of {args.repeat})\n")
