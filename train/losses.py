@@ -204,11 +204,13 @@ def policy_loss(
     A = advantages.float()  # [T]
     eps_low, eps_high = cfg.clip_range()
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [T]
-    pg = torch.maximum(-A * ratio, -A * clipped)  # [T]
+    neg_A = -A  # [T]
+    pg = torch.maximum(neg_A * ratio, neg_A * clipped)  # [T]
     if cfg.dual_clip_c is not None:
-        pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip_c), pg)
+        pg = torch.where(A < 0, torch.minimum(pg, neg_A * cfg.dual_clip_c), pg)
 
     if cfg.mode == "decoupled":
+        ratio_seen = ratio.detach()
         w = importance_weight(prox_logp, rollout_logp, mask, cu_seqlens, level=cfg.is_level)  # [T]
         if cfg.is_correction == "tis":
             w_used = w.clamp(max=cfg.tis_c)
@@ -218,13 +220,13 @@ def policy_loss(
             w_used = torch.where(kept, w, torch.zeros_like(w))
             dropped = ~kept
         elif cfg.is_correction == "none":
-            w_used, dropped = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+            w_used, dropped = torch.ones_like(w), None
         else:
             raise ValueError(f"unknown importance correction {cfg.is_correction!r}; use tis, mis or none")
         pg = pg * w_used
     else:
-        w_used = ratio.detach()
-        dropped = torch.zeros_like(mask, dtype=torch.bool)
+        w_used = ratio_seen = ratio.detach()  # the same tensor: token_metrics reads its figures once
+        dropped = None  # bypass drops no token
 
     pg_loss = aggregate(pg, mask, cu_seqlens, agg=cfg.agg, norm=norm)
     loss = pg_loss
@@ -245,7 +247,7 @@ def policy_loss(
     metrics["loss/total"] = loss.detach()
     metrics.update(
         token_metrics(
-            logp.detach(), rollout_logp=rollout_logp, ratio=ratio.detach(), advantages=A, mask=mask,
+            logp.detach(), rollout_logp=rollout_logp, ratio=ratio_seen, advantages=A, mask=mask,
             is_weight=w_used, is_dropped=dropped, config=cfg, entropy=entropy,
         )
     )
@@ -260,40 +262,50 @@ def token_metrics(
     advantages: torch.Tensor,  # [T]
     mask: torch.Tensor,  # [T]
     is_weight: torch.Tensor,  # [T]
-    is_dropped: torch.Tensor,  # [T] bool: weight truncated (TIS) or masked out (MIS)
+    is_dropped: torch.Tensor | None,  # [T] bool: weight truncated (TIS) or masked out (MIS); None: none was
     config: LossConfig,
     entropy: torch.Tensor | None = None,  # [T]
 ) -> dict[str, torch.Tensor]:
-    """Mismatch, ratio, clip and importance-weight statistics over the valid tokens."""
+    """Mismatch, ratio, clip and importance-weight statistics over the valid tokens. An ``is_weight`` that is
+    the ``ratio`` tensor itself (bypass mode) shares the ratio's figures instead of reducing it twice."""
     on = mask > 0  # [T]
     eps_low, eps_high = config.clip_range()
     n = on.sum()
-    if int(n) == 0:
+    at = torch.nonzero(on).flatten()  # [K] the valid tokens, found once for every figure below
+    if at.numel() == 0:
         return {"tokens": n.float()}
-    A, r = advantages[on], ratio[on]  # [K]
-    diff = (logp - rollout_logp)[on]  # [K] log(pi / pi_rollout)
-    w = is_weight[on]  # [K]
+    A, r = advantages.index_select(0, at), ratio.index_select(0, at)  # [K]
+    diff = (logp - rollout_logp).index_select(0, at)  # [K] log(pi / pi_rollout)
+    r_mean, (r_min, r_max) = r.mean(), torch.aminmax(r)
+    if is_weight is ratio:
+        w, (w_mean, w_min, w_max) = r, (r_mean, r_min, r_max)
+    else:
+        w = is_weight.index_select(0, at)  # [K]
+        w_mean, (w_min, w_max) = w.mean(), torch.aminmax(w)
+    abs_diff = diff.abs()  # [K]
     out = {
         "tokens": n.float(),
-        "ratio/mean": r.mean(),
-        "ratio/min": r.min(),
-        "ratio/max": r.max(),
+        "ratio/mean": r_mean,
+        "ratio/min": r_min,
+        "ratio/max": r_max,
         "clip/frac_low": ((A < 0) & (r < 1.0 - eps_low)).float().mean(),
         "clip/frac_high": ((A > 0) & (r > 1.0 + eps_high)).float().mean(),
-        "mismatch/abs_diff_mean": diff.abs().mean(),
-        "mismatch/abs_diff_max": diff.abs().max(),
+        "mismatch/abs_diff_mean": abs_diff.mean(),
+        "mismatch/abs_diff_max": abs_diff.max(),
         # k3 estimate of KL(pi_rollout || pi) from the rollout's own samples: u - 1 - log u, u = pi / pi_rollout.
         "mismatch/k3_kl": (torch.expm1(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - diff).mean(),
-        "is/mean": w.mean(),
+        "is/mean": w_mean,
         "is/sq_mean": (w * w).mean(),
-        "is/min": w.min(),
-        "is/max": w.max(),
-        "is/frac_dropped": is_dropped[on].float().mean(),
+        "is/min": w_min,
+        "is/max": w_max,
+        "is/frac_dropped": (
+            is_dropped.index_select(0, at).float().mean() if is_dropped is not None else r_mean.new_zeros(())
+        ),
     }
     if config.dual_clip_c is not None:
         out["clip/frac_dual"] = ((A < 0) & (r > config.dual_clip_c)).float().mean()
     if entropy is not None:
-        out["entropy/mean"] = entropy.detach()[on].mean()
+        out["entropy/mean"] = entropy.detach().index_select(0, at).mean()
     return out
 
 

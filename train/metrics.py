@@ -17,8 +17,11 @@ merges them. :func:`loss_metric_kind` maps the names returned by
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
+
+import torch
 
 from rollshard.train.loggers import MetricsLogger, read_metrics  # noqa: F401  (re-exported: the trainer's API)
 
@@ -31,6 +34,7 @@ def loss_metric_weight(name: str, metrics: dict[str, Any], weight: float) -> flo
     return weight
 
 
+@functools.lru_cache(maxsize=4096)  # a few dozen names, asked for every micro-batch
 def loss_metric_kind(name: str) -> str:
     """How a loss metric combines over micro-batches: sum, min, max or mean (token-weighted)."""
     leaf = name.rsplit("/", 1)[-1]
@@ -41,6 +45,21 @@ def loss_metric_kind(name: str) -> str:
     if leaf == "max" or leaf.endswith("_max"):
         return "max"
     return "mean"
+
+
+def to_host(metrics: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """0-d tensors of several micro-batches as Python floats, in one device-to-host transfer (one sync) instead
+    of one per figure. Exact: the scalars are stacked in their own dtype (float64 when dtypes differ: every
+    float32, bfloat16 and integer count below 2**53 is a float64), so each float is the one ``float(t)`` reads."""
+    flat = [v for m in metrics for v in m.values()]
+    if not flat:
+        return [{} for _ in metrics]
+    kinds = {(v.dtype, v.device) for v in flat}
+    if len(kinds) > 1:
+        device = flat[0].device
+        flat = [v.to(device, torch.float64) for v in flat]
+    values = iter(torch.stack(flat).tolist())
+    return [{name: float(next(values)) for name in m} for m in metrics]
 
 
 class MetricAccumulator:

@@ -60,7 +60,7 @@ from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, la
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.loggers import MetricsLogger
-from rollshard.train.metrics import MetricAccumulator, mean_std
+from rollshard.train.metrics import MetricAccumulator, mean_std, to_host
 from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
@@ -451,21 +451,26 @@ class Trainer:
         return self.cfg.loss.mode == "decoupled" and self.cfg.trainer.mini_batches > 1
 
     def train_step(self, step: Any) -> dict[str, float]:
-        """One loader step: advantages, (proximal/reference logprobs), updates; merged metrics."""
+        """One loader step: advantages, (proximal/reference logprobs), updates; merged metrics.
+
+        The host reads the step's figures from its own copy of the micro-batches (``step.micro_batches``; the
+        loader's tensors are on the host) and each mini-batch's loss metrics in one transfer after its last
+        backward, so the device is not waited for once per figure (:func:`rollshard.train.metrics.to_host`)."""
         cfg, dev = self.cfg, self.backend.device
-        mbs = [mb.to(dev) for mb in step.micro_batches]
+        host = step.micro_batches
+        mbs = [mb.to(dev, non_blocking=dev.type == "cuda") for mb in host]
         acc = MetricAccumulator()
-        adv_tok = self._advantages(step, mbs, acc)
+        adv_tok = self._advantages(step, host, acc, dev)
         n_passes = int(self.env.all_reduce([float(len(mbs))], "max")[0])
         prox = self._frozen_logprobs(mbs, n_passes, reference=False) if self._proximal_forward() else None
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
-        norms = mini_batch_norms(mbs, parts, self.env, norm_len=self.norm_len)
+        norms = mini_batch_norms(host, parts, self.env, norm_len=self.norm_len)
         optim_metrics = []
         for k, (part, norm, share) in enumerate(zip(parts, norms, loss_shares(norms, cfg.loss.agg))):
             n_part = int(self.env.all_reduce([float(len(part))], "max")[0])
-            bad: dict[str, float] = {}
+            pending: list[dict[str, torch.Tensor]] = []  # each micro-batch's metrics, still on the device
             for j in range(n_part):
                 self.backend.set_gradient_sync(j == n_part - 1)
                 if j >= len(part):
@@ -500,8 +505,11 @@ class Trainer:
                     support=sup, loss_mask=mb.loss_mask,
                 ))
                 self.backend.backward(loss)
-                acc.add_loss_metrics(m, weight=float(m["tokens"]), loss_share=share)
-                bad.update({n: float(v) for n, v in m.items() if n.startswith("loss/") and not math.isfinite(float(v))})
+                pending.append(m)
+            bad: dict[str, float] = {}
+            for m in to_host(pending):  # one transfer for the mini-batch, after its last backward
+                acc.add_loss_metrics(m, weight=m["tokens"], loss_share=share)
+                bad.update({n: v for n, v in m.items() if n.startswith("loss/") and not math.isfinite(v)})
             where = f"mini-batch {k + 1}/{len(parts)}" if len(parts) > 1 else "its loss"
             # Every rank stops together (one rank alone raising would leave the others in a collective).
             if self.env.all_reduce([1.0 if bad else 0.0], "max")[0]:
@@ -515,7 +523,7 @@ class Trainer:
                 )
             optim_metrics.append(result)
 
-        self._data_metrics(step, mbs, acc)
+        self._data_metrics(step, host, acc)
         merged = MetricAccumulator.merged(self.env.all_gather_json(acc.state())).result()
         return self._finish_metrics(merged, optim_metrics)
 
@@ -526,28 +534,32 @@ class Trainer:
         )
         return f"stopped without saving this step; {saved}; lower --lr or check the data, then --resume"
 
-    def _advantages(self, step: Any, mbs: list[PackedBatch], acc: MetricAccumulator) -> list[torch.Tensor]:
-        """Per-token advantages of every micro-batch, from the whole groups of the step."""
-        if not mbs:
+    def _advantages(
+        self, step: Any, host: list[PackedBatch], acc: MetricAccumulator, device: torch.device
+    ) -> list[torch.Tensor]:
+        """Per-token advantages of every micro-batch (on ``device``), from the whole groups of the step (read from
+        the host's micro-batches)."""
+        if not host:
             return []
         a = self.cfg.advantage
-        rewards = torch.cat([mb.rewards for mb in mbs])  # [N]
-        groups = torch.cat([mb.seq_group for mb in mbs])  # [N]
+        rewards = torch.cat([mb.rewards for mb in host])  # [N]
+        groups = torch.cat([mb.seq_group for mb in host])  # [N]
         out = grpo_advantages(
             rewards.cpu(), groups.cpu(), num_groups=len(step.group_ids), normalize_std=a.normalize_std,
             eps=a.adv_eps, single_member=a.single_member,
         )
-        adv = out.advantages
-        acc.add_sum("adv/_sum", float(adv.sum()))
-        acc.add_sum("adv/_sumsq", float((adv * adv).sum()))
+        adv = out.advantages  # [N]
+        total, total_sq, low, high = torch.stack([adv.sum(), (adv * adv).sum(), adv.min(), adv.max()]).tolist()
+        acc.add_sum("adv/_sum", total)
+        acc.add_sum("adv/_sumsq", total_sq)
         acc.add_sum("adv/_n", float(adv.numel()))
-        acc.add_min("adv/min", float(adv.min()))
-        acc.add_max("adv/max", float(adv.max()))
+        acc.add_min("adv/min", low)
+        acc.add_max("adv/max", high)
         acc.add_sum("groups/zero_variance", float(out.zero_variance.sum()))  # >= 2 rows, equal: the loader's count
         acc.add_sum("groups/single", float((out.size == 1).sum()))
         acc.add_sum("data/groups", float(len(step.group_ids)))
-        per_mb = adv.to(mbs[0].loss_mask.device).split([mb.num_sequences for mb in mbs])
-        return [token_advantages(a_mb, mb.cu_seqlens, mb.loss_mask) for a_mb, mb in zip(per_mb, mbs)]
+        per_mb = adv.split([mb.num_sequences for mb in host])
+        return [token_advantages(a_mb, mb.cu_seqlens, mb.loss_mask).to(device) for a_mb, mb in zip(per_mb, host)]
 
     @torch.no_grad()
     def _frozen_logprobs(self, mbs: list[PackedBatch], n_passes: int, *, reference: bool) -> list[torch.Tensor]:
