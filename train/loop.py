@@ -52,7 +52,7 @@ TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--print-config", "--in
 # When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
 # made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.
 FROZEN_BY = {"model": "generated", "engine": "generated", "seed": "generated", "generate": "generated",
-             "window": "trained", "train": "trained", "audit": "trained"}  # fmt: skip
+             "window": "trained", "train": "trained", "audit": None}  # a check, shaping no row: free to change
 AUDIT_OWNED = ("--data", "--model", "--out", "--json")
 LOCK_FILE = ".loop.lock"
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
@@ -172,7 +172,7 @@ class Loop:
         rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
         for key, value in settings.items():
             before = value if state is None else state["settings"].get(key)
-            if before != value and any(r.get(FROZEN_BY[key]) for r in rounds):
+            if before != value and FROZEN_BY[key] and any(r.get(FROZEN_BY[key]) for r in rounds):
                 raise UsageError(
                     f"{out} was run with another {key} ({before!r} there, {value!r} now); rerun with the same "
                     "settings to continue, or choose a new --out"
@@ -356,9 +356,11 @@ class Loop:
         from rollshard.store import report
 
         datasets = [str(self.round_dir(s["round"]) / "data") for s in self.rounds if s.get("generated")]
-        metrics = self.round_dir(self.rounds[-1]["round"]) / "train" / "metrics.jsonl"
+        last = self.round_dir(self.rounds[-1]["round"])
+        audit = last / "audit.parquet" if self.rounds[-1].get("audit") else None  # its rows beside the trainer's
         try:
-            path = report.write(report.build(datasets, metrics=str(metrics)), str(self.out / "report.html"))
+            page = report.build(datasets, metrics=str(last / "train" / "metrics.jsonl"), audit=audit and str(audit))
+            path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
             _say(f"no report: {e}")
             return

@@ -102,6 +102,7 @@ def test_two_rounds_carry_the_policy_and_its_version(reference):
     # The report: both rounds' rows, the last training's metrics.
     page = (out / "report.html").read_text()
     assert "Reward across rounds" in page and str(out / "round_001" / "data") in page and "metrics.jsonl" in page
+    assert str(out / "round_001" / "audit.parquet") in page  # the last round's audit beside its rows
 
     # The summary: each round's reward is its rows' mean; the step-0 mismatch is the engine's fp32 noise.
     assert [r["round"] for r in summary["rounds"]] == [0, 1]
