@@ -225,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="store an episode without the calls whose prompt does not fit the context (multi_agent rewriters, "
         "selector) instead of failing its prompt; skipped calls are counted per role in the summary",
     )
+    r.add_argument(
+        "--max-failed-prompts", type=float, default=0.0, metavar="FRAC",
+        help="exit 0 when no more than this fraction of the prompts failed (they stay in the ledger, and a rerun "
+        "retries them); an engine that went away still exits 1 (default: %(default)s, every prompt must succeed)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     c = p.add_argument_group("cluster (Ray; pip install 'rollshard[ray]')")
@@ -299,6 +304,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    if not 0.0 <= args.max_failed_prompts <= 1.0:
+        raise UsageError(f"--max-failed-prompts must be a fraction in [0, 1]; got {args.max_failed_prompts:g}")
     if args.update_weights is not None and args.engine.strip().startswith("embedded:"):
         raise UsageError(f"--update-weights is for SGLang servers; the embedded engine loads its model from the "
                          f"spec: --engine embedded:{args.update_weights}")
@@ -473,7 +480,7 @@ async def _generate(
             )
             result = await runner.run(prompts)
         _report(args, result)
-        return result.exit_code
+        return _exit_code(args, result)
     finally:
         await engine.close()
 
@@ -634,6 +641,16 @@ def prompts_fingerprint(prompts: list[Prompt]) -> str:
         h.update(json.dumps([p.prompt_id, p.content, p.label], sort_keys=True, default=str).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def _exit_code(args: argparse.Namespace, r: RunResult) -> int:
+    """The run's exit code; failed prompts within ``--max-failed-prompts`` (and nothing else wrong) are 0."""
+    share = len(r.failed) / max(r.prompts_total, 1)
+    if r.exit_code == EXIT_FAILURES and r.engine_down is None and r.failed and share <= args.max_failed_prompts:
+        print(f"{PROG}: {len(r.failed)} of {r.prompts_total} prompts failed ({share:.2%}), within --max-failed-prompts "
+              f"{args.max_failed_prompts:g}: exit 0, the dataset holds the others", file=sys.stderr)
+        return 0
+    return r.exit_code
 
 
 def _report(args: argparse.Namespace, r: RunResult) -> None:

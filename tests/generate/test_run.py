@@ -781,3 +781,26 @@ def test_embedded_device_and_dtype_flags(tiny_gpt2, tmp_path, capsys):
         assert "\n" not in err and "cannot put the model on device 'cuda'" in err
     assert main(["--engine", "http://127.0.0.1:9", *args[2:-1], str(tmp_path / "x"), "--dtype", "bfloat16"]) == 2
     assert "--device and --dtype are for the embedded engine" in capsys.readouterr().err
+
+
+def test_failed_prompts_within_max_failed_prompts_exit_0(tiny_gpt2, tmp_path, capsys):
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text(
+        "def reward(sample):\n"
+        "    if sample.prompt_id == 'math-001':\n"
+        "        raise ValueError('no reward for this one')\n"
+        "    return 1.0\n"
+    )
+    args = [*base_args(tiny_gpt2, tmp_path / "out", "--agents", "single"), "--reward", f"{plugin}:reward", "--retries", "0"]
+    assert main(args) == 1  # by default every prompt must succeed
+    capsys.readouterr()
+    # 1 of 4 failed: 25% is over 0.2 and within 0.25.
+    assert main([*args, "--max-failed-prompts", "0.2"]) == 1
+    assert "within --max-failed-prompts" not in capsys.readouterr().err
+    assert main([*args, "--max-failed-prompts", "0.25"]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 4 prompts failed (25.00%), within --max-failed-prompts 0.25: exit 0, the dataset holds the others" in err
+    assert {r["prompt_id"] for r in rows_of(tmp_path / "out")} == {"math-000", "math-002", "math-003"}
+    assert (tmp_path / "out" / "_failures").exists()  # still ledgered: a rerun retries it
+    assert main([*args, "--max-failed-prompts", "1.5"]) == 2
+    assert "--max-failed-prompts must be a fraction in [0, 1]; got 1.5" in capsys.readouterr().err

@@ -307,3 +307,17 @@ def test_a_flagged_audit_stops_the_round_before_training(tiny_gpt2, tmp_path):
     assert "round 0: the audit flagged its rows" in err and "not training on them" in err
     assert not (out / "round_000" / "train").exists()
     assert "steps" not in json.loads(stdout)["rounds"][0]  # generated, audited, never trained
+
+
+def test_a_round_goes_on_without_failed_prompts_within_the_generations_bound(tiny_gpt2, tmp_path):
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text("def reward(sample):\n    if sample.prompt_id == 'toy-001':\n        raise ValueError('no')\n"
+                      "    return 1.0\n")
+    out = tmp_path / "run"
+    strict = loop_args(tiny_gpt2, out, "--generate", f"--reward {plugin}:reward --retries 0", rounds=1)
+    code, _, err = finish(run_loop(*strict))
+    assert code == 1 and "round 0: generating failed (exit 1" in err
+    code, stdout, err = finish(run_loop(*strict, "--generate", "--max-failed-prompts 0.25"))
+    assert code == 0, err
+    (entry,) = json.loads(stdout)["rounds"]
+    assert (entry["failed_prompts"], entry["rows"], entry["steps"]) == (1, 12, 3)  # 3 of 4 prompts, one step each
