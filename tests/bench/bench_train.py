@@ -10,19 +10,20 @@ same tokenizer, random weights; each samples its own data):
 
 1. Overhead: the trainer's ``run()`` over pre-read steps (advantages, packed logprobs,
    loss and its metrics, backward per micro-batch, clipping, AdamW, metrics merged and
-   written to ``metrics.jsonl``; no data loading, no checkpoint) against a bare loop
-   doing the same maths on the same packed micro-batches, with nothing else: group-normalized
+   written to ``metrics.jsonl``; no data loading, no checkpoint) against a bare loop doing
+   the same maths on the same packed micro-batches and nothing else: group-normalized
    advantages, ``base_model`` -> the fp32 head at the loss positions / temperature ->
-   ``logits[token] - logsumexp`` -> the clipped PPO loss over the global token count ->
-   backward, then the gradient clipped to the same norm and the same AdamW. Target <= 3%.
-   Each pass starts from freshly loaded models (the trainer: a fresh ``Trainer``) and every
-   side trains one untimed warm-up step first, so no window holds start-up or first-step
-   allocation. The sides alternate step by step within a pass (the trainer's loader runs
-   the bare loops on each step before handing it over), so a shared machine's load lands
-   on them alike; the overhead is the median over ``--repeat`` passes of the pass's ratio.
-   The bare loop runs on the trainer's own kernel
-   (``rollshard_varlen``, the overhead's reference) and on ``sdpa`` (what a plain loop
-   gets: transformers' dense block-diagonal mask of the packed row; the speed-up's).
+   ``logits[token] - logsumexp`` -> the PPO loss (clip 0.2 / 0.28, dual clip 3) over the
+   global token count -> backward, then the gradient clipped to the same norm and the same
+   AdamW. Target <= 3%. Each pass starts from freshly loaded models (the trainer: a fresh
+   ``Trainer``) and every side trains one untimed warm-up step first, so no window holds
+   start-up or first-step allocation. The sides alternate step by step within a pass (the
+   trainer's loader runs the bare loops on each step before handing it over), so a shared
+   machine's load lands on them alike; the overhead is the median over ``--repeat`` passes
+   of each pass's ratio, from wall time and from CPU time. The bare loop runs on the
+   trainer's own kernel (``rollshard_varlen``, the overhead's reference) and on ``sdpa``
+   (what a plain loop gets: transformers' dense block-diagonal mask of the packed row; the
+   speed-up's).
 2. The trainer over the real loader: tokens/s, packing efficiency, data wait share.
 3. Step 0 with unchanged weights: max and mean |logp - rollout_logp|, ratio, clip
    fraction (targets: <= 1e-5 fp32 CPU, 1, 0).
@@ -152,7 +153,7 @@ def group_advantages(step) -> list[torch.Tensor]:  # per micro-batch [T]
             for a, mb in zip(adv, mbs)]
 
 
-def bare_step(model, optimizer, step, *, max_grad_norm: float, eps_low: float = 0.2, eps_high: float = 0.28) -> None:
+def bare_step(model, optimizer, step, *, max_grad_norm: float, eps: tuple[float, float], dual_clip: float | None) -> None:
     n = max(float(sum(mb.loss_mask.sum() for mb in step.micro_batches)), 1.0)  # global count of loss tokens
     head = model.get_output_embeddings()
     for mb, adv in zip(step.micro_batches, group_advantages(step)):
@@ -166,7 +167,9 @@ def bare_step(model, optimizer, step, *, max_grad_norm: float, eps_low: float = 
         logp = logits.gather(-1, mb.input_ids[at, None])[:, 0] - torch.logsumexp(logits, -1)  # [K]
         ratio = torch.exp((logp - mb.rollout_logprobs[at]).clamp(-20.0, 20.0))  # [K]
         A = adv[at]  # [K]
-        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))  # [K]
+        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1.0 - eps[0], 1.0 + eps[1]))  # [K]
+        if dual_clip is not None:
+            pg = torch.where(A < 0, torch.minimum(pg, -A * dual_clip), pg)  # [K]
         (pg.sum() / n).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
@@ -187,10 +190,11 @@ class BareLoop:
             self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.adam_eps, weight_decay=o.weight_decay
         )
         self.max_norm = o.max_grad_norm if o.max_grad_norm is not None else float("inf")
+        self.eps, self.dual_clip = config.loss.clip_range(), config.loss.dual_clip_c
 
     def step(self, step) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
-        bare_step(self.model, self.optimizer, step, max_grad_norm=self.max_norm)
+        bare_step(self.model, self.optimizer, step, max_grad_norm=self.max_norm, eps=self.eps, dual_clip=self.dual_clip)
         return time.perf_counter() - t0, time.process_time() - c0
 
 
