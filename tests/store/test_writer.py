@@ -324,3 +324,63 @@ def test_discarding_a_shard_whose_io_thread_is_gone_does_not_raise(tmp_path):
         pending.file.flush()  # a commit would refuse it
     pending.discard()
     assert not list((tmp_path / "_tmp").iterdir()) and not (tmp_path / "shards" / "x.parquet").exists()
+
+
+def _corruptions():
+    """(name, change of one row's dict) for every invariant the writer checks."""
+    return [
+        ("logprob above 0", lambda d: d["rollout_logprobs"].__setitem__(0, 0.25)),
+        ("logprob NaN", lambda d: d["rollout_logprobs"].__setitem__(-1, float("nan"))),
+        ("logprob -inf", lambda d: d["rollout_logprobs"].__setitem__(1, float("-inf"))),
+        ("logprob under mask 0", lambda d: (d["loss_mask"].__setitem__(0, 0), d["rollout_logprobs"].__setitem__(0, -0.5))),
+        ("mask 2", lambda d: d["loss_mask"].__setitem__(1, 2)),
+        ("dropped logprob", lambda d: d["rollout_logprobs"].pop()),
+        ("dropped mask", lambda d: d["loss_mask"].pop()),
+        ("empty sample_id", lambda d: d.__setitem__("sample_id", "")),
+        ("empty group_id", lambda d: d.__setitem__("group_id", "")),
+        ("empty prompt_id", lambda d: d.__setitem__("prompt_id", "")),
+        ("empty agent", lambda d: d.__setitem__("agent", "")),
+        ("negative response id", lambda d: d["response_tokens"].__setitem__(0, -3)),
+        ("negative prompt id", lambda d: d["prompt_tokens"].__setitem__(-1, -1)),
+        ("bad status", lambda d: d.__setitem__("status", "done")),
+        ("NaN reward", lambda d: d.__setitem__("reward", float("nan"))),
+        ("no reward", lambda d: d.__setitem__("reward", None)),
+        ("no temperature", lambda d: d.__setitem__("temperature", None)),
+        ("negative temperature", lambda d: d.__setitem__("temperature", -1.0)),
+        ("infinite temperature", lambda d: d.__setitem__("temperature", float("inf"))),
+        ("support alone", lambda d: d.__setitem__("sampling_support", [[t] for t in d["response_tokens"]])),
+        ("support without its token", lambda d: (
+            d.__setitem__("sampling_support", [[t + 1] for t in d["response_tokens"]]),
+            d.__setitem__("sampling_logprobs", [0.0] * len(d["response_tokens"])))),
+    ]
+
+
+@pytest.mark.parametrize("name,change", _corruptions(), ids=[n for n, _ in _corruptions()])
+def test_the_fast_screen_never_passes_a_row_the_full_check_refuses(tmp_path, name, change):
+    """check_table's screen (_clean) passes only tables in which _check finds nothing; the writer then refuses
+    the group at its call, naming the sample, whether the group is fresh or a slice of a larger table."""
+    from rollshard.store.schema import ROW_SCHEMA, _check, _clean, check_table
+    table = synthetic_table(3, 4, seed=7, **SMALL)
+    assert _clean(table, frozenset(ROW_SCHEMA.names)) and _check(table, 20, set(ROW_SCHEMA.names)) == []
+    rows = table.to_pylist()
+    change(rows[5])
+    bad = pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
+    problems = _check(bad, 20, set(ROW_SCHEMA.names))
+    assert problems, name  # every corruption here breaks an invariant
+    assert not _clean(bad, frozenset(ROW_SCHEMA.names))
+    assert check_table(bad) == problems
+    for group in (bad.slice(4, 4), pa.Table.from_pylist(rows[4:8], schema=ROW_SCHEMA)):
+        with ShardWriter(tmp_path / name, writer_id="w0") as w:
+            w.write_groups(bad.slice(0, 4))
+            with pytest.raises(RowInvariantError, match=f"sample {rows[5]['sample_id']!r}: {problems[0].field}"):
+                w.write_groups(group)
+
+
+def test_the_fast_screen_passes_clean_slices_and_projections():
+    from rollshard.store.schema import ROW_SCHEMA, _clean, check_projection
+    table = synthetic_table(4, 3, seed=2, **SMALL)
+    for start, n in ((0, 12), (3, 3), (5, 4), (11, 1), (6, 0)):
+        assert _clean(table.slice(start, n), frozenset(ROW_SCHEMA.names))
+    cols = ["sample_id", "response_tokens", "rollout_logprobs", "loss_mask", "temperature"]
+    assert _clean(table.select(cols), frozenset(cols))
+    assert check_projection(table.select(cols)) == []
