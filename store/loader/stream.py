@@ -115,7 +115,7 @@ class _Stream:
                 rgs = [info.row_groups[r] for r in block.row_groups]
                 offset, end = rgs[0].offset, rgs[-1].offset + rgs[-1].length
                 try:
-                    held, raw = _held(f, info.bytes, offset, end)
+                    held, raw = _held(f, info.bytes, offset, end, pf.metadata, block.row_groups)
                 except OSError as e:
                     raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {_one_line(e)}") from e
                 jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
@@ -334,23 +334,58 @@ class _RangeCheck:
         return True
 
 
-def _held(f, size: int, offset: int, end: int) -> tuple[pa.BufferReader, memoryview]:
+# Bytes after a block's end that a decode may touch: Arrow pads a column chunk's read by up to 100 bytes for files
+# of old parquet-mr writers (its kMaxDictHeaderSize); rollshard's shards never need it.
+HELD_SLACK = 4096
+
+
+def _held(f, size: int, offset: int, end: int, footer: pq.FileMetaData | None = None,
+          row_groups: tuple[int, ...] = ()) -> tuple[pa.BufferReader, memoryview]:
     """A shard as Parquet sees it when only one block's bytes are in memory (the footer comes parsed), and those
-    bytes: an anonymous mapping of the shard's size (pages never written take no memory) into which the block's
-    bytes ``[offset, end)`` are read straight from ``f``, so the block is decoded from exactly the bytes that are
-    hashed, natively (a Python file object would be called from Arrow's threads, which can then hang the
-    interpreter's exit), with one copy (read into a buffer and copied over: measured 2.2x slower). A read
-    elsewhere sees zeros: a decode error, which waits for the checksums to name the cause."""
+    bytes ``[offset, end)``, read straight from ``f`` (natively: a Python file object would be called from Arrow's
+    threads, which can then hang the interpreter's exit) with one copy, so the block is decoded from exactly the
+    bytes that are hashed.
+
+    When ``footer`` places every column chunk of ``row_groups`` inside ``[offset, end)`` (a shard of rollshard's
+    writer: the manifest's ranges are the footer's), the bytes go into a buffer of Arrow's memory pool, which keeps
+    freed pages for the next block, and Parquet reads the shard through a view of it that starts ``offset`` bytes
+    before it: every read lands inside (measured 5x faster than filling a fresh mapping, whose every page
+    faults in). Otherwise (an unexpected layout): an anonymous mapping of the shard's size (pages never written take
+    no memory), where a read elsewhere sees zeros: a decode error, which waits for the checksums to name the
+    cause."""
+    if footer is not None and row_groups and _chunks_within(footer, row_groups, offset, end):
+        buf = pa.allocate_buffer(end - offset + HELD_SLACK)
+        view = memoryview(buf)[: end - offset]
+        _read_into(f, view, offset)
+        return pa.BufferReader(pa.foreign_buffer(buf.address - offset, size, base=buf)), view
     # MAP_NORESERVE (0x4000 on Linux; no constant in Python 3.11): the size is not charged to the commit limit
     # (strict overcommit, ulimit -v), since only the block's pages are ever written.
     noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
     view = memoryview(mm)[offset:end]
+    _read_into(f, view, offset)
+    return pa.BufferReader(pa.py_buffer(mm)), view
+
+
+def _read_into(f, view: memoryview, offset: int) -> None:
     f.seek(offset)
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
-            raise OSError(f"the file ends at byte {offset + done}, before the block's end at byte {end}")
+            raise OSError(f"the file ends at byte {offset + done}, before the block's end at byte {offset + len(view)}")
         done += n
-    return pa.BufferReader(pa.py_buffer(mm)), view
+
+
+def _chunks_within(footer: pq.FileMetaData, row_groups: tuple[int, ...], offset: int, end: int) -> bool:
+    """Whether every column chunk of ``row_groups`` lies in ``[offset, end)`` by the footer."""
+    for r in row_groups:
+        if not 0 <= r < footer.num_row_groups:
+            return False
+        rg = footer.row_group(r)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            first = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            if first is None or first < offset or first + col.total_compressed_size > end:
+                return False
+    return True
