@@ -4,7 +4,7 @@
                                                  [--compute-s 0.25] [--sim-steps 100] [--repeat 3]
     .venv/bin/python tests/bench/bench_loader.py --mix [--groups 2400] [--window 256] [--repeat 3] [--json]
     .venv/bin/python tests/bench/bench_loader.py --supports [--groups 400] [--top-k 20] [--repeat 3] [--json]
-    .venv/bin/python tests/bench/bench_loader.py --throughput [--groups 2400] [--repeat 3] [--json]
+    .venv/bin/python tests/bench/bench_loader.py --throughput [--groups 2400] [--repeat 3] [--no-hf] [--json]
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; the same loader
@@ -28,7 +28,11 @@ of two datasets of ``--groups`` groups each against the single-dataset loader on
 ``--throughput`` measures only part 1, side by side in one run (interleaved, best of ``--repeat``): the
 bare ``pyarrow.dataset`` scan, the loader (data checks on and off), and the path a TRL user would take
 instead: HF ``datasets`` streaming over the shards (``RolloutDataset.to_hf``) and a collate of each batch of
-64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask).
+64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask)
+(``--no-hf`` leaves it out). Beside the wall-clock figures: each path's process CPU seconds (every thread),
+which a busy machine disturbs less, and the median of the rounds' ratios. Then a prototype of a changed batch
+contract, measured here only: the temperature per sequence and no ``position_ids`` (three ``[T]`` arrays
+written per step instead of five), end to end in the loader and as packing alone on one thread.
 
 ``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
 epoch, opening included, data checks on and off) over the same rows with a top-k support
@@ -52,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -122,6 +127,98 @@ def trl_path(ds: RolloutDataset, batch_rows: int = 64) -> int:
     return tokens + (collate(rows) if rows else 0)
 
 
+def pack_without_per_token_copies(seqs, budget: int, support_budget=None):
+    """A prototype of packing.pack under a changed batch contract, measured only here: the temperature per
+    sequence (``[S]``) instead of per token, and no ``position_ids`` (a backend would derive them from
+    ``cu_seqlens``): three ``[T]`` arrays written per step instead of five. Same bins, ids, mask and logprobs."""
+    import numpy as np
+    import torch
+
+    from rollshard.store import packing as P
+
+    if len(seqs) == 0:
+        return [], 1.0
+    bins = P.first_fit_decreasing(seqs.lengths(), budget)
+    order = np.concatenate(bins)
+    p_len = np.fromiter((len(seqs.prompt[i]) for i in order), np.int64, len(order))
+    seq_len = p_len + np.fromiter((len(seqs.response[i]) for i in order), np.int64, len(order))
+    cu = np.zeros(len(order) + 1, np.int64)
+    np.cumsum(seq_len, out=cu[1:])
+    total, longest = int(cu[-1]), int(seq_len.max())
+    zeros_u8, zeros_f32 = np.zeros(longest, np.uint8), np.zeros(longest, np.float32)
+    idx, prompt_lens = order.tolist(), p_len.tolist()
+    input_ids = P._pooled(total, np.int64)
+    np.concatenate([t for i in idx for t in (seqs.prompt[i], seqs.response[i])], out=input_ids)
+    loss_mask = P._pooled(total, np.float32)
+    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], P._trainable(seqs.mask[i], n))],
+                   out=loss_mask)
+    logprobs = P._pooled(total, np.float32)
+    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
+    temp = seqs.temperature[order]
+    temp = torch.from_numpy(np.where(np.isnan(temp), P.DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
+    flat = {"input_ids": torch.from_numpy(input_ids), "loss_mask": torch.from_numpy(loss_mask),
+            "rollout_logprobs": torch.from_numpy(logprobs)}
+    empty = torch.zeros(0)
+    response_start = cu[:-1] + p_len
+    group, reward = seqs.group[order].astype(np.int64), seqs.reward[order].astype(np.float32)
+    batches, first = [], 0
+    for b in bins:
+        last = first + len(b)
+        lo, hi = int(cu[first]), int(cu[last])
+        ids = order[first:last].tolist()
+        batches.append(P.PackedBatch(
+            **{name: t[lo:hi] for name, t in flat.items()}, position_ids=empty, temperature=temp[first:last],
+            cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
+            response_start=torch.from_numpy(response_start[first:last] - lo),
+            seq_group=torch.from_numpy(group[first:last]), rewards=torch.from_numpy(reward[first:last]),
+            agents=[seqs.agent[i] for i in ids], sample_ids=[seqs.sample_id[i] for i in ids],
+            weight_versions=[seqs.weight_version[i] for i in ids], num_tokens=hi - lo,
+            num_loss_tokens=int(loss_mask[lo:hi].sum())))
+        first = last
+    return batches, total / sum(max(budget, b.num_tokens) for b in batches)
+
+
+def loader_run_prototype(ds, config: LoaderConfig) -> dict:
+    """loader_run with pack_without_per_token_copies in place of the loader's packing (bench only)."""
+    import rollshard.store.loader.pack as loader_pack
+
+    real = loader_pack.pack
+    loader_pack.pack = pack_without_per_token_copies
+    try:
+        return loader_run(ds, config)
+    finally:
+        loader_pack.pack = real
+
+
+def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
+    """M tokens/s of packing alone (one thread, no reading) on one epoch's steps, as-is and the prototype."""
+    import rollshard.store.loader.pack as loader_pack
+    from rollshard.store.packing import pack
+
+    steps, real = [], loader_pack._sequences
+
+    def keep(groups):
+        out = real(groups)
+        steps.append(out[0])
+        return out
+
+    loader_pack._sequences = keep
+    try:
+        loader_run(ds, config)
+    finally:
+        loader_pack._sequences = real
+    tokens = sum(int(s.lengths().sum()) for s in steps)
+    best = {"pack": float("inf"), "prototype": float("inf")}
+    for _ in range(repeat):
+        for name, fn in (("pack", pack), ("prototype", pack_without_per_token_copies)):
+            t0 = time.perf_counter()
+            for s in steps:
+                fn(s, config.micro_batch_tokens)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {"steps": len(steps), "tokens_per_step": tokens / len(steps),
+            "m_tokens_per_s": {k: tokens / t / 1e6 for k, t in best.items()}}
+
+
 def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
     scan_tokens(ds)  # warm the page cache for all
@@ -131,25 +228,49 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
         "bare_scan": lambda: scan_tokens(ds),
         "loader": lambda: loader_run(ds, full)["tokens"],
         "loader_unchecked": lambda: loader_run(ds, unchecked)["tokens"],
+        "loader_prototype_3_token_arrays": lambda: loader_run_prototype(ds, full)["tokens"],
         "hf_streaming_collate": lambda: trl_path(ds),
     }
+    if args.no_hf:
+        del paths["hf_streaming_collate"]
     best = {k: float("inf") for k in paths}
+    cpu_rounds: dict[str, list[float]] = {k: [] for k in paths}
+    ratios = []  # per round: each path's speed against that round's bare scan
     for _ in range(args.repeat):  # interleaved: a change in machine load hits every path alike
+        times = {}
         for name, fn in paths.items():
+            c0 = time.process_time()
             t, n = best_of(1, fn)
+            cpu_rounds[name].append(time.process_time() - c0)
             assert n == ds.num_tokens, (name, n, ds.num_tokens)
             best[name] = min(best[name], t)
+            times[name] = t
+        ratios.append({k: times["bare_scan"] / t for k, t in times.items()})
     out = {"rows": ds.num_rows, "tokens": ds.num_tokens, "mb": ds.num_bytes / 1e6,
            "m_tokens_per_s": {k: ds.num_tokens / t / 1e6 for k, t in best.items()},
            "vs_bare_scan": {k: best["bare_scan"] / t for k, t in best.items()}}
-    out["loader_vs_hf_streaming_collate"] = best["hf_streaming_collate"] / best["loader"]
+    cpu = {k: float("inf") for k in paths}  # process CPU seconds (every thread), best of the rounds
+    for k, v in cpu_rounds.items():
+        cpu[k] = min(v)
+    out["cpu_s"] = cpu
+    out["cpu_vs_bare_scan"] = {k: cpu["bare_scan"] / c for k, c in cpu.items()}
+    out["vs_bare_scan_median"] = {k: float(np.median([r[k] for r in ratios])) for k in paths}
+    if "hf_streaming_collate" in best:
+        out["loader_vs_hf_streaming_collate"] = best["hf_streaming_collate"] / best["loader"]
+    out["pack_only"] = pack_only(ds, full, args.repeat)
     if args.json:
         print(json.dumps(out, indent=1))
         return
     print(f"dataset: {out['rows']} rows, {out['tokens']:,} tokens, {out['mb']:.0f} MB on disk\n")
-    print("| read path | M tokens/s | vs bare scan |\n|---|---:|---:|")
+    print("| read path | M tokens/s | vs bare scan (best) | median of rounds | CPU s | bare scan's CPU / CPU |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k in paths:
-        print(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} |")
+        print(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} | "
+              f"{out['vs_bare_scan_median'][k]:.2f} | {cpu[k]:.2f} | {out['cpu_vs_bare_scan'][k]:.2f} |")
+    po = out["pack_only"]
+    print(f"\npacking alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
+          f"{po['m_tokens_per_s']['pack']:.0f} M tokens/s as is, {po['m_tokens_per_s']['prototype']:.0f} M tokens/s "
+          "with the temperature per sequence and no position_ids (prototype)")
 
 
 def loader_run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, *, mix: str | None = None) -> dict:
@@ -298,6 +419,7 @@ def main() -> None:
     ap.add_argument("--supports", action="store_true", help="measure only the loader with sampling supports vs without")
     ap.add_argument("--top-k", type=int, default=20, help="with --supports: ids per token's support")
     ap.add_argument("--throughput", action="store_true", help="measure only the read paths side by side")
+    ap.add_argument("--no-hf", action="store_true", help="with --throughput: leave out the HF datasets path (slow)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object (the tables go to stderr)")
     ap.add_argument("--rss-child", nargs=3, metavar=("PATH", "WINDOW", "PREFETCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
