@@ -120,8 +120,13 @@ class JsonlLogger:
 
     def open(self) -> "JsonlLogger":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self._kept is not None:
-            self.path.write_text("".join(ln + "\n" for ln in self._kept))
+        if self._kept is not None:  # the lines up to the checkpoint, replacing the file whole (a kill keeps one)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write("".join(ln + "\n" for ln in self._kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
         elif self.resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file
         self._file = self.path.open("a")
@@ -171,7 +176,14 @@ class WandbLogger:
             raise ValueError(WANDB_MISSING) from e
         self.out = Path(out)
         self.state_path = self.out / WANDB_RUN_FILE
-        previous = _read_run_state(self.state_path) if resume_step is not None else None
+        # A run restarted from step 0 in the same --out (killed before its first checkpoint) is still that wandb
+        # run: a new one would orphan the steps it logged. Those steps are not sent again (allow), or cut (rewind).
+        previous = _read_run_state(self.state_path)
+        if previous is not None and resume_step is None:
+            resume_step = 0
+            print(f"rollshard-train: wandb: {out} restarts from step 0 (no checkpoint); continuing its wandb run "
+                  f"{previous['id']}" + (", history cut to step 0" if settings.resume == "rewind" else
+                  f", whose steps up to {previous['step']} keep the values logged before"), file=sys.stderr)
         root = Path(settings.dir or os.environ.get("WANDB_DIR") or self.out).expanduser()
         kw: dict[str, Any] = {
             "project": settings.project or os.environ.get("WANDB_PROJECT") or WANDB_PROJECT,
@@ -223,6 +235,8 @@ class WandbLogger:
                   f"wrote under {self.run.dir}", file=sys.stderr)
 
     def _save_state(self) -> None:
+        # Replaced whole, so a killed process leaves the old record or the new; not fsynced: it is rewritten
+        # every step, and losing the last few to a power cut only re-sends steps wandb then refuses as old.
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         tmp.write_text(json.dumps({"id": self.run.id, "step": self.logged}) + "\n")
         os.replace(tmp, self.state_path)

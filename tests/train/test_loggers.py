@@ -393,6 +393,42 @@ def test_resume_continues_the_recorded_run(fake_wandb, tmp_path, mode, starting_
     assert json.loads((out / WANDB_RUN_FILE).read_text()) == {"id": "abc", "step": 7}
 
 
+@pytest.mark.parametrize("mode,init_kw,first_logged", [
+    ("allow", {"id": "abc", "resume": "allow"}, 4),
+    ("rewind", {"resume_from": "abc?_step=0"}, 1),
+])  # fmt: skip
+def test_a_restart_from_step_0_continues_the_wandb_run_of_its_out(fake_wandb, tmp_path, capsys, mode, init_kw,
+                                                                   first_logged):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / WANDB_RUN_FILE).write_text(json.dumps({"id": "abc", "step": 3}))  # killed at step 3, never saved
+    log = MetricsLogger(out, tensorboard=False, wandb=WandbConfig(resume=mode), resume_step=None)
+    for step in range(1, 6):
+        log.log(step, {"loss/total": float(step)})
+    log.close(exit_code=0)
+    (run,) = fake_wandb.runs  # the same run, not a second one beside it
+    assert {k: run.kw[k] for k in init_kw} == init_kw
+    assert [step for step, _ in run.logged] == list(range(first_logged, 6))
+    assert "continuing its wandb run abc" in capsys.readouterr().err
+
+
+def test_a_resume_replaces_metrics_jsonl_whole(tmp_path, monkeypatch):
+    from rollshard.train import loggers
+
+    out = tmp_path / "run"
+    out.mkdir()
+    lines = [json.dumps({"step": s, "loss/total": float(s)}) for s in (1, 2, 3)]
+    (out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines))
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(loggers.os, "replace", lambda a, b: (replaced.append((Path(a).name, Path(b).name)),
+                                                             real_replace(a, b)))
+    log = MetricsLogger(out, tensorboard=False, resume_step=2)
+    log.close(exit_code=0)
+    assert ("metrics.jsonl.tmp", "metrics.jsonl") in replaced  # never truncated in place
+    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
 def test_init_failure_removes_what_wandb_wrote(fake_wandb, tmp_path):
     out = tmp_path / "run"
 
