@@ -85,6 +85,7 @@ def reference(tiny_gpt2, tmp_path_factory) -> tuple[Path, dict]:
     return out, json.loads(stdout)
 
 
+@pytest.mark.slow
 def test_two_rounds_carry_the_policy_and_its_version(reference):
     out, summary = reference
     state = json.loads((out / "loop.json").read_text())
@@ -119,6 +120,7 @@ def test_two_rounds_carry_the_policy_and_its_version(reference):
         assert pl.read_parquet(out / f"round_{k:03d}" / "audit.parquet").height == trained_tokens
 
 
+@pytest.mark.slow
 def test_interrupted_and_killed_anywhere_the_rerun_ends_as_an_uninterrupted_run(reference, tiny_gpt2, tmp_path):
     ref, _ = reference
     out = tmp_path / "run"
@@ -172,6 +174,7 @@ def test_interrupted_and_killed_anywhere_the_rerun_ends_as_an_uninterrupted_run(
     assert weights.keys() == fresh_weights.keys() and all(weights[k].equal(fresh_weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_more_rounds_continue_a_finished_run(reference, tmp_path, tiny_gpt2):
     ref, _ = reference
     out = tmp_path / "run"
@@ -187,6 +190,7 @@ def test_more_rounds_continue_a_finished_run(reference, tmp_path, tiny_gpt2):
     assert set(rows(out / "round_002" / "data")["weight_version"]) == {"8"}
 
 
+@pytest.mark.slow
 def test_sglang_api_servers_load_each_rounds_policy(tiny_gpt2, tmp_path):
     server, url = start_embedded_server(tiny_gpt2)  # `rollshard-generate serve`: SGLang's HTTP API
     try:
@@ -285,6 +289,7 @@ def test_one_loop_per_run_folder(tiny_gpt2, tmp_path, capsys):
     assert not (out / "round_000").exists()
 
 
+@pytest.mark.slow
 def test_a_stage_that_failed_on_its_flags_is_fixed_by_rerunning_with_others(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
     code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--train", "--lrr 1", rounds=1)))
@@ -297,6 +302,7 @@ def test_a_stage_that_failed_on_its_flags_is_fixed_by_rerunning_with_others(tiny
     assert code == 2 and "was run with another train" in err
 
 
+@pytest.mark.slow
 def test_a_flagged_audit_stops_the_round_before_training(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
     # fp32 rounding (~5e-7) is over a threshold of 1e-9: the audit flags the rows, and nothing trains on them.
@@ -309,6 +315,7 @@ def test_a_flagged_audit_stops_the_round_before_training(tiny_gpt2, tmp_path):
     assert "steps" not in json.loads(stdout)["rounds"][0]  # generated, audited, never trained
 
 
+@pytest.mark.slow
 def test_a_round_goes_on_without_failed_prompts_within_the_generations_bound(tiny_gpt2, tmp_path):
     plugin = tmp_path / "flaky.py"
     plugin.write_text("def reward(sample):\n    if sample.prompt_id == 'toy-001':\n        raise ValueError('no')\n"
