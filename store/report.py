@@ -20,12 +20,12 @@ import datetime as dt
 import html
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
 import polars as pl
 
+from rollshard.store.storage import Storage
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.groups import REWARD_STD_DDOF
 from rollshard.store.stats import decode_each
@@ -357,17 +357,5 @@ def write(text: str, out: str) -> str:
     """``text`` to ``out`` (:func:`check_out`) atomically (a temporary file beside it, fsynced, renamed);
     returns ``out``."""
     target = check_out(out)
-    folder = os.path.dirname(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    Storage(os.path.dirname(target)).write_atomic(os.path.basename(target), text.encode("utf-8"))
     return out

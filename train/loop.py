@@ -38,6 +38,7 @@ from typing import Any
 
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.stats import dataset_stats
+from rollshard.store.storage import Storage
 from rollshard.store.versions import folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
@@ -344,12 +345,7 @@ class Loop:
     def _save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"version": STATE_VERSION, "settings": self.settings, "rounds": self.rounds}
-        tmp = self.out / f".{STATE_FILE}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / STATE_FILE)
+        Storage(self.out).write_atomic(STATE_FILE, json.dumps(state, indent=2).encode())
 
     def write_report(self) -> None:
         """RUN/report.html: reward across the rounds, the last round's rows in detail, its training's metrics. A
