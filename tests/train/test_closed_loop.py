@@ -1,13 +1,13 @@
 """generate -> train -> generate with the embedded engine on the toy task: the reward must rise.
 
 One offline round: the tiny model samples 16 prompts x 16 responses (256 rows), the
-trainer runs 3 epochs over them (12 steps), and the checkpoint generates again. The
+trainer runs 3 epochs over them (24 steps of 2 groups), and the checkpoint generates again. The
 round uses decoupled mode with one mini-batch per step: the proximal policy is the
 policy of that very update, so pi / pi_prox is exactly 1 and PPO's clip never binds;
 the truncated importance weight pi_prox / pi_rollout (TIS) is what corrects for the
 data having been sampled before the first update. (Bypass mode clips every epoch
-against the sampling policy itself, a trust region around the data: measured here it
-gains ~+0.02 in one round against ~+0.1 to +0.19 for decoupled.)
+against the sampling policy itself, a trust region around the data: measured here, in a
+round of 12 steps of 4 groups, it gained ~+0.02 against ~+0.1 to +0.19 for decoupled.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from rollshard.train.cli import main as train_main
 from rollshard.train.metrics import read_metrics
 
-REWARD_GAIN = 0.05  # required rise of the mean toy reward (measured +0.09 to +0.19 over data seeds 0, 3, 7)
+REWARD_GAIN = 0.10  # required rise of the mean toy reward (measured +0.31 +- 0.03, at least +0.26, over data seeds 0-11)
 FP32_LOGPROB_TOL = 1e-5  # embedded engine (batched, KV cache) vs the trainer's packed forward, fp32 CPU
 
 
@@ -37,7 +37,7 @@ def test_reward_rises_after_one_round(tiny_gpt2, tmp_path):
     generate(tiny_gpt2, tmp_path / "round0", seed=0)
     run = tmp_path / "run"
     argv = [
-        "--data", tmp_path / "round0", "--model", tiny_gpt2, "--out", run, "--groups-per-step", "4",
+        "--data", tmp_path / "round0", "--model", tiny_gpt2, "--out", run, "--groups-per-step", "2",
         "--num-epochs", "3", "--lr", "5e-3", "--mode", "decoupled", "--no-progress", "--no-tensorboard",
     ]  # fmt: skip
     assert train_main(list(map(str, argv))) == 0

@@ -6,6 +6,13 @@ is set. The server runs the tiny GPT-2 model in
 fp32 on CPU. After the update the stored rows must carry the new weight version, and
 the trainer, loading the same checkpoint, must recompute the new rows' logprobs to
 fp32 rounding (ratio 1 at step 0).
+
+SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``, which
+needs a GPU attention backend; on CPU every run samples anew, so the rise of the reward
+is a random variable here, unlike the embedded engine's seeded closed loop. The recipe
+(24 steps of 2 groups) is the one whose rise is large against its spread: measured over
+fresh data sets, +0.31 +- 0.03 (embedded engine, 12 seeds) against the bound of +0.10.
+The recipe it replaces (12 steps of 4 groups) rose +0.17 +- 0.05, as little as +0.05.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from tests.conftest import launch_sglang
 pytestmark = pytest.mark.sglang
 
 FP32_LOGPROB_TOL = 1e-5  # SGLang torch_native fp32 on CPU vs the trainer's packed transformers forward
-REWARD_GAIN = 0.05  # as in test_closed_loop.py
+REWARD_GAIN = 0.10  # as in test_closed_loop.py
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +72,27 @@ def test_sglang_generate_train_update_generate(sglang_server, tiny_gpt2, tmp_pat
 
     run = tmp_path / "run"
     argv = [
-        "--data", tmp_path / "round0", "--model", tiny_gpt2, "--out", run, "--groups-per-step", "4",
+        "--data", tmp_path / "round0", "--model", tiny_gpt2, "--out", run, "--groups-per-step", "2",
         "--num-epochs", "3", "--lr", "5e-3", "--mode", "decoupled", "--no-progress", "--no-tensorboard",
     ]  # fmt: skip
     assert train_main(list(map(str, argv))) == 0
     m0 = read_metrics(run)[0]
     assert m0["mismatch/abs_diff_max"] <= FP32_LOGPROB_TOL  # SGLang's logprobs are the trainer's at step 0
     ckpt = latest_checkpoint(run)
-    assert ckpt.weight_version == "12"
+    assert ckpt.weight_version == "24"
 
     update_weights(sglang_server, run / "checkpoints" / "latest", ckpt.weight_version)
     fresh = generate(sglang_server, tmp_path / "round1", seed=1)
-    assert set(fresh["weight_version"].to_list()) == {"12"}
-    assert set(round0["weight_version"].to_list()) != {"12"}
-    assert fresh["reward"].mean() >= base["reward"].mean() + REWARD_GAIN, (base["reward"].mean(), fresh["reward"].mean())
+    assert set(fresh["weight_version"].to_list()) == {"24"}
+    assert set(round0["weight_version"].to_list()) != {"24"}
+    assert round0["rollout_logprobs"].list.len().sum() == round0["response_tokens"].list.len().sum()
 
-    # The fresh data against the checkpoint that produced it: ratio 1, no clipping, staleness 0.
+    # First that the server serves the checkpoint: the fresh rows against it give ratio 1, no clipping, staleness
+    # 0. Only then the reward, so a failure says which of the two went wrong.
     check = tmp_path / "check"
     argv = [
-        "--data", tmp_path / "round1", "--model", ckpt.path, "--out", check, "--groups-per-step", "4",
-        "--max-steps", "1", "--initial-version", "12", "--no-progress", "--no-tensorboard",
+        "--data", tmp_path / "round1", "--model", ckpt.path, "--out", check, "--groups-per-step", "2",
+        "--max-steps", "1", "--initial-version", "24", "--no-progress", "--no-tensorboard",
     ]  # fmt: skip
     assert train_main(list(map(str, argv))) == 0
     fresh0 = read_metrics(check)[0]
@@ -96,7 +104,7 @@ def test_sglang_generate_train_update_generate(sglang_server, tiny_gpt2, tmp_pat
     assert fresh0["ratio/mean"] == pytest.approx(1.0, abs=FP32_LOGPROB_TOL)
     assert fresh0["clip/frac_low"] == 0.0 and fresh0["clip/frac_high"] == 0.0
     assert fresh0["staleness/hist/0"] == fresh0["data/sequences"]
-    assert round0["rollout_logprobs"].list.len().sum() == round0["response_tokens"].list.len().sum()
+    assert fresh["reward"].mean() >= base["reward"].mean() + REWARD_GAIN, (base["reward"].mean(), fresh["reward"].mean())
 
 
 SGLANG_SUPPORT_TOL = 1e-4  # the issue's bound for the server's sampling logprobs against the trainer's
