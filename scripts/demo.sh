@@ -18,5 +18,5 @@ demo: done. Next:
   .venv/bin/rollshard-generate --engine embedded:runs/train/checkpoints/latest --agents multi_agent --task toy \
       --n-samples 4 --max-new-tokens 32 --limit 8 --out runs/demo-round2   # generate with the trained policy
   .venv/bin/rollshard-loop --model runs/tiny --out runs/loop --rounds 3 --generate "--task toy --n-samples 16 \
-      --max-new-tokens 16" --train "--groups-per-step 4 --num-epochs 3 --lr 5e-3 --mode decoupled"   # all of it, 3 rounds
+      --max-new-tokens 16" --train "--groups-per-step 2 --num-epochs 3 --lr 5e-3 --mode decoupled"   # all of it, 3 rounds
 NEXT
