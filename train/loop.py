@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.stats import dataset_stats
 from rollshard.store.storage import Storage
-from rollshard.store.versions import folder_weight_version, resolve_model_path
+from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
 
@@ -49,11 +49,14 @@ STATE_FILE = "loop.json"
 STATE_VERSION = 1
 # Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
 GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
-TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--print-config", "--initial-version")
+TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print-config", "--initial-version")
 # When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
 # made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.
 FROZEN_BY = {"model": "generated", "engine": "generated", "seed": "generated", "generate": "generated",
              "window": "trained", "train": "trained", "audit": None}  # a check, shaping no row: free to change
+# Frozen as soon as round 0's generation committed rows: a resumed generation checks its own row-shaping flags
+# (rollshard-generate names the one that differs), but not which policy the engine serves.
+FROZEN_BY_ROWS = ("model",)
 AUDIT_OWNED = ("--data", "--model", "--out", "--json")
 LOCK_FILE = ".loop.lock"
 FAILURE_DIR = "_failures"  # rollshard-generate's ledger of failed prompts, in the dataset
@@ -123,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for k in range(args.rounds):
             policy = str(loop.policy_path(k)) if k == 0 else f"<checkpoint of round {k - 1}>"
-            print(shlex.join(loop.generate_command(k, policy)))
+            version = None if k == 0 else f"<version of round {k - 1}'s checkpoint>"
+            print(shlex.join(loop.generate_command(k, policy, version)))
+            if loop.settings["audit"] is not None:
+                print(shlex.join(loop.audit_command(k, policy)))
             print(shlex.join(loop.train_command(k, policy)))
         return EXIT_OK
     code = loop.run(args.rounds)
@@ -150,6 +156,10 @@ class Loop:
         model = Path(args.model)
         if not model.is_dir():
             raise UsageError(f"--model {args.model}: no such model folder")
+        try:
+            folder_weight_version(model)
+        except VersionError as e:
+            raise UsageError(f"--model {args.model}: {e}") from e
         if args.engine != "embedded" and not args.engine.startswith(("http://", "https://")):
             raise UsageError(f"--engine {args.engine!r}: 'embedded' (each round's policy in process) or SGLang "
                              "URL[,URL...]; the model is --model")
@@ -167,19 +177,48 @@ class Loop:
             "train": train_args,
             "audit": _split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
         }
-        out = Path(args.out).absolute()
+        # Links resolved, as the checkpoints' paths come back: loop.json keeps paths relative to it, so a run moves.
+        out = Path(args.out).resolve()
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {args.out} is a file; the loop needs a folder (a new one, or an earlier run's)")
-        state = _read_state(out)
+        loop = cls(out, settings, [], progress=not args.no_progress)
+        loop.rounds = loop.reconcile(_read_state(out))
+        return loop
+
+    def reconcile(self, state: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The rounds of a run's state, checked against this command's settings. A round whose generation
+        committed rows, finished or not, freezes the policy it was given (``FROZEN_BY_ROWS``). A round not yet
+        trained whose data folder was deleted (to regenerate it, after a flagged audit) starts over."""
         rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
-        for key, value in settings.items():
+        for r in rounds:
+            if not r.get("trained") and r.get("generated") and self._committed_rows(r["round"]) is None:
+                for key in ("generated", "data", "audit"):
+                    r.pop(key, None)
+        for key, value in self.settings.items():
             before = value if state is None else state["settings"].get(key)
-            if before != value and FROZEN_BY[key] and any(r.get(FROZEN_BY[key]) for r in rounds):
+            if before == value or not FROZEN_BY[key]:
+                continue
+            done = [r["round"] for r in rounds if r.get(FROZEN_BY[key])]
+            if key in FROZEN_BY_ROWS:
+                done += [r["round"] for r in rounds if not r.get("generated") and self._committed_rows(r["round"])]
+            if done:
+                k = min(done)
+                data = self.round_dir(k) / "data"
+                regenerate = "" if FROZEN_BY[key] != "generated" or any(
+                    r.get("trained") for r in rounds) else f", delete {data} to generate round {k} anew,"
                 raise UsageError(
-                    f"{out} was run with another {key} ({before!r} there, {value!r} now); rerun with the same "
-                    "settings to continue, or choose a new --out"
+                    f"{self.out} was run with another {key} ({before!r} there, {value!r} now; round {k}'s "
+                    f"{'rows' if FROZEN_BY[key] == 'generated' else 'training'} used it); rerun with the same "
+                    f"settings to continue{regenerate} or choose a new --out"
                 )
-        return cls(out, settings, rounds, progress=not args.no_progress)
+        return rounds
+
+    def _committed_rows(self, k: int) -> int | None:
+        """Rows committed in round k's dataset; None when it has none (never written, or deleted)."""
+        try:
+            return RolloutDataset.open(self.round_dir(k) / "data").num_rows or None
+        except (DatasetNotFoundError, ValueError, OSError):
+            return None
 
     # ---- paths and commands ------------------------------------------------------------------
 
@@ -190,8 +229,10 @@ class Loop:
         """P_k: --model for round 0, else the (resolved) checkpoint round k-1 finished with."""
         return Path(self.settings["model"]) if k == 0 else self.out / self.rounds[k - 1]["checkpoint"]
 
-    def generate_command(self, k: int, policy: str) -> list[str]:
-        engine, version = self.settings["engine"], self.rounds[k]["policy_version"] if k < len(self.rounds) else "0"
+    def generate_command(self, k: int, policy: str, version: str | None = None) -> list[str]:
+        engine = self.settings["engine"]
+        if version is None:
+            version = self.rounds[k]["policy_version"] if k < len(self.rounds) else _policy_version(Path(policy))
         where = (
             ["--engine", f"embedded:{policy}"] if engine == "embedded"
             # A folder without a version of its own (round 0's model) is served as the version the loop names.
@@ -226,7 +267,7 @@ class Loop:
 
     def _name(self, path: Path) -> str:
         """A path as loop.json keeps it: relative to the run folder when inside it, so a run can be moved."""
-        path = Path(path).absolute()
+        path = Path(path).resolve()
         return str(path.relative_to(self.out)) if path.is_relative_to(self.out) else str(path)
 
     def _quiet(self) -> list[str]:
@@ -243,6 +284,12 @@ class Loop:
             lock.close()
             _say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
             return EXIT_USAGE
+        try:  # what a loop that held the folder until now left, not what this one read before the lock
+            self.rounds = self.reconcile(_read_state(self.out))
+        except UsageError as e:
+            lock.close()
+            _say(str(e))
+            return EXIT_USAGE
         self._save()
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -258,13 +305,23 @@ class Loop:
 
     def _round(self, k: int, rounds: int) -> int:
         if k == len(self.rounds):
-            policy = self.policy_path(k)
-            self.rounds.append({"round": k, "policy": self._name(policy), "policy_version": folder_weight_version(policy) or "0"})
-            self._save()
+            self.rounds.append({"round": k})
         state = self.rounds[k]
         if state.get("trained"):
             return EXIT_OK
         if not state.get("generated"):
+            # The policy as it is now: --model may have changed since a generation that committed nothing.
+            policy = self.policy_path(k)
+            if not policy.is_dir():
+                _say(f"round {k}: its policy {policy} is missing (a run moved without its checkpoints?); restore it, "
+                     "or choose a new --out")
+                return EXIT_FAILED
+            try:
+                state.update(policy=self._name(policy), policy_version=_policy_version(policy))
+            except VersionError as e:
+                _say(f"round {k}: {e}")
+                return EXIT_FAILED
+            self._save()
             code = self._stage(k, rounds, "generating", self.generate_command(k, str(self.policy_path(k))))
             if code != EXIT_OK:
                 return code
@@ -300,8 +357,8 @@ class Loop:
             overall = None
         if code == EXIT_FAILED and overall is not None:  # flagged: its own line said by how much
             _say(f"round {k}: the audit flagged its rows (above; {self.round_dir(k) / 'audit.parquet'}); not training "
-                 "on them. Fix the engine's settings and regenerate the round (delete its data folder), or accept "
-                 "the mismatch with --audit-args '--max-abs-diff X'")
+                 f"on them. Fix the engine's settings, delete {self.round_dir(k) / 'data'} and rerun to generate the "
+                 "round anew, or accept the mismatch with --audit-args '--max-abs-diff X'")
             return EXIT_FAILED, None
         if code != EXIT_OK or overall is None:
             if code == EXIT_FAILED:
@@ -317,8 +374,13 @@ class Loop:
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
         sink = open(stdout, "w") if stdout is not None else sys.stderr
+        loop_pid = os.getpid()
         try:
-            self._child = subprocess.Popen(command, stdout=sink, preexec_fn=_die_with_parent, process_group=0)
+            self._child = subprocess.Popen(
+                command, stdout=sink, preexec_fn=lambda: _die_with_parent(loop_pid), process_group=0
+            )
+            if self._stop is not None:  # a signal while the child was being started: it has not seen it
+                self._child.send_signal(self._stop)
             code = self._child.wait()
         finally:
             self._child = None
@@ -463,7 +525,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         table.add_column(name, justify="right")
     for r in rows:
         m = r.get("audit") if audited else {"mean": r.get("mismatch_mean"), "max": r.get("mismatch_max")}
-        mismatch = "-" if not m or m.get("max") is None else f"{m['mean']:.1e} / {m['max']:.1e}"
+        mismatch = "-" if not m or m.get("max") is None else f"{_sci(m['mean'])} / {_sci(m['max'])}"
         table.add_row(
             str(r["round"]), r["policy_version"], str(r["rows"]),
             *([str(r.get("failed_prompts", 0))] if failed else []), _num(r["reward_mean"]),
@@ -477,21 +539,28 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
+def _sci(x: Any) -> str:
+    """A mismatch figure; metrics.jsonl writes a non-finite one as a string ("nan")."""
+    return f"{x:.1e}" if isinstance(x, (int, float)) else str(x)
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(loop_pid: int) -> None:
     """In the child, before exec: SIGKILL when the loop dies (a kill -9 of the loop must not leave a stage running
     beside the rerun that continues it)."""
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != _LOOP_PID:  # the loop died between fork and prctl
+    if os.getppid() != loop_pid:  # the loop died between fork and prctl
         os._exit(EXIT_INTERRUPTED)
 
 
-_LOOP_PID = os.getpid()
+def _policy_version(policy: Path) -> str:
+    """The version a policy folder is served as: its checkpoint's, or 0 for a model folder of none."""
+    return folder_weight_version(policy) or "0"
 
 
 if __name__ == "__main__":

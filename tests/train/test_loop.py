@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,6 +219,7 @@ def test_sglang_api_servers_load_each_rounds_policy(tiny_gpt2, tmp_path):
         (["--generate", "--eng embedded:/elsewhere"], "--generate may not set --engine"),  # argparse's abbreviation
         (["--engine", "embedded:/elsewhere"], "--engine 'embedded:/elsewhere': 'embedded' (each round's policy"),
         (["--out", "s3://bucket/run"], "--out s3://bucket/run: the loop runs in a local folder"),
+        (["--train=--no-resume"], "--train may not set --no-resume: the loop sets it for every round"),
     ],
 )
 def test_bad_input_is_one_line(tiny_gpt2, tmp_path, capsys, extra, message):
@@ -233,7 +235,7 @@ def test_a_rerun_with_other_settings_or_a_foreign_folder_is_refused(tiny_gpt2, t
         "model": str(tiny_gpt2.resolve()), "engine": "embedded", "window": 1, "seed": 0, "generate": [], "train": [],
     }, "rounds": [{"round": 0, "policy": str(tiny_gpt2), "policy_version": "0", "generated": True, "trained": True}]}))  # fmt: skip
     assert loop_main(["--model", str(tiny_gpt2), "--out", str(out), "--window", "2"]) == 2
-    assert "was run with another window (1 there, 2 now)" in capsys.readouterr().err
+    assert "was run with another window (1 there, 2 now; round 0's training used it)" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "x").write_text("")
@@ -313,6 +315,126 @@ def test_a_flagged_audit_stops_the_round_before_training(tiny_gpt2, tmp_path):
     assert "round 0: the audit flagged its rows" in err and "not training on them" in err
     assert not (out / "round_000" / "train").exists()
     assert "steps" not in json.loads(stdout)["rounds"][0]  # generated, audited, never trained
+    assert f"delete {out / 'round_000' / 'data'} and rerun to generate the round anew" in err
+
+    # As the message says: delete the rows, rerun (here with a bound the rows meet): generated anew, then trained.
+    shutil.rmtree(out / "round_000" / "data")
+    args = loop_args(tiny_gpt2, out, "--audit", "--audit-args", "--max-abs-diff 1e-3", rounds=1)
+    code, stdout, err = finish(run_loop(*args))
+    assert code == 0, err
+    assert "round 1/1: generating" in err and "round 1/1: auditing done" in err
+    (entry,) = json.loads(stdout)["rounds"]
+    assert entry["rows"] == 16 and entry["steps"] == STEPS_PER_ROUND and entry["audit"]["max"] <= FP32_LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_the_policy_of_round_0_is_read_when_it_generates_and_frozen_once_it_committed_rows(reference, tiny_gpt2, tmp_path):
+    checkpoint = reference[0] / "round_000" / "train" / "checkpoints" / "latest"  # version 4
+    # A generation that failed on its flags wrote no row: rerunning with another --model is a fresh start, and the
+    # round carries the version of the policy it really generated with.
+    out = tmp_path / "run"
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--generate", "--no-such-flag 1", rounds=1)))
+    assert code == 2 and "round 0: generating failed (exit 2" in err
+    code, stdout, err = finish(run_loop(*loop_args(checkpoint, out, rounds=1)))
+    assert code == 0, err
+    (entry,) = json.loads(stdout)["rounds"]
+    assert (entry["policy_version"], entry["checkpoint_version"]) == ("4", str(4 + STEPS_PER_ROUND))
+    assert set(rows(out / "round_000" / "data")["weight_version"]) == {"4"}
+    assert "generating with" in err and "(version 4)" in err
+
+    # A generation that committed rows before it failed: its rows are of its policy, another --model is refused.
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text("def reward(sample):\n    if sample.prompt_id == 'toy-001':\n        raise ValueError('no')\n"
+                      "    return 1.0\n")
+    out = tmp_path / "partial"
+    flaky = ("--generate", f"--reward {plugin}:reward --retries 0")
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, *flaky, rounds=1)))
+    assert code == 1 and RolloutDataset.open(out / "round_000" / "data").num_rows == 12, err
+    code, _, err = finish(run_loop(*loop_args(checkpoint, out, *flaky, rounds=1)))
+    assert code == 2 and "was run with another model" in err and "round 0's rows used it" in err, err
+    assert f"delete {out / 'round_000' / 'data'} to generate round 0 anew" in err
+    assert set(rows(out / "round_000" / "data")["weight_version"]) == {"0"}
+
+
+@pytest.mark.slow
+def test_a_run_folder_reached_through_a_link_keeps_its_paths_relative_and_moves(tiny_gpt2, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, tmp_path / "link" / "run", rounds=1)))
+    assert code == 0, err
+    (r0,) = json.loads((real / "run" / "loop.json").read_text())["rounds"]
+    assert r0["checkpoint"] == f"round_000/train/checkpoints/step_{STEPS_PER_ROUND:08d}"
+    (real / "run").rename(tmp_path / "moved")
+    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, tmp_path / "moved", rounds=2)))
+    assert code == 0, err
+    assert f"generating with {tmp_path / 'moved' / r0['checkpoint']} (version {STEPS_PER_ROUND})" in err
+    assert [r["policy_version"] for r in json.loads(stdout)["rounds"]] == ["0", str(STEPS_PER_ROUND)]
+
+
+def test_a_damaged_checkpoint_as_model_is_one_line(tiny_gpt2, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_gpt2, model)
+    (model / "trainer_state.json").write_text("{not json")
+    assert loop_main(loop_args(model, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert f"--model {model}: {model / 'trainer_state.json'}: unreadable checkpoint state" in err
+    assert err.count("\n") == 1, err
+
+
+def test_the_dry_run_prints_the_version_and_the_audits_a_run_would_use(tiny_gpt2, tmp_path, capsys):
+    model = tmp_path / "ckpt"
+    shutil.copytree(tiny_gpt2, model)
+    (model / "trainer_state.json").write_text(json.dumps({"weight_version": "7", "step": 7}))
+    args = loop_args(model, tmp_path / "run", "--engine", "http://127.0.0.1:9", "--audit", "--dry-run")
+    assert loop_main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6  # generate, audit, train for each of 2 rounds
+    assert "--weight-version 7" in lines[0] and " audit --data " in lines[1]
+    assert "--weight-version '<version of round 0'\"'\"'s checkpoint>'" in lines[3]
+    assert not (tmp_path / "run").exists()
+
+
+def _loop_for_stages(tiny_gpt2, tmp_path):
+    from rollshard.train.loop import Loop, build_parser
+
+    loop = Loop.from_args(build_parser().parse_args(loop_args(tiny_gpt2, tmp_path / "run")))
+    loop.rounds = [{"round": 0, "policy_version": "0"}]
+    return loop
+
+
+def test_a_loop_started_in_a_forked_process_runs_its_stages(tiny_gpt2, tmp_path):
+    loop = _loop_for_stages(tiny_gpt2, tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the child: a process forked after the module was imported, as a worker pool would
+        os._exit(loop._stage(0, 1, "generating", [sys.executable, "-c", "pass"]))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # not 130: the stage's parent is this process, alive
+
+
+def test_a_signal_while_a_stage_starts_reaches_the_stage(tiny_gpt2, tmp_path, monkeypatch):
+    import rollshard.train.loop as loop_module
+
+    loop = _loop_for_stages(tiny_gpt2, tmp_path)
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):  # SIGINT lands after the fork, before the loop has the child to forward it to
+        child = real_popen(*args, **kwargs)
+        loop._forward(signal.SIGINT, None)
+        return child
+
+    monkeypatch.setattr(loop_module.subprocess, "Popen", popen)
+    started = time.monotonic()
+    code = loop._stage(0, 1, "training", [sys.executable, "-c", "import time; time.sleep(600)"])
+    assert code == 130 and time.monotonic() - started < DEADLINE_S  # interrupted, not run to its end
+
+
+def test_the_summary_prints_a_non_finite_mismatch(capsys):
+    from rollshard.train.loop import print_summary
+
+    print_summary([{"round": 0, "policy_version": "0", "rows": 4, "reward_mean": 0.5, "reward_by_agent": {"policy": 0.5},
+                    "mismatch_mean": "nan", "mismatch_max": "nan", "steps": 1, "checkpoint_version": "1"}])
+    assert "nan / nan" in capsys.readouterr().out
 
 
 @pytest.mark.slow
