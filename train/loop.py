@@ -168,6 +168,7 @@ class Loop:
                              "there); copy a finished round's data to S3 with any tool")
         generate_args = _split("--generate", args.generate, GENERATE_OWNED)
         train_args = _split("--train", args.train, TRAIN_OWNED, known=_train_flags())
+        _check_train_config(train_args)
         settings = {
             "model": resolve_model_path(model),
             "engine": args.engine,
@@ -457,6 +458,24 @@ def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[s
         if taken:
             raise UsageError(f"{flag} may not set {taken[0]}: the loop sets it for every round (see --help)")
     return tokens
+
+
+def _check_train_config(train_args: list[str]) -> None:
+    """A ``--config`` file of ``--train`` may not set the version a round starts at: each round's checkpoint does
+    (a fixed ``trainer.initial_version`` would give every round's steps the same versions)."""
+    import yaml
+
+    paths = [train_args[i + 1] for i, t in enumerate(train_args[:-1]) if t == "--config"]
+    paths += [t.split("=", 1)[1] for t in train_args if t.startswith("--config=")]
+    for path in paths:
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # rollshard-train says what is wrong with it, in one line
+        trainer = doc.get("trainer") if isinstance(doc, dict) else None
+        if isinstance(trainer, dict) and trainer.get("initial_version") is not None:
+            raise UsageError(f"--train's --config {path} sets trainer.initial_version: the loop starts each round "
+                             "at its checkpoint's version; remove it from the file")
 
 
 def _train_flags() -> set[str]:

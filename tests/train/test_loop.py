@@ -372,6 +372,15 @@ def test_a_run_folder_reached_through_a_link_keeps_its_paths_relative_and_moves(
     assert [r["policy_version"] for r in json.loads(stdout)["rounds"]] == ["0", str(STEPS_PER_ROUND)]
 
 
+def test_a_train_config_file_may_not_set_the_initial_version(tiny_gpt2, tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text("trainer:\n  initial_version: 100\noptim:\n  lr: 0.001\n")
+    assert loop_main(loop_args(tiny_gpt2, tmp_path / "run", "--train", f"--config {config}")) == 2
+    err = capsys.readouterr().err
+    assert f"--train's --config {config} sets trainer.initial_version" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_damaged_checkpoint_as_model_is_one_line(tiny_gpt2, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(tiny_gpt2, model)
