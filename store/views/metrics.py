@@ -263,5 +263,7 @@ def staleness_figure(m: Metrics):
         ax.bar(x, y, width=0.85, bottom=bottom, color=c, label=k.rsplit("/", 1)[1])
         bottom += y
     ax.set(title="Rows per step by staleness (stacked)", xlabel="step", ylabel="rows")
-    legend_outside(ax, title="versions behind")
+    # One column per 10 buckets: a run of many steps over one round's rows reaches tens of versions behind, and
+    # one column of them would be taller than the figure.
+    legend_outside(ax, title="versions behind", ncol=-(-len(hist) // 10))
     return fig

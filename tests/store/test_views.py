@@ -65,6 +65,20 @@ def test_constant_zero_metrics_are_listed_not_plotted(tmp_path):
         metrics.read_metrics(str(bad))
 
 
+def test_staleness_of_a_whole_round_fits_its_figure(tmp_path):
+    """One round's rows trained for 24 steps are 0..23 versions behind: 24 legend entries, in columns."""
+    import warnings
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps({"step": s, f"staleness/hist/{s - 1}": 32}) for s in range(1, 25)) + "\n")
+    fig = metrics.staleness_figure(metrics.read_metrics(str(path)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib: "constrained_layout not applied because axes sizes collapsed"
+        fig.savefig(tmp_path / "staleness.png")
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [str(n) for n in range(24)] and legend._ncols == 3
+
+
 def test_logprob_scale_follows_the_data():
     mask = [1] * 6
     # a random model: every token near -7; the scale spans the row, not 0..-5
