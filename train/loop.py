@@ -193,6 +193,10 @@ class Loop:
         rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
         for r in rounds:
             if not r.get("trained") and r.get("generated") and self._committed_rows(r["round"]) is None:
+                train = self.round_dir(r["round"]) / "train"
+                if train.exists():  # its resume would continue a training of the deleted rows
+                    raise UsageError(f"round {r['round']}'s data folder is gone but its training {train} is not; "
+                                     "delete that too to generate and train the round anew")
                 for key in ("generated", "data", "audit"):
                     r.pop(key, None)
         for key, value in self.settings.items():

@@ -372,6 +372,21 @@ def test_a_run_folder_reached_through_a_link_keeps_its_paths_relative_and_moves(
     assert [r["policy_version"] for r in json.loads(stdout)["rounds"]] == ["0", str(STEPS_PER_ROUND)]
 
 
+def test_a_round_whose_rows_were_deleted_under_its_training_is_refused(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = loop_args(tiny_gpt2, out)
+    from rollshard.train.loop import Loop, build_parser
+
+    settings = Loop.from_args(build_parser().parse_args(args)).settings
+    (out / "round_000" / "train").mkdir(parents=True)  # a training begun on rows since deleted
+    (out / "loop.json").write_text(json.dumps({"version": 1, "settings": settings, "rounds": [
+        {"round": 0, "policy": str(tiny_gpt2), "policy_version": "0", "generated": True}]}))
+    assert loop_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"round 0's data folder is gone but its training {out / 'round_000' / 'train'} is not" in err, err
+    assert err.count("\n") == 1
+
+
 def test_a_train_config_file_may_not_set_the_initial_version(tiny_gpt2, tmp_path, capsys):
     config = tmp_path / "train.yaml"
     config.write_text("trainer:\n  initial_version: 100\noptim:\n  lr: 0.001\n")
