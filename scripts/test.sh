@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: set-up, the default tier, the slow tier (whole loop runs), then the real-SGLang tier in its own venv.
+# The test command: set-up, the default tier, the slow tier (whole loop runs, Ray clusters), then the real-SGLang tier in its own venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -23,7 +23,7 @@ from rollshard.store.validate import validate_dataset
 
 from .conftest import free_port
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # a Ray cluster per test: ~90 s, the slow tier
 
 REPO = Path(__file__).resolve().parents[2]
 N_PROMPTS = 8

@@ -47,6 +47,7 @@ def torchrun(mode: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # four megatron runs of two processes each: ~30 s
 def test_grpo_run_resumes_after_sigkill_and_closes_the_loop(tiny_qwen3, tmp_path):
     generate(tiny_qwen3, tmp_path / "round0", seed=0)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
