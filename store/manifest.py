@@ -39,6 +39,7 @@ import datetime as dt
 import hashlib
 import json
 import re
+import time
 from typing import Any
 
 from rollshard.store.errors import DataError
@@ -192,8 +193,30 @@ def load_manifests(storage: Storage) -> list[Manifest]:
     """Every writer's manifest in the dataset, sorted by writer id."""
     out = []
     for rel in storage.list(MANIFEST_DIR, ".json"):
-        out.append(Manifest.from_json(storage.read_bytes(rel), storage.path(rel)))
+        out.append(read_manifest(storage, rel))
     return sorted(out, key=lambda m: m.writer_id)
+
+
+# A read of an object store is a HEAD (its size) then ranged GETs: a manifest its writer rewrites between the two
+# reads as the first bytes of the new version, cut short. Such a read is not JSON; read again, a few times.
+REMOTE_READ_ATTEMPTS = 5
+REMOTE_RETRY_S = 0.05
+
+
+def read_manifest(storage: Storage, rel: str, where: str | None = None) -> Manifest:
+    """One writer's manifest. Local manifests are replaced by rename, so a read sees one whole version; on an
+    object store a torn read (not JSON) is retried, and a manifest still unreadable after that is refused."""
+    attempts = 1 if storage.local else REMOTE_READ_ATTEMPTS
+    for attempt in range(attempts):
+        data = storage.read_bytes(rel)
+        try:
+            json.loads(data)
+        except ValueError:
+            if attempt + 1 < attempts:
+                time.sleep(REMOTE_RETRY_S * (attempt + 1))
+                continue
+        return Manifest.from_json(data, where or storage.path(rel))
+    raise AssertionError("unreachable")
 
 
 def fingerprint(shards: list[ShardInfo]) -> str:

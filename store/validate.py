@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from rollshard.store.dataset import DatasetNotFoundError
 from rollshard.store.integrity import file_digests
-from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo
+from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
 from rollshard.store.schema import (
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
@@ -134,7 +134,7 @@ class Validator:
         manifests = []
         for rel in manifest_files:
             try:
-                manifests.append(Manifest.from_json(self.storage.read_bytes(rel), rel))
+                manifests.append(read_manifest(self.storage, rel, rel))
             except ValueError as e:
                 self.dataset_problems.append(Issue("manifest", str(e)))
         listed = Counter(s.path for m in manifests for s in m.shards)

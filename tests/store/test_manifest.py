@@ -80,3 +80,42 @@ def test_readers_refuse_a_manifest_that_points_outside(escaping, capsys):
     assert not report.ok and report.shards == []
     (problem,) = report.dataset_problems
     assert problem.check == "manifest" and "'../outside/x.parquet' is not inside the dataset" in problem.detail
+
+
+def _remote_view(root: Path, torn_reads: int) -> tuple[Storage, list[int]]:
+    """A local dataset read as an object store is: its manifest's first ``torn_reads`` reads come back cut short,
+    as a HEAD-then-GET read does when the writer replaces the manifest between the two."""
+    storage = Storage(root)
+    storage.local = False
+    reads = []
+    whole = storage.read_bytes
+
+    def read_bytes(rel):
+        data = whole(rel)
+        reads.append(len(data))
+        return data[: len(data) // 2] if len(reads) <= torn_reads else data
+
+    storage.read_bytes = read_bytes
+    return storage, reads
+
+
+def test_a_torn_read_of_a_remote_manifest_is_read_again(tmp_path):
+    from rollshard.store.manifest import REMOTE_READ_ATTEMPTS, load_manifests
+
+    root = tmp_path / "ds"
+    with ShardWriter(root, writer_id="w0") as w:
+        w.write_groups(synthetic_table(8, 2, seed=1, prompt_len=(2, 4), response_len=(2, 6)))
+    storage, reads = _remote_view(root, torn_reads=2)
+    (manifest,) = load_manifests(storage)
+    assert manifest.writer_id == "w0" and len(reads) == 3 and sum(s.rows for s in manifest.shards) == 16
+    # One that stays unreadable is refused, naming it, after the attempts.
+    storage, reads = _remote_view(root, torn_reads=REMOTE_READ_ATTEMPTS)
+    with pytest.raises(ValueError, match=r"_manifests/w0.json: unreadable manifest"):
+        load_manifests(storage)
+    assert len(reads) == REMOTE_READ_ATTEMPTS
+    # A local manifest is replaced by rename: read once.
+    storage, reads = _remote_view(root, torn_reads=1)
+    storage.local = True
+    with pytest.raises(ValueError, match="unreadable manifest"):
+        load_manifests(storage)
+    assert len(reads) == 1
