@@ -207,16 +207,14 @@ def read_manifest(storage: Storage, rel: str, where: str | None = None) -> Manif
     """One writer's manifest. Local manifests are replaced by rename, so a read sees one whole version; on an
     object store a torn read (not JSON) is retried, and a manifest still unreadable after that is refused."""
     attempts = 1 if storage.local else REMOTE_READ_ATTEMPTS
-    for attempt in range(attempts):
-        data = storage.read_bytes(rel)
+    for attempt in range(1, attempts + 1):
         try:
-            json.loads(data)
-        except ValueError:
-            if attempt + 1 < attempts:
-                time.sleep(REMOTE_RETRY_S * (attempt + 1))
-                continue
-        return Manifest.from_json(data, where or storage.path(rel))
-    raise AssertionError("unreachable")
+            return Manifest.from_json(storage.read_bytes(rel), where or storage.path(rel))
+        except ValueError as e:
+            torn = isinstance(e.__cause__, (json.JSONDecodeError, UnicodeDecodeError))
+            if not torn or attempt == attempts:
+                raise
+            time.sleep(REMOTE_RETRY_S * attempt)
 
 
 def fingerprint(shards: list[ShardInfo]) -> str:

@@ -207,14 +207,14 @@ class Loop:
             if key in FROZEN_BY_ROWS:
                 done += [r["round"] for r in rounds if not r.get("generated") and self._committed_rows(r["round"])]
             if done:
-                k = min(done)
-                data = self.round_dir(k) / "data"
-                regenerate = "" if FROZEN_BY[key] != "generated" or any(
-                    r.get("trained") for r in rounds) else f", delete {data} to generate round {k} anew,"
+                k, rows = min(done), FROZEN_BY[key] == "generated"
+                # Only rows no training used yet can be made again.
+                anew = rows and not any(r.get("trained") for r in rounds)
+                hint = f", delete {self.round_dir(k) / 'data'} to generate round {k} anew," if anew else ""
                 raise UsageError(
                     f"{self.out} was run with another {key} ({before!r} there, {value!r} now; round {k}'s "
-                    f"{'rows' if FROZEN_BY[key] == 'generated' else 'training'} used it); rerun with the same "
-                    f"settings to continue{regenerate} or choose a new --out"
+                    f"{'rows' if rows else 'training'} used it); rerun with the same settings to continue{hint} "
+                    "or choose a new --out"
                 )
         return rounds
 
@@ -327,7 +327,7 @@ class Loop:
                 _say(f"round {k}: {e}")
                 return EXIT_FAILED
             self._save()
-            code = self._stage(k, rounds, "generating", self.generate_command(k, str(self.policy_path(k))))
+            code = self._stage(k, rounds, "generating", self.generate_command(k, str(policy)))
             if code != EXIT_OK:
                 return code
             state.update(generated=True, data=_data_summary(self.round_dir(k) / "data"))
@@ -467,19 +467,19 @@ def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[s
 def _check_train_config(train_args: list[str]) -> None:
     """A ``--config`` file of ``--train`` may not set the version a round starts at: each round's checkpoint does
     (a fixed ``trainer.initial_version`` would give every round's steps the same versions)."""
-    import yaml
+    from rollshard.train.cli import build_parser as train_parser
+    from rollshard.train.config import TrainConfig
 
-    paths = [train_args[i + 1] for i, t in enumerate(train_args[:-1]) if t == "--config"]
-    paths += [t.split("=", 1)[1] for t in train_args if t.startswith("--config=")]
-    for path in paths:
-        try:
-            doc = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue  # rollshard-train says what is wrong with it, in one line
-        trainer = doc.get("trainer") if isinstance(doc, dict) else None
-        if isinstance(trainer, dict) and trainer.get("initial_version") is not None:
-            raise UsageError(f"--train's --config {path} sets trainer.initial_version: the loop starts each round "
-                             "at its checkpoint's version; remove it from the file")
+    path = train_parser().parse_known_args(train_args)[0].config  # as rollshard-train reads it, abbreviated too
+    if path is None:
+        return
+    try:
+        config = TrainConfig.from_yaml(path)
+    except ValueError:
+        return  # rollshard-train says what is wrong with it, in one line
+    if config.trainer.initial_version is not None:
+        raise UsageError(f"--train's --config {path} sets trainer.initial_version: the loop starts each round "
+                         "at its checkpoint's version; remove it from the file")
 
 
 def _train_flags() -> set[str]:
