@@ -23,6 +23,10 @@ prompt goes to the failure ledger whole, never a half-scored episode, and a reru
 Remote rewards (:class:`HttpScorer`): ``POST URL`` with the sample as a JSON object;
 the answer is a number or the dict above. Connection errors and 5xx answers are retried
 (3 attempts, backoff 0.5 s doubling); a 4xx answer or a malformed body fails the episode.
+Before the first prompt the run probes the URL (:meth:`Scorer.probe`): a ``GET``, with the
+same retries, that a server must answer on that route. Any answer but a missing route (404,
+410), a refusal (401, 403) or a server error passes: a POST-only route answers 405, and a
+probe never asks for a reward (a GET computes none, and a made-up sample could be scored).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ DEFAULT_TIMEOUT_S = 60.0
 HTTP_ATTEMPTS = 3
 HTTP_BACKOFF_S = 0.5
 CORRECT_AT = 1.0  # a user reward without "correct" counts as correct at this reward or above
+# Answers to the probe's GET that every POST of the run would get too: no such route, or not allowed.
+PROBE_REFUSED = frozenset({401, 403, 404, 410})
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32
 # Row metadata keys that scoring writes (rollshard.generate.agents): not part of what a reward function is given.
 SCORER_KEYS = ("verdict", "reward_raw", "episode_weight", "selector_right")
@@ -159,6 +165,11 @@ class Scorer(abc.ABC):
     async def verdicts(self, items: list[tuple[Row, str]]) -> list[Verdict]:
         """Verdicts of many rows at once; every call ends (none is left running) before the first error is raised."""
         return await gather_all(self.verdict(row, text) for row, text in items)
+
+    async def probe(self) -> None:
+        """Raise :class:`RewardError` (one line: what failed, how to fix it) when this scorer cannot answer at all;
+        run once before the first prompt. Local scorers have nothing to reach."""
+        return None
 
     async def close(self) -> None:
         return None
@@ -295,11 +306,47 @@ class HttpScorer(_Bounded):
     def identity(self) -> dict[str, Any]:
         return {"kind": "http", "url": self.url}
 
-    async def _call(self, sample: Sample) -> Any:
+    def _client(self):
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def probe(self) -> None:
+        """A GET of the URL, retried as a call is (module docstring); the server's reward route is not called."""
+        import aiohttp
+
+        where, timeout = f"--reward-url {self.url}", aiohttp.ClientTimeout(total=self.timeout)
+        for attempt in range(HTTP_ATTEMPTS):
+            last = attempt + 1 == HTTP_ATTEMPTS
+            try:
+                async with self._client().get(self.url, timeout=timeout) as resp:
+                    status = resp.status
+                    text = one_line(await resp.text())[:200] if status in PROBE_REFUSED or status >= 500 else ""
+            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+                if last:
+                    how = f"no answer within {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError) else one_line(e)
+                    raise RewardError(
+                        f"{where} does not answer: {how} (after {HTTP_ATTEMPTS} attempts); check the reward server "
+                        "is up at that URL and reachable from this machine"
+                    ) from e
+                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                continue
+            if status >= 500 and not last:
+                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                continue
+            if status in PROBE_REFUSED or status >= 500:
+                raise RewardError(
+                    f"{where} answered HTTP {status} to a probe (GET): {text or 'no body'}; check the URL (its path: "
+                    "the route rows are POSTed to) and that the server accepts this machine"
+                )
+            return
+
+    async def _call(self, sample: Sample) -> Any:
+        import aiohttp
+
+        self._client()
         body = json.dumps(sample.to_json(), default=str)
         for attempt in range(HTTP_ATTEMPTS):
             last = attempt + 1 == HTTP_ATTEMPTS

@@ -43,6 +43,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 from importlib import metadata
 from typing import Any, Callable
@@ -52,7 +53,7 @@ import aiohttp
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
 from rollshard.generate.agents.base import prompt_hash
 from rollshard.generate.chat import ChatFormat
-from rollshard.generate.rewards import Scorer, add_reward_arguments, make_scorer
+from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, make_scorer
 from rollshard.generate.engines.base import Engine, EngineError, EngineSettingsError, SamplingParams
 from rollshard.generate.runner import (
     EXIT_FAILURES,
@@ -231,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
         "retries them); an engine that went away still exits 1 (default: %(default)s, every prompt must succeed)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--check-args", action="store_true",
+        help="check the arguments and exit: 0 when the run would start, 2 and the error in one line when not; no "
+        "engine starts, nothing is written (rollshard-loop checks its --generate with it before round 0)",
+    )
 
     c = p.add_argument_group("cluster (Ray; pip install 'rollshard[ray]')")
     c.add_argument(
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None, *, progress: Callable[[int, int], None] 
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
+        if args.check_args:
+            return 0
         if args.ray is not None and not args.ray_task:
             from rollshard.generate.ray_run import launch
 
@@ -304,6 +312,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
+    if not args.request_timeout > 0:  # NaN too
+        raise UsageError(f"--request-timeout {args.request_timeout:g} must be > 0 seconds")
+    _check_sampling(args)
     if not 0.0 <= args.max_failed_prompts <= 1.0:
         raise UsageError(f"--max-failed-prompts must be a fraction in [0, 1]; got {args.max_failed_prompts:g}")
     if args.update_weights is not None and args.engine.strip().startswith("embedded:"):
@@ -313,6 +324,19 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--device and --dtype are for the embedded engine; an SGLang server has its own "
                          "(its --device and --dtype)")
     args.return_sampling_mask = _sampling_support(args)
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling settings, before any engine starts: a value no engine samples with (SGLang refuses it per
+    request, the writer refuses its rows) would otherwise fail every prompt of the run, at its end."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0.0):
+        raise UsageError(f"--temperature {args.temperature:g} must be a finite number >= 0 (0 is greedy)")
+    if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
+        raise UsageError(f"--top-p {args.top_p:g} must be in (0, 1] (1 keeps every token)")
+    if args.top_k == 0 or args.top_k < -1:
+        raise UsageError(f"--top-k {args.top_k} must be -1 (no top-k) or >= 1")
+    if args.max_context_len is not None and args.max_context_len < 1:
+        raise UsageError(f"--max-context-len {args.max_context_len} must be >= 1 (or left out: the engine's)")
 
 
 def _sampling_support(args: argparse.Namespace) -> bool:
@@ -398,9 +422,19 @@ async def _run(
     args: argparse.Namespace, task: Task, system: AgentSystem, scorer: Scorer, prompts: list[Prompt], progress=None
 ) -> int:
     try:
+        await _probe_reward(scorer)
         return await _generate(args, task, system, scorer, prompts, progress)
     finally:
         await scorer.close()
+
+
+async def _probe_reward(scorer: Scorer) -> None:
+    """A remote scorer (``--reward-url``) must answer before the engine starts: one that does not would fail
+    every prompt of the run, after all of its generation."""
+    try:
+        await scorer.probe()
+    except RewardError as e:
+        raise UsageError(str(e)) from e
 
 
 async def _generate(
