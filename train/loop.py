@@ -14,8 +14,10 @@ updates across the window.
 
 ``RUN/loop.json`` holds the settings and what each round finished, written atomically after every stage;
 a rerun of the same command continues at the first unfinished stage (a rerun with other settings is refused,
-naming the setting; ``--rounds`` may grow). The loop kills its children if it dies (SIGKILL included), and
-forwards SIGINT/SIGTERM to the running stage, which commits (generate) or saves (train) before exiting.
+naming the setting; ``--rounds`` may grow). Before anything runs, the ``--train`` and ``--generate`` flags go
+through the stages' own parsers and checks (a typo is one line, not a failed stage after a whole generation).
+The loop kills its children if it dies (SIGKILL included), and forwards SIGINT/SIGTERM to the running stage,
+which commits (generate) or saves (train) before exiting.
 
 Each round trains from P_k with a fresh optimizer (the checkpoint's AdamW state belongs to its own data
 stream, which a resume of another dataset would refuse). Exit status: 0 every round done; 1 a stage failed
@@ -25,7 +27,9 @@ stream, which a resume of another dataset would refuse). Exit status: 0 every ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
+import io
 import json
 import os
 import shlex
@@ -39,6 +43,7 @@ from typing import Any
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.stats import dataset_stats
 from rollshard.store.storage import Storage
+from rollshard.store.gguf import is_gguf
 from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
@@ -120,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         loop = Loop.from_args(args)
+        loop.check_stage_args()
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # while a stage's flags were checked: nothing ran yet
+        _say("interrupted before round 0; rerun the same command to continue")
+        return EXIT_INTERRUPTED
     if args.dry_run:
         for k in range(args.rounds):
             policy = str(loop.policy_path(k)) if k == 0 else f"<checkpoint of round {k - 1}>"
@@ -154,8 +163,13 @@ class Loop:
         if args.rounds < 1 or args.window < 1:
             raise UsageError("--rounds and --window must be >= 1")
         model = Path(args.model)
+        if model.is_file() and is_gguf(model):
+            try:
+                model = Path(resolve_model_path(model))  # converted once, cached; every round reads the folder
+            except ValueError as e:
+                raise UsageError(f"--model {args.model}: {e}") from e
         if not model.is_dir():
-            raise UsageError(f"--model {args.model}: no such model folder")
+            raise UsageError(f"--model {args.model}: no such model folder (or .gguf file)")
         try:
             folder_weight_version(model)
         except VersionError as e:
@@ -224,6 +238,31 @@ class Loop:
             return RolloutDataset.open(self.round_dir(k) / "data").num_rows or None
         except (DatasetNotFoundError, ValueError, OSError):
             return None
+
+    def check_stage_args(self) -> None:
+        """The ``--train`` and ``--generate`` flags through the stages' own parsers and checks, as round 0 would run
+        them, before anything is generated: a typo or a value a stage refuses is one line now, not a failed stage
+        after a whole generation. The trainer's parser runs here (it is this package's); rollshard-generate checks
+        its command itself (``--check-args``, a process of its own: train never imports generate)."""
+        from rollshard.train.cli import build_parser as train_parser, one_line
+        from rollshard.train.config import resolve
+
+        policy = str(self.policy_path(0))
+        train = self.train_command(0, policy)[3:]  # after: python -m rollshard.train
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                parsed = train_parser().parse_args(train)
+            resolve(parsed, require_paths=True)
+        except SystemExit as e:  # argparse: its usage and one error line, or the help (exit 0)
+            what = _last_error(said.getvalue(), "rollshard-train") if e.code else "asks for the help, not a run"
+            raise UsageError(f"--train: {what}") from None
+        except ValueError as e:
+            raise UsageError(f"--train: {one_line(e)}") from e
+        check = [*self.generate_command(0, policy, "0"), "--check-args"]
+        done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+        if done.returncode != 0:
+            raise UsageError(f"--generate: {_last_error(done.stderr, 'rollshard-generate')}")
 
     # ---- paths and commands ------------------------------------------------------------------
 
@@ -480,6 +519,14 @@ def _check_train_config(train_args: list[str]) -> None:
     if config.trainer.initial_version is not None:
         raise UsageError(f"--train's --config {path} sets trainer.initial_version: the loop starts each round "
                          "at its checkpoint's version; remove it from the file")
+
+
+def _last_error(output: str, prog: str) -> str:
+    """A stage's error line out of its output (argparse prints its usage first), without the stage's prefix."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if not lines:
+        return f"{prog} refused it and said nothing"
+    return lines[-1].removeprefix(f"{prog}: error: ")
 
 
 def _train_flags() -> set[str]:
