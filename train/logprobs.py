@@ -293,10 +293,19 @@ def packed_logprobs(
 
 # -- the start-up check of the model -------------------------------------------------------------
 
-# fp32 forwards of the same tokens, packed or not, differ only in summation order (~1e-6 nats on the
-# tiny test models); a model that ignores packed position ids or transforms logits after the head in a
-# way this path does not is off by far more (>= 1e-3 nats even on the near-uniform tiny models).
-MODEL_CHECK_TOL = 1e-4
+# fp32 forwards of the same tokens, packed or not, differ only in rounding, and the rounding of a log softmax is
+# relative to the logits it reduces: each tolerance is per nat of the model's logit scale (its largest |logit| on
+# the check's first sequence, at least MODEL_CHECK_MIN_SCALE). Measured on SmolLM2-135M-Instruct (49,152 tokens;
+# per position logits of mean 6-16, std 2.4-3.1, top 20-33.5): logprobs 1.3e-5 nats apart, entropies 5.2e-4.
+MODEL_CHECK_MIN_SCALE = 10.0  # nats; the tiny test models' logits are ~1 and their rounding ~1e-6
+# Logprobs (the position-id and packing comparisons compare logprobs too): 1e-4 nats at a scale of 10, 3.35e-4
+# at SmolLM2's 33.5, 25x its rounding; a logit multiplier 1 + a moves logprobs by about a times the logit spread.
+LOGPROB_TOL_PER_NAT = 1e-5
+# The trainer's entropy, lse - E_p[logit], carries (sum(p) - 1) * lse of rounding, and an fp32 softmax over 49k
+# logits sums to 1 + 1.6e-5 at a peaked position (CPU): 5.2e-4 nats at lse 33.5. 2e-4 per nat (6.7e-3 there)
+# leaves 13x; the entropy is a bonus term, and a transform of the logits already shows in the logprobs.
+ENTROPY_TOL_PER_NAT = 2e-4
+MODEL_CHECK_TOL = LOGPROB_TOL_PER_NAT * MODEL_CHECK_MIN_SCALE  # the logprob tolerance up to 10 nats of logits
 MODEL_CHECK_LENGTHS = (7, 5)  # two short sequences: enough for a leak across the boundary to show, and cheap
 MODEL_CHECK_SEED = 0
 # Attention kernels without fp32 (flash attention): the check runs on sdpa, which does.
@@ -304,6 +313,30 @@ HALF_ONLY_ATTENTION_PREFIXES = ("flash_attention", "kernels-community/flash")
 # The sequences alone are scored on transformers' eager attention (every model has it; plain fp32 matmuls and
 # softmax), so a kernel that agrees with itself packed and alone but is wrong (not causal, another scale) fails too.
 REFERENCE_ATTENTION = "eager"
+
+_MODEL_CHECK_FIXES = {
+    "position_ids": (
+        "gives different logits when passed position_ids 0..L-1 than without them; rollshard-train packs "
+        "sequences by position ids, so use a model (or attn_implementation) that honours them"
+    ),
+    "logprob": (
+        "its forward computes logits other than as lm_head(final hidden state) (a post-head multiplier or "
+        "scaling, or a final_logit_softcapping in its config that the forward does not apply), which "
+        "rollshard-train does not reproduce; use a model without logit scaling, or fold the scale into the output "
+        "head's weights"
+    ),
+    "entropy": (
+        "its forward's distribution has another entropy than lm_head(final hidden state) gives although the "
+        "logprobs of the scored tokens agree, so the forward changes logits after the head; use a model whose "
+        "forward returns lm_head(final hidden state)"
+    ),
+    "packing": (
+        "sequences packed with restarting position_ids get other logprobs than each alone on eager attention, "
+        "so packed training would leak attention across sequences (or the attention kernel is wrong); use "
+        "attn_implementation rollshard_varlen, sdpa, eager or flash_attention_2 and a transformers version whose "
+        "masks follow packed position ids (4.54 or later)"
+    ),
+}
 
 
 class ModelCheckError(ValueError):
@@ -315,18 +348,27 @@ def check_attention(impl: str | None) -> str | None:
     return "sdpa" if impl and impl.startswith(HALF_ONLY_ATTENTION_PREFIXES) else impl
 
 
+def model_check_tolerances(logit_scale: float) -> dict[str, float]:
+    """Nats by which each comparison of :func:`check_model` may differ, at a model's logit scale (largest |logit|)."""
+    scale = max(logit_scale, MODEL_CHECK_MIN_SCALE)  # a NaN scale stays NaN, and every comparison fails
+    logprob = LOGPROB_TOL_PER_NAT * scale
+    return {"position_ids": logprob, "logprob": logprob, "entropy": ENTROPY_TOL_PER_NAT * scale, "packing": logprob}
+
+
 @torch.no_grad()
 def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, float]:
     """Refuse a model whose logprobs this path would get wrong; the largest differences seen, in nats.
 
-    On two short random sequences (a fixed generator), in fp32 with autocast off:
+    On two short random sequences (a fixed generator), in fp32 with autocast off, each comparison within its
+    tolerance at the model's logit scale (:func:`model_check_tolerances`):
 
     * ``position_ids``: ``model(ids)`` against ``model(ids, position_ids=0..L-1)``: a model that drops
       or alters the position ids it is given (the trainer always gives them);
-    * ``forward``: :class:`PackedPolicy` on one sequence against ``log_softmax(model(ids).logits)`` (and
-      the entropy): a forward that does more than ``lm_head(final hidden state)`` (a logit multiplier or
-      scaling such as Granite's ``logits_scaling``, Cohere's ``logit_scale``, FalconH1's
-      ``lm_head_multiplier``) or a softcap this path applies but the forward does not;
+    * ``logprob``: :class:`PackedPolicy` on one sequence against ``log_softmax(model(ids).logits)``: a forward
+      that does more than ``lm_head(final hidden state)`` (a logit multiplier or scaling such as Granite's
+      ``logits_scaling``, Cohere's ``logit_scale``, FalconH1's ``lm_head_multiplier``) or a softcap this path
+      applies but the forward does not;
+    * ``entropy``: the same, for the entropy of the distribution (what ``entropy_coef`` trains on);
     * ``packing``: both sequences packed (positions restarting at 0) against each alone through
       :class:`PackedPolicy` on eager attention (:data:`REFERENCE_ATTENTION`): attention or rotary embeddings
       that do not follow the position restarts, or an attention kernel that is wrong.
@@ -338,36 +380,22 @@ def check_model(model: nn.Module, *, chunk_tokens: int = 1024) -> dict[str, floa
         model.set_attn_implementation(check_attention(impl))
     try:
         with torch.autocast(device.type, enabled=False):
-            diffs = _check_diffs(model, device, chunk_tokens)
+            diffs, scale = _check_diffs(model, device, chunk_tokens)
     finally:
         if check_attention(impl) != impl:
             model.set_attn_implementation(impl)
-    fixes = {
-        "position_ids": (
-            "gives different logits when passed position_ids 0..L-1 than without them; rollshard-train packs "
-            "sequences by position ids, so use a model (or attn_implementation) that honours them"
-        ),
-        "forward": (
-            "its forward computes logits other than as lm_head(final hidden state) (a post-head multiplier or "
-            "scaling), which rollshard-train does not reproduce; use a model without logit scaling, or fold the "
-            "scale into the output head's weights"
-        ),
-        "packing": (
-            "sequences packed with restarting position_ids get other logprobs than each alone on eager attention, "
-            "so packed training would leak attention across sequences (or the attention kernel is wrong); use attn_implementation rollshard_varlen, sdpa, eager or "
-            "flash_attention_2 and a transformers version whose masks follow packed position ids (4.54 or later)"
-        ),
-    }
+    tolerances = model_check_tolerances(scale)
     for name, diff in diffs.items():
-        if not diff <= MODEL_CHECK_TOL:  # NaN fails too
+        if not diff <= tolerances[name]:  # NaN fails too
             raise ModelCheckError(
-                f"model check failed for model type {model_type!r} ({name}, {diff:.3g} nats > {MODEL_CHECK_TOL:g}): "
-                f"{fixes[name]}"
+                f"model check failed for model type {model_type!r} ({name}, {diff:.3g} nats > {tolerances[name]:.3g} "
+                f"allowed at a largest |logit| of {scale:.3g}): {_MODEL_CHECK_FIXES[name]}"
             )
     return diffs
 
 
-def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> dict[str, float]:
+def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> tuple[dict[str, float], float]:
+    """The largest difference of each comparison, in nats, and the logit scale (largest |logit|) they are held to."""
     g = torch.Generator().manual_seed(MODEL_CHECK_SEED)
     vocab = model.get_input_embeddings().weight.shape[0]
     seqs = [torch.randint(0, vocab, (n,), generator=g).to(device) for n in MODEL_CHECK_LENGTHS]
@@ -379,7 +407,8 @@ def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> d
 
     first = seqs[0]
     pos = torch.arange(first.numel(), device=device)
-    plain = torch.log_softmax(model(input_ids=first[None]).logits[0].float(), dim=-1)  # [L, V]
+    logits = model(input_ids=first[None]).logits[0].float()  # [L, V]
+    plain = torch.log_softmax(logits, dim=-1)  # [L, V]
     given = torch.log_softmax(model(input_ids=first[None], position_ids=pos[None]).logits[0].float(), dim=-1)
     lp, ent = alone(first)  # [L-1]
     expected_lp = plain[:-1].gather(-1, first[1:, None]).squeeze(-1)  # [L-1] logits at t-1 predict token t
@@ -395,8 +424,10 @@ def _check_diffs(model: nn.Module, device: torch.device, chunk_tokens: int) -> d
         separate = torch.cat([alone(s)[0] for s in seqs])  # [K]
     finally:
         model.set_attn_implementation(impl)
-    return {
+    diffs = {
         "position_ids": float((plain - given).abs().max()),
-        "forward": float(torch.maximum((lp - expected_lp).abs().max(), (ent - expected_ent).abs().max())),
+        "logprob": float((lp - expected_lp).abs().max()),
+        "entropy": float((ent - expected_ent).abs().max()),
         "packing": float((packed - separate).abs().max()),
     }
+    return diffs, float(logits.abs().max())
