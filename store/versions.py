@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from rollshard.store.gguf import gguf_folder, is_gguf
+
 STATE_FILE = "trainer_state.json"  # written by rollshard.train.checkpoint
 
 
@@ -21,8 +23,11 @@ class VersionError(ValueError):
 
 
 def resolve_model_path(path: str | os.PathLike) -> str:
-    """Absolute path with links resolved (``latest`` -> ``step_00000012``); a non-local name is kept as given."""
+    """Absolute path with links resolved (``latest`` -> ``step_00000012``); a ``.gguf`` file is its converted fp32
+    folder (:func:`rollshard.store.gguf.gguf_folder`, converted once); a non-local name is kept as given."""
     p = Path(path).expanduser()
+    if p.is_file() and is_gguf(p):
+        return str(gguf_folder(p).resolve())
     return str(p.resolve()) if p.exists() else str(path)
 
 

@@ -16,6 +16,16 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct as an fp32 folder (``init-model --preset smollm2-135m-instruct``), kept in
+    rollshard's cache folder so later test runs on this machine reuse it (tests only read it)."""
+    from rollshard.generate.models import init_model
+    from rollshard.store.gguf import cache_dir
+
+    return init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
     """A tiny random GPT-2-architecture model folder (the real SGLang server can run it on CPU)."""
     from rollshard.generate.models import init_model

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rollshard.store.gguf import is_gguf
 from rollshard.store.versions import folder_weight_version, resolve_model_path
 from rollshard.train.config import TrainConfig
 
@@ -43,10 +44,10 @@ def check_model_path(path: str) -> str:
     path-shaped name on the Hub (with retries) before failing, and the checkpoints copy the tokenizer files
     from the folder."""
     p = Path(path).expanduser()
-    if p.is_dir():
-        return resolve_model_path(p)
+    if p.is_dir() or (p.is_file() and is_gguf(p)):
+        return resolve_model_path(p)  # a GGUF file: its converted folder
     if p.exists():
-        raise ValueError(f"--model {path} is a file; pass the model's folder (config.json and weights)")
+        raise ValueError(f"--model {path} is a file; pass the model's folder (config.json and weights) or a .gguf file")
     if "/" in path or path.startswith((".", "~")):
         raise ValueError(f"--model {path}: no such folder; check the path (a Hugging Face model folder)")
     raise ValueError(

@@ -145,11 +145,11 @@ class EmbeddedEngine(Engine):
         self.max_batch_size = max_batch_size
         self.weight_version = _version_of(model_path, weight_version) or "0"
         try:
-            self.tokenizer = load_tokenizer(model_path)
+            self.tokenizer = load_tokenizer(self.model_path)
         except TokenizerError as e:
             raise EngineError(str(e)) from e
-        self.eos_ids = eos_token_ids(self.tokenizer, model_path)
-        self.model = load_causal_lm(model_path, device, dtype)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
+        self.model = load_causal_lm(self.model_path, device, dtype)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x

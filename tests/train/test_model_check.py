@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +45,6 @@ LOGIT_MEAN, LOGIT_STD = 12.0, 3.0  # nats
 FREQUENT_TOKENS, FREQUENT_LIFT = 16, (8.0, 20.0)  # tokens whose logits stand 8-20 nats above the mean
 
 # An fp32 Hugging Face folder of HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 49,152 tokens).
-SMOLLM2 = Path(os.environ.get("ROLLSHARD_SMOLLM2_135M", "/tmp/smol/model"))
 
 
 def _tiny(request, name: str):
@@ -121,12 +118,8 @@ def test_tolerances_grow_with_the_logit_scale():
     assert all(math.isnan(t) for t in model_check_tolerances(float("nan")).values())  # NaN logits fail the check
 
 
-@pytest.mark.skipif(
-    not (SMOLLM2 / "config.json").is_file(),
-    reason=f"no SmolLM2-135M-Instruct at {SMOLLM2}; set ROLLSHARD_SMOLLM2_135M to an fp32 Hugging Face folder of it",
-)
-def test_smollm2_135m_passes():
-    m = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+def test_smollm2_135m_passes(smollm2):
+    m = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     assert m.config.model_type == "llama" and m.config.vocab_size == 49152
     diffs = check_model(m)
     # Measured (CPU) at its logit scale of 33.5 nats: logprobs 1.3e-5 apart and entropies 5.2e-4, the rounding of
