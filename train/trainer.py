@@ -56,6 +56,7 @@ from rollshard.store.packing import PackedBatch
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
+from rollshard.train.checks import mismatch_line, mismatch_warning, no_signal_warning, recorded_models
 from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, recover, save_checkpoint
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
@@ -232,6 +233,8 @@ class Trainer:
         self.exit_status: int | None = None  # how run() ended, for the loggers: 0 done, 130 stopped; None failed
         self.run_seconds = 0.0  # wall time of run(), and the tokens it trained on
         self.run_tokens = 0.0
+        # A fresh run's step-0 mismatch (tokens, mean, max; rollshard.train.checks), measured by its first step.
+        self.initial_mismatch: tuple[float, float, float] | None = None
 
     @property
     def version(self) -> int:
@@ -293,9 +296,7 @@ class Trainer:
         loss = self.cfg.loss
         if loss.norm_len is not None or loss.agg != "seq-mean-token-sum-norm":
             return float(loss.norm_len or 0)
-        datasets = getattr(self.loader, "datasets", None)
-        if datasets is None and getattr(self.loader, "dataset", None) is not None:
-            datasets = [self.loader.dataset]
+        datasets = self._datasets()
         if datasets is None:
             from rollshard.store.dataset import RolloutDataset
             from rollshard.store.mixture import parse_sources
@@ -310,6 +311,41 @@ class Trainer:
             )
         self.cfg = dataclasses.replace(self.cfg, loss=dataclasses.replace(loss, norm_len=length))  # in the saved config
         return float(length)
+
+    def _datasets(self) -> list[Any] | None:
+        """The datasets the loader reads (one, or a mixture's sources); None for a loader that does not say."""
+        datasets = getattr(self.loader, "datasets", None)
+        if datasets is None and getattr(self.loader, "dataset", None) is not None:
+            datasets = [self.loader.dataset]
+        return datasets
+
+    def _say(self, message: str) -> None:
+        if self.env.is_main:
+            print(f"rollshard-train: {message}", file=sys.stderr, flush=True)
+
+    def _check_signal(self) -> None:
+        """Before the first step: one warning when every group would train at advantage 0 (rollshard.train.checks)."""
+        datasets = self._datasets()
+        if not (self.env.is_main and datasets):
+            return
+        d = self.cfg.data
+        warning = no_signal_warning(
+            datasets, statuses=d.statuses, agents=d.agents, drop_zero_variance=d.drop_zero_variance,
+            single_member=self.cfg.advantage.single_member,
+        )
+        if warning:
+            self._say(f"warning: {warning}")
+
+    def _report_mismatch(self) -> None:
+        """After a fresh run's first step: its step-0 mismatch, and a warning when it is far above fp32 rounding on
+        rows another model generated (rollshard.train.checks)."""
+        if not self.env.is_main or self.initial_mismatch is None:
+            return
+        tokens, mean, high = self.initial_mismatch
+        self._say(mismatch_line(tokens, mean, high))
+        warning = mismatch_warning(high, recorded_models(self._datasets() or []), self.cfg.model.path)
+        if warning:
+            self._say(f"warning: {warning}")
 
     def planned_steps(self) -> int | None:
         """Steps of the whole run, for the progress bar: ``--max-steps``, capped by the steps the data holds when
@@ -342,6 +378,7 @@ class Trainer:
             disable=not (self.env.is_main and tr.progress), dynamic_ncols=True,
         )
         started = time.perf_counter()
+        self._check_signal()
         try:
             with _StopSignals() as stop, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=LOADER_NO_STEP)
@@ -357,8 +394,11 @@ class Trainer:
                     waited = time.perf_counter() - t0
                     if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
                         break  # the data ended (on some rank: all stop together)
+                    fresh = self.step == 0
                     metrics = self.train_step(step)
                     self.step += 1
+                    if fresh:
+                        self._report_mismatch()
                     self.loader.set_current_version(self.version)
                     self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
                     if tr.save_every and self.step % tr.save_every == 0:
@@ -466,6 +506,9 @@ class Trainer:
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
+        # A fresh run's step-0 mismatch is of the weights before any update: with one mini-batch every forward of
+        # the step comes before it, with more a forward of its own does.
+        initial = self._pre_update_mismatch(mbs, n_passes, prox) if self.step == 0 and len(parts) > 1 else None
         norms = mini_batch_norms(host, parts, self.env, norm_len=self.norm_len)
         optim_metrics = []
         for k, (part, norm, share) in enumerate(zip(parts, norms, loss_shares(norms, cfg.loss.agg))):
@@ -525,7 +568,35 @@ class Trainer:
 
         self._data_metrics(step, host, acc)
         merged = MetricAccumulator.merged(self.env.all_gather_json(acc.state())).result()
-        return self._finish_metrics(merged, optim_metrics)
+        out = self._finish_metrics(merged, optim_metrics)
+        if self.step == 0 and "mismatch/abs_diff_max" in out:
+            self.initial_mismatch = initial or (
+                out["data/loss_tokens"], out["mismatch/abs_diff_mean"], out["mismatch/abs_diff_max"]
+            )
+        return out
+
+    @torch.no_grad()
+    def _pre_update_mismatch(
+        self, mbs: list[PackedBatch], n_passes: int, prox: list[torch.Tensor] | None
+    ) -> tuple[float, float, float]:
+        """(tokens, mean, max) of ``|logp - rollout_logp|`` over every rank's micro-batches at the current weights,
+        of the logprobs the ratio takes (``mismatch/abs_diff_*`` of :func:`rollshard.train.losses.policy_loss`):
+        the proximal policy's when decoupled mode computed them (the same weights), else a forward of its own."""
+        renorm = self.cfg.loss.renormalize_support
+        now = prox if prox is not None else self._frozen_logprobs(mbs, n_passes, reference=False)
+        total, count, high = 0.0, 0.0, 0.0
+        for mb, logp in zip(mbs, now):
+            old = mb.rollout_logprobs  # [T] the ratio's rollout side (rollshard.train.support.rollout_logprobs):
+            if renorm and mb.has_support is not None:  # the stored sampling logprob where the row has a support
+                old = torch.where(mb.has_support, mb.sampling_logprobs, old)
+            diff = (logp - old)[mb.loss_mask > 0].abs()  # [K]
+            if diff.numel():
+                most = diff.max().item()
+                total, count = total + diff.sum().item(), count + diff.numel()
+                high = most if not most <= high else high  # a NaN stays (max() would drop it)
+        total, count = self.env.all_reduce([total, count], "sum")
+        high = self.env.all_reduce([high], "max")[0]
+        return count, total / max(count, 1.0), high
 
     def _stop_note(self) -> str:
         saved = (

@@ -90,8 +90,13 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dataset, tiny_gpt2, tmp_path
     assert max((w_res[k] - w_ref[k]).abs().max().item() for k in w_ref) < 1e-6
 
 
+def after_step_0(err: str) -> str:
+    """stderr without the step-0 mismatch line a fresh run prints after its first step (tests/train/test_no_silent.py)."""
+    return "\n".join(line for line in err.splitlines() if not line.startswith("rollshard-train: step-0 mismatch"))
+
+
 def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
+    err = after_step_0(capsys.readouterr().err).strip()
     assert "\n" not in err and "Traceback" not in err, err
     return err
 
@@ -149,7 +154,7 @@ def test_interrupt_saves_the_last_finished_step_and_resumes(sig, tiny_dataset, t
         proc.kill()
     assert proc.returncode == 130, stderr
     name = signal.Signals(sig).name
-    assert stderr.strip() == (
+    assert after_step_0(stderr).strip() == (
         f"rollshard-train: interrupted ({name}); saved step 2 to {out}/checkpoints/step_00000002; "
         "rerun with --resume to continue"
     )
