@@ -1,4 +1,4 @@
-"""``rollshard-generate``: batch generation (default), ``serve``, ``rescore`` and ``init-model`` subcommands."""
+"""``rollshard-generate``: batch generation (default), ``serve``, ``eval``, ``rescore`` and ``init-model`` subcommands."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollshard.generate.rescore import main as rescore_main
 
         return rescore_main(argv[1:])
+    if argv and argv[0] == "eval":
+        from rollshard.generate.eval import main as eval_main
+
+        return eval_main(argv[1:])
     if argv and argv[0] == "init-model":
         from rollshard.generate.models import main as init_model_main
 
