@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from rollshard.generate.run import main as generate_main
 
+    if "--check-args" in rest:  # the batch command's own check of these flags (rollshard-loop --eval); no run
+        return generate_main([*gen_argv, "--out", args.out or tempfile.gettempdir()])
     out = args.out or tempfile.mkdtemp(prefix="rollshard-eval-")
     try:
         code = generate_main([*gen_argv, "--out", out])

@@ -58,11 +58,13 @@ TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print
 # When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
 # made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.
 FROZEN_BY = {"model": "generated", "engine": "generated", "seed": "generated", "generate": "generated",
-             "window": "trained", "train": "trained", "audit": None}  # a check, shaping no row: free to change
+             "window": "trained", "train": "trained", "audit": None, "eval": None}  # checks, shaping no row: free
 # Frozen as soon as round 0's generation committed rows: a resumed generation checks its own row-shaping flags
 # (rollshard-generate names the one that differs), but not which policy the engine serves.
 FROZEN_BY_ROWS = ("model",)
 AUDIT_OWNED = ("--data", "--model", "--out", "--json")
+EVAL_OWNED = ("--model", "--engine", "--out", "--json")
+EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
 LOCK_FILE = ".loop.lock"
 FAILURE_DIR = "_failures"  # rollshard-generate's ledger of failed prompts, in the dataset
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
@@ -112,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="flags for rollshard-train audit, e.g. \"--max-abs-diff 0.05\" for a bf16 engine (repeatable)",
     )
     p.add_argument(
+        "--eval", action="append", default=[], metavar="ARGS",
+        help="evaluate round 0's model and every round's checkpoint on held-out prompts with rollshard-generate eval "
+        "and these flags, e.g. \"--task arithmetic --limit 128 --max-new-tokens 48\" (RUN/round_K/eval*; repeatable)",
+    )
+    p.add_argument(
         "--no-report", action="store_true",
         help="skip RUN/report.html (rollshard-store report of every round's rows and the last training's metrics)",
     )
@@ -157,6 +164,7 @@ class Loop:
         self.out, self.settings, self.rounds, self.progress = out, settings, rounds, progress
         self._child: subprocess.Popen | None = None
         self._stop: int | None = None  # the signal that asked the loop to stop
+        self._seconds = 0.0  # wall time of the last stage
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Loop:
@@ -191,6 +199,7 @@ class Loop:
             "generate": generate_args,
             "train": train_args,
             "audit": _split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
+            "eval": _split("--eval", args.eval, EVAL_OWNED) if args.eval else None,
         }
         # Links resolved, as the checkpoints' paths come back: loop.json keeps paths relative to it, so a run moves.
         out = Path(args.out).resolve()
@@ -263,6 +272,11 @@ class Loop:
         done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
         if done.returncode != 0:
             raise UsageError(f"--generate: {_last_error(done.stderr, 'rollshard-generate')}")
+        if self.settings["eval"] is not None:  # eval's own flags, then the batch command's (--check-args)
+            check = [*self.eval_command(policy, self.round_dir(0) / "eval_policy"), "--check-args"]
+            done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+            if done.returncode != 0:
+                raise UsageError(f"--eval: {_last_error(done.stderr, 'rollshard-generate eval')}")
 
     # ---- paths and commands ------------------------------------------------------------------
 
@@ -309,6 +323,15 @@ class Loop:
             *self.settings["audit"], *self._quiet(),
         ]  # fmt: skip
 
+    def eval_command(self, policy: str, out: Path) -> list[str]:
+        """rollshard-generate eval of ``policy`` (embedded), or of what the servers serve once they loaded it."""
+        engine = self.settings["engine"]
+        where = ["--model", policy] if engine == "embedded" else ["--engine", engine, "--update-weights", policy]
+        return [
+            sys.executable, "-m", "rollshard.generate", "eval", *where, "--out", str(out),
+            *self.settings["eval"], *self._quiet(),
+        ]  # fmt: skip
+
     def _name(self, path: Path) -> str:
         """A path as loop.json keeps it: relative to the run folder when inside it, so a run can be moved."""
         path = Path(path).resolve()
@@ -351,8 +374,16 @@ class Loop:
         if k == len(self.rounds):
             self.rounds.append({"round": k})
         state = self.rounds[k]
-        if state.get("trained"):
+        if state.get("trained") and (self.settings["eval"] is None or state.get("checkpoint_eval")):
             return EXIT_OK
+        if k == 0 and self.settings["eval"] is not None and not state.get("eval"):
+            code, figures = self._eval(k, rounds, self.policy_path(0), self.round_dir(0) / "eval_policy")
+            if code != EXIT_OK:
+                return code
+            state.update(eval=figures)
+            self._save()
+        if state.get("trained"):
+            return self._eval_checkpoint(k, rounds)
         if not state.get("generated"):
             # The policy as it is now: --model may have changed since a generation that committed nothing.
             policy = self.policy_path(k)
@@ -370,6 +401,7 @@ class Loop:
             if code != EXIT_OK:
                 return code
             state.update(generated=True, data=_data_summary(self.round_dir(k) / "data"))
+            state.setdefault("seconds", {})["generate"] = self._seconds
             self._save()
         if self.settings["audit"] is not None and not state.get("audit"):
             code, summary = self._audit(k, rounds)
@@ -380,6 +412,7 @@ class Loop:
         code = self._stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
         if code != EXIT_OK:
             return code
+        state.setdefault("seconds", {})["train"] = self._seconds
         ckpt = latest_checkpoint(self.round_dir(k) / "train")
         if ckpt is None:  # nothing passed the filters: no step, no checkpoint
             _say(f"round {k}: training wrote no checkpoint (no step ran: see its output above); check the --train filters")
@@ -389,7 +422,30 @@ class Loop:
             train=_train_summary(self.round_dir(k) / "train"),
         )  # fmt: skip
         self._save()
+        return self._eval_checkpoint(k, rounds)
+
+    def _eval_checkpoint(self, k: int, rounds: int) -> int:
+        """``--eval``: round k's checkpoint (P_{k+1}) on the held-out prompts; round k+1's policy is that one."""
+        state = self.rounds[k]
+        if self.settings["eval"] is None or state.get("checkpoint_eval"):
+            return EXIT_OK
+        code, figures = self._eval(k, rounds, self.out / state["checkpoint"], self.round_dir(k) / "eval")
+        if code != EXIT_OK:
+            return code
+        state.update(checkpoint_eval=figures)
+        state.setdefault("seconds", {})["eval"] = self._seconds
+        self._save()
         return EXIT_OK
+
+    def _eval(self, k: int, rounds: int, policy: Path, out: Path) -> tuple[int, dict[str, Any] | None]:
+        code = self._stage(k, rounds, f"evaluating {self._name(policy)}", self.eval_command(str(policy), out))
+        if code != EXIT_OK:
+            return code, None
+        try:
+            return EXIT_OK, json.loads((out / EVAL_FILE).read_text())
+        except (OSError, ValueError) as e:
+            _say(f"round {k}: the evaluation wrote no figures ({e}); rerun the same command to continue")
+            return EXIT_FAILED, None
 
     def _audit(self, k: int, rounds: int) -> tuple[int, dict[str, Any] | None]:
         """The audit stage: (exit code, the overall mismatch of the round's rows). Flagged rows stop the loop."""
@@ -414,7 +470,8 @@ class Loop:
         if self._stop is not None:  # a signal between stages: start no other
             _say(f"interrupted before {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
-        _say(f"round {k + 1}/{rounds}: {what} with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})")
+        policy = "" if what.startswith("evaluating") else f" with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})"
+        _say(f"round {k + 1}/{rounds}: {what}{policy}")
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
         sink = open(stdout, "w") if stdout is not None else sys.stderr
@@ -430,8 +487,9 @@ class Loop:
             self._child = None
             if stdout is not None:
                 sink.close()
+        self._seconds = round(time.perf_counter() - started, 1)
         if code == EXIT_OK:
-            _say(f"round {k + 1}/{rounds}: {what} done in {time.perf_counter() - started:.1f} s")
+            _say(f"round {k + 1}/{rounds}: {what} done in {self._seconds:.1f} s")
             return EXIT_OK
         if code in (EXIT_INTERRUPTED, -signal.SIGINT, -signal.SIGTERM):
             _say(f"interrupted while {what} round {k}; rerun the same command to continue")
@@ -478,10 +536,13 @@ class Loop:
             if not state.get("generated"):
                 continue
             train = state.get("train", {})
+            policy_eval = state.get("eval") if state["round"] == 0 else self.rounds[state["round"] - 1].get("checkpoint_eval")
             rows.append({
                 "round": state["round"], "policy_version": state["policy_version"],
                 **state["data"], **train, "audit": state.get("audit"),
                 "checkpoint_version": state.get("checkpoint_version"),
+                "eval": policy_eval, "checkpoint_eval": state.get("checkpoint_eval"),
+                "seconds": state.get("seconds", {}),
             })  # fmt: skip
         return rows
 
@@ -590,8 +651,10 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
     audited = any(r.get("audit") for r in rows)
     label = "audit |dlogp| mean/max" if audited else "first-step |dlogp| mean/max"
     failed = any(r.get("failed_prompts") for r in rows)
+    evaluated = any(r.get("eval") or r.get("checkpoint_eval") for r in rows)
+    held_out = ["held-out", "-> held-out"] if evaluated else []
     for name in ("round", "version", "rows", *(["failed prompts"] if failed else []), "reward",
-                 *(f"reward {a}" for a in agents), label, "steps", "-> version"):  # fmt: skip
+                 *(f"reward {a}" for a in agents), label, "steps", "-> version", *held_out):  # fmt: skip
         table.add_column(name, justify="right")
     for r in rows:
         m = r.get("audit") if audited else {"mean": r.get("mismatch_mean"), "max": r.get("mismatch_max")}
@@ -601,8 +664,14 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             *([str(r.get("failed_prompts", 0))] if failed else []), _num(r["reward_mean"]),
             *(_num(r["reward_by_agent"].get(a)) for a in agents), mismatch, str(r.get("steps", "-")),
             r.get("checkpoint_version") or "-",
+            *([_score(r.get("eval")), _score(r.get("checkpoint_eval"))] if evaluated else []),
         )  # fmt: skip
     Console(width=200).print(table)
+
+
+def _score(figures: dict[str, Any] | None) -> str:
+    """An evaluation's headline: pass@1 (greedy, or the unbiased estimate over its samples)."""
+    return "-" if not figures or figures.get("pass@1") is None else f"{figures['pass@1']:.1%}"
 
 
 def _num(x: float | None) -> str:

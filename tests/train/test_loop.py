@@ -476,3 +476,39 @@ def test_a_round_goes_on_without_failed_prompts_within_the_generations_bound(tin
     assert code == 0, err
     (entry,) = json.loads(stdout)["rounds"]
     assert (entry["failed_prompts"], entry["rows"], entry["steps"]) == (1, 12, 3)  # 3 of 4 prompts, one step each
+
+
+EVAL = "--task arithmetic --limit 3 --max-new-tokens 4"
+
+
+@pytest.mark.slow
+def test_eval_scores_round_0s_model_and_every_checkpoint(tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--eval", EVAL, rounds=2)))
+    assert code == 0, err
+    state = json.loads((out / "loop.json").read_text())
+    r0, r1 = state["rounds"]
+    for figures, model in ((r0["eval"], tiny_gpt2), (r0["checkpoint_eval"], out / r0["checkpoint"]),
+                           (r1["checkpoint_eval"], out / r1["checkpoint"])):  # fmt: skip
+        assert figures["prompts"] == 3 and figures["answers"] == 3 and figures["split"] == "eval"
+        assert Path(figures["model"]).resolve() == Path(model).resolve() and 0.0 <= figures["pass@1"] <= 1.0
+    assert "eval" not in r1  # round 1's policy is round 0's checkpoint, evaluated once
+    assert set(r0["seconds"]) == {"generate", "train", "eval"} and all(v >= 0 for v in r0["seconds"].values())
+    assert err.count("evaluating") == 3 * 2  # three evaluations, each a start and a done line
+    summary = json.loads(stdout)["rounds"]
+    assert summary[1]["eval"] == r0["checkpoint_eval"] and summary[1]["checkpoint_eval"] == r1["checkpoint_eval"]
+    assert (out / "round_000" / "eval_policy" / "eval.json").is_file() and (out / "round_001" / "eval").is_dir()
+
+    # A finished run reruns nothing; one without --eval before gets its evaluations on a rerun with it.
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--eval", EVAL, rounds=2)))
+    assert code == 0 and "evaluating" not in err and "generating" not in err
+
+
+def test_bad_eval_flags_are_one_line_before_round_0(tiny_gpt2, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert loop_main(loop_args(tiny_gpt2, out, "--eval", "--task arithmetic --n-samples 2 --temperature 0")) == 2
+    err = capsys.readouterr().err
+    assert "--eval: --n-samples 2 at --temperature 0 draws one answer 2 times" in err and err.count("\n") == 1
+    assert not (out / "round_000").exists()
+    assert loop_main(loop_args(tiny_gpt2, out, "--eval", "--task arithmetic --out x")) == 2
+    assert "--eval may not set --out" in capsys.readouterr().err
