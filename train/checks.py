@@ -33,7 +33,9 @@ MISMATCH_FAR_NATS = 1e-2
 FINITE_REWARD = pl.col("reward").filter(pl.col("reward").is_finite())
 
 
-def no_signal_warning(datasets: list[Any], *, statuses, agents, drop_zero_variance: bool, single_member: str) -> str | None:
+def no_signal_warning(
+    datasets: list[Any], *, statuses, agents, drop_zero_variance: bool, single_member: str
+) -> str | None:
     """The warning of a run whose every group would train at advantage 0 (module docstring); None otherwise."""
     groups = zero = silent_single = 0
     low, high = math.inf, -math.inf
@@ -52,7 +54,7 @@ def no_signal_warning(datasets: list[Any], *, statuses, agents, drop_zero_varian
             lf.select(FINITE_REWARD.min().alias("low"), FINITE_REWARD.max().alias("high")),
         ])  # fmt: skip
         c, s = counts.row(0, named=True), span.row(0, named=True)
-        groups, zero, silent_single = groups + c["groups"], zero + (c["zero"] or 0), silent_single + (c["silent_single"] or 0)
+        groups, zero, silent_single = groups + c["groups"], zero + c["zero"], silent_single + c["silent_single"]
         if s["low"] is not None:
             low, high = min(low, s["low"]), max(high, s["high"])
     if drop_zero_variance:  # the loader drops them: what is left is what trains

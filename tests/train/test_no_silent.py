@@ -54,7 +54,8 @@ def warning_of(tmp_path, groups, *, drop=False, single_member="reward", agents=N
         # 4 groups of 4 rows, every reward 0: all zero variance, one reward across the dataset.
         ([[0.0] * 4] * 4, "reward", "of the 4 groups in --data, 4 have zero reward variance (every reward is 0), so"),
         # Equal within each group, not across them: still no signal, and no common reward to name.
-        ([[1.0, 1.0], [0.0, 0.0], [0.5, 0.5, 0.5]], "reward", "of the 3 groups in --data, 3 have zero reward variance, so"),
+        ([[1.0, 1.0], [0.0, 0.0], [0.5, 0.5, 0.5]], "reward",
+         "of the 3 groups in --data, 3 have zero reward variance, so"),
         # A one-row group of reward 0 trains at advantage 0 under --single-member reward (its advantage is its reward).
         ([[0.0], [1.0, 1.0]], "reward", "of the 2 groups in --data, 1 have zero reward variance and 1 are one row "
                                         "with reward 0, so"),
@@ -117,7 +118,8 @@ def test_drop_zero_variance_refuses_such_a_run_as_before(tiny_gpt2, tmp_path, ca
 # -- the step-0 mismatch --------------------------------------------------------------------------------
 
 
-def test_a_fresh_run_prints_its_step_0_mismatch_and_no_warning_on_its_own_rows(tiny_dataset, tiny_gpt2, tmp_path, capsys):
+def test_a_fresh_run_prints_its_step_0_mismatch_and_no_warning_on_its_own_rows(tiny_dataset, tiny_gpt2, tmp_path,
+                                                                              capsys):
     out = tmp_path / "run"
     assert main(args_for(tiny_dataset, tiny_gpt2, out, "--max-steps", "2")) == 0
     err = capsys.readouterr().err
