@@ -8,7 +8,9 @@ A user task (``--task module:attr`` / ``file.py:attr``) is a :class:`Task` insta
 subclass of it, or a function returning one (called with no argument). Its verifier takes
 ``(text, label)`` and returns a :class:`Verdict`, a float, or a dict ``{"reward": ...}``
 (rollshard/generate/rewards.py); ``prompts`` names its prompt source (a JSONL/Parquet file,
-relative to the task's own file, or a HF dataset), used when ``--prompts`` is not given.
+relative to the task's own file, or a HF dataset), used when ``--prompts`` is not given; a task
+with a ``generator`` (:class:`~rollshard.generate.tasks.generated.ProblemGenerator`) draws its own
+seeded prompts instead, split into ``train`` and ``eval``.
 Override :meth:`Task.messages` for prompts that are not one templated user message.
 """
 
@@ -17,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rollshard.generate.tasks.verifiers import Verdict
+
+if TYPE_CHECKING:
+    from rollshard.generate.tasks.generated import ProblemGenerator
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -56,6 +61,7 @@ class Task:
     label_required: bool = True
     default_label: Any = None
     prompt_file: str | None = None  # file under rollshard.generate.tasks/data/ (built-in tasks)
+    generator: ProblemGenerator | None = None  # draws the task's own prompts (tasks/generated.py) instead of a file
     prompts: str | None = None  # a user task's prompt source: a path (relative to its file) or HF dataset name
     plugin: dict[str, Any] | None = None  # where a user task came from (its identity; set when it is loaded)
 

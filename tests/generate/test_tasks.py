@@ -56,7 +56,7 @@ def test_toy_reward_formula():
     assert get_task("toy").verify("12ab", None).reward == 0.5  # label None -> digits
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(n for n, t in TASKS.items() if t.generator is None))
 def test_every_task_ships_prompts(name):
     task = get_task(name)
     prompts = load_prompts(task.default_prompts(), label_required=task.label_required)
