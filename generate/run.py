@@ -68,11 +68,15 @@ from rollshard.generate.runner import (
     shard_prompts,
     writer_id_for,
 )
-from rollshard.generate.tasks import TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts
+from rollshard.generate.tasks import (
+    TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts, parse_task_options,
+)
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.lineage import lineage_of
+from rollshard.store.model_fingerprint import model_fingerprint
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+from rollshard.store.gguf import gguf_source
 from rollshard.store.versions import resolve_model_path
 from rollshard.store.writer import ShardWriter
 
@@ -109,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prompt format and verifier: {', '.join(sorted(TASKS))}, or your own as module:attr or file.py:attr "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--task-option", action="append", default=[], metavar="KEY=VALUE",
+        help="an option of a task that generates its prompts (arithmetic, countdown), e.g. digits=3, ops=+-*, seed=1, "
+        "size=200 (repeatable)",
+    )
     add_reward_arguments(
         g,
         reward_help="reward function instead of the task's verifier: module:fn or file.py:fn, sync or async, given a "
@@ -134,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--id-key", default="id", metavar="KEY",
         help="prompt id field; without it, the position (default: %(default)s)",
     )
-    g.add_argument("--split", default="train", help="split of a HF dataset (default: %(default)s)")
+    g.add_argument(
+        "--split", default="train",
+        help="split of a HF dataset, or of a task that generates its prompts: train, or eval (held out, disjoint "
+        "from train) (default: %(default)s)",
+    )
     g.add_argument("--limit", type=int, metavar="N", help="use the first N prompts of the source")
     g.add_argument("--out", required=True, metavar="DATASET", help="dataset directory or pyarrow filesystem URI")
 
@@ -392,15 +405,28 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, l
         args.chat = ChatFormat.from_file(args.chat_template) if args.chat_template else (
             ChatFormat(mode="raw") if args.no_chat_template else ChatFormat()
         )
-        source = args.prompts or task.default_prompts()
-        prompts = load_prompts(
-            source,
-            input_key=args.input_key,
-            label_key=args.label_key,
-            id_key=args.id_key,
-            label_required=task.label_required,
-            split=args.split,
-        )
+        task_options = parse_task_options(args.task_option)
+        args.task_options = None  # the resolved options of a task that generates its prompts (in the run config)
+        if task.generator is not None and args.prompts is None:
+            args.task_options = task.generator.resolve(task_options, args.split)
+            source = f"{task.name}[{args.split}]"
+            prompts = task.generator.prompts(args.split, args.task_options)
+        else:
+            if task_options:
+                raise UsageError(
+                    "--task-option is for a task that generates its prompts "
+                    f"({', '.join(name for name, t in sorted(TASKS.items()) if t.generator)}), "
+                    f"not for task {task.name!r} reading {args.prompts or 'its prompt file'}; drop --task-option"
+                )
+            source = args.prompts or task.default_prompts()
+            prompts = load_prompts(
+                source,
+                input_key=args.input_key,
+                label_key=args.label_key,
+                id_key=args.id_key,
+                label_required=task.label_required,
+                split=args.split,
+            )
     except (ValueError, PromptSourceError) as e:
         raise UsageError(str(e)) from e
     args.prompts = str(source)
@@ -465,11 +491,17 @@ async def _generate(
             # Absolute, links resolved (checkpoints/latest -> step_N): the dataset names the exact policy, and
             # inspect / the notebook find the tokenizer from anywhere.
             model=resolve_model_path(info["model_path"]) if info.get("model_path") else None,
+            # The weights themselves (rollshard-train compares its --model's); None where the folder is not local.
+            model_fingerprint=(
+                model_fingerprint(resolve_model_path(info["model_path"])) if info.get("model_path") else None
+            ),
             tokenizer=resolve_model_path(tokenizer_path),
             weight_version=info.get("weight_version"),
             max_context_len=_context_len(args, info, tokenizer),
             chat_template=args.chat.config(tokenizer),
         )
+        if config["model"] and (source := gguf_source(config["model"])):
+            config["model_source"] = source  # a .gguf file's name and sha256 (its converted folder is a cache)
         try:  # both render prompts with the run's chat template
             _check_existing_prompts(args.out, prompts, task, tokenizer, args.chat)
             warning = prompts and system.context_warning(
@@ -622,6 +654,8 @@ def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sa
         "label_key": args.label_key,
         "id_key": args.id_key,
         "limit": args.limit,
+        "split": args.split,
+        "task_options": args.task_options,
         # return_sampling_mask is recorded as sampling_support: a config without it (before schema 1.1) means off.
         "sampling": _sampling_config(sampling),
         "sampling_support": "on" if sampling.return_sampling_mask else "off",
