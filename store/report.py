@@ -142,6 +142,7 @@ def _rewards(page: Page, opened, lf, agents) -> None:
         _p(f"Finite rewards only (a failed row may have none); std with ddof={REWARD_STD_DDOF}, as the trainer "
            "normalizes. <i>round</i> here is the agent system's step (multi_agent: solver 0, rewriter 1, selector 2)."),
         table_html(data.per_agent(ds, agents), cls="per-agent", caption="by agent (as rollshard-store stats)"),
+        _parse_table(ds, agents),
         table_html(by_round, cls="by-round", caption="by agent and round"),
         page.figure(figures.reward_figure(by_round, rewards, agents), "reward by agent and round"),
     )
@@ -154,6 +155,15 @@ def _rewards(page: Page, opened, lf, agents) -> None:
         table_html(across, cls="across"),
         page.figure(figures.rounds_figure(across, all_agents), "reward across rounds"),
     )
+
+
+def _parse_table(ds: RolloutDataset, agents) -> str:
+    rates = data.parse_rates(ds, agents)
+    if rates.is_empty():
+        return _p("No row records what its response parsed to (metadata answer_status / judgment_status).")
+    return table_html(rates, cls="parse", caption="what the responses parsed to, by agent: share of the agent's rows "
+                      "(multi_agent: answer_status ok | missing; the selector's judgment_status ok | out_of_range | "
+                      "missing)")
 
 
 def _groups_lengths(page: Page, lf, agents) -> None:

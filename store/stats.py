@@ -13,6 +13,13 @@ unbiased standard deviation (``REWARD_STD_DDOF``), as the trainer normalizes a g
 zero-variance group has two or more rows whose finite rewards are all equal: every
 advantage in it is 0, so it carries no learning signal. A single-member group (one
 row, e.g. the selector) is counted apart: the trainer trains it on its reward.
+
+Parse rates: an agent system may record in a row's metadata JSON what it could read of the
+response, as a status string under one of :data:`PARSE_KEYS` (``multi_agent``:
+``answer_status`` ``ok`` | ``missing`` on every row, and the selector's ``judgment_status``
+``ok`` | ``out_of_range`` | ``missing``). Each agent's ``parse`` counts the rows by status per
+key, over the rows that carry the key; a key no row of an agent carries is left out (datasets
+written before these keys carry none; a ``rescore`` adds the selector's).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ FINITE_REWARD = pl.col("reward").filter(pl.col("reward").is_finite())
 # Where a run config may name the model whose tokenizer wrote the token ids, best first.
 TOKENIZER_KEY_HINTS = ("tokenizer", "model", "path")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holding one is a tokenizer folder
+PARSE_KEYS = ("answer_status", "judgment_status")  # metadata keys holding a row's parse status (module docstring)
+PARSE_OK = "ok"
 
 
 def _reward_aggs() -> list[pl.Expr]:
@@ -48,7 +57,7 @@ def _reward_aggs() -> list[pl.Expr]:
 def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
     """Totals from the manifests; rows by status; rows, tokens and reward by agent."""
     lf = ds.scan()
-    status, by_agent, supports = pl.collect_all(
+    status, by_agent, supports, parsed = pl.collect_all(
         [
             lf.group_by("status").agg(pl.len().alias("rows")),
             lf.group_by("agent")
@@ -60,15 +69,17 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
             )
             .sort("agent"),
             lf.select(pl.col("sampling_support").is_not_null().sum().cast(pl.Int64).alias("rows")),
+            _parse_counts(lf),
         ]
     )
     with_support = int(supports["rows"][0]) if supports.height else 0
     status_counts = {s: 0 for s in STATUS_VALUES}
     status_counts.update({r["status"]: r["rows"] for r in status.iter_rows(named=True)})
     agents = {}
+    parse = _parse_by_agent(parsed)
     for r in by_agent.iter_rows(named=True):
         agent = r.pop("agent")
-        agents[agent] = _clean(r)
+        agents[agent] = {**_clean(r), "parse": parse.get(agent, {})}
     return {
         "dataset": ds.storage.uri,
         "schema_version": ds.schema_version,
@@ -87,6 +98,30 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
         "rows_with_support": with_support,
         "support_fraction": with_support / ds.num_rows if ds.num_rows else None,
     }
+
+
+def _parse_counts(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """Rows by agent, parse key and status (string values only; a row without the key is not counted)."""
+    return (
+        lf.select("agent", *(pl.col("metadata").str.json_path_match(f"$.{k}").alias(k) for k in PARSE_KEYS))
+        .unpivot(index="agent", on=list(PARSE_KEYS), variable_name="key", value_name="status")
+        .drop_nulls("status")
+        .group_by("agent", "key", "status")
+        .agg(pl.len().cast(pl.Int64).alias("rows"))
+    )
+
+
+def _parse_by_agent(counts: pl.DataFrame) -> dict[str, dict[str, Any]]:
+    """``{agent: {key: {"rows", "counts": {status: rows}, "ok_share"}}}``, statuses ``ok`` first, then by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in counts.sort("agent", "key", pl.col("status") != PARSE_OK, "status").iter_rows(named=True):
+        entry = out.setdefault(r["agent"], {}).setdefault(r["key"], {"rows": 0, "counts": {}})
+        entry["counts"][r["status"]] = r["rows"]
+        entry["rows"] += r["rows"]
+    for keys in out.values():
+        for entry in keys.values():
+            entry["ok_share"] = entry["counts"].get(PARSE_OK, 0) / entry["rows"]
+    return out
 
 
 def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:

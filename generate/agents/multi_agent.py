@@ -18,26 +18,35 @@ Rewards (the exact rule, tested in tests/generate/test_agents.py; :meth:`MultiAg
 computes it from the stored rows, so ``rescore`` recomputes it consistently):
 
 * solver and rewriter: ``v`` = the scorer's reward (the task verifier's, or ``--reward``) on
-  the call's answer (``metadata.answer``; on ``""`` when none parsed);
-* selector: its judgment is the integer of the **last** ``Judgment: N`` in its answer
-  (slime takes the first; the prompt asks for it at the end, so an earlier one is
-  reasoning, not the decision). It is malformed when there is none or ``N`` is outside
-  ``1..m``. A valid judgment selects the N-th rewrite shown, and the selector's ``v`` is
-  that rewrite's verifier reward; a malformed one gets ``v = 0``;
-* the selector was right when the rewrite it selected (``metadata.selected``) is correct by the
-  verifier (``Verdict.correct``; for 0/1 verifiers this is slime's ``reward == 1``);
+  the call's answer (``metadata.answer``; on ``""`` when none parsed, ``metadata.answer_status``
+  ``missing``);
+* selector: its verdict is the **last** ``Judgment: N`` in its answer (slime takes the first;
+  the prompt asks for it at the end, so an earlier one is reasoning, not the decision), read
+  as instruct models write it: any case, ``Judgement`` too, markdown around it
+  (``**Judgment:** 2``, ``**Judgment: 2**``, ``Judgment: **2**``, ``### Judgment: 2``), ``N``
+  as ``Solution 2``, ``#2`` or ``[2]`` (:data:`JUDGMENT_RE`). ``metadata.judgment_status`` is
+  ``ok`` when ``N`` is in ``1..m``, ``out_of_range`` when it is not, ``missing`` when there is
+  no verdict. An ``ok`` verdict selects the N-th rewrite shown (``metadata.selected``) and the
+  selector's ``v`` is that rewrite's reward; otherwise ``v = 0``. ``score`` reads the verdict
+  again from the stored answer and candidates, so rescoring a dataset applies this parser to it;
+* the selector was right when the rewrite it selected is correct by the verifier
+  (``Verdict.correct``; for 0/1 verifiers this is slime's ``reward == 1``);
 * episode weight (slime's ``correct_reward_weight`` / ``incorrect_reward_weight``): every
-  row's reward is ``v * correct_weight`` (1.2) when the selector was right, else
-  ``v * incorrect_weight`` (0.8). An episode stopped early -- no solver answer parsed, or
-  no rewrite parsed -- has no selector and takes ``incorrect_weight``, as in slime.
-  The raw ``v`` and the weight are kept in each row's metadata.
+  row's reward is ``v * weight``, where the weight is ``correct_weight`` (1.2) when the
+  selector gave an ``ok`` verdict and was right, ``incorrect_weight`` (0.8) when it gave an
+  ``ok`` verdict and was wrong, and 1.0 when the episode has no ``ok`` verdict: a
+  ``missing`` or ``out_of_range`` one, or no selector at all (no solver answer parsed, no
+  rewrite parsed, or the selector call was skipped). This departs from slime, which weighs
+  such episodes by ``incorrect_weight``: a failed selector says nothing about the solvers
+  and rewriters, so a correct solver keeps its full reward (1.0, not 0.8). The raw ``v``
+  and the weight are kept in each row's metadata.
 
 Why the weight is kept although it mostly cancels: groups here are per (prompt, role,
 round), so all rows of a group share one episode weight, and GRPO's std-normalized
 advantage ``(r - mean) / std`` is unchanged by it (up to the epsilon); it changes the
 advantage scale only without std normalization (Dr. GRPO) and the reported reward
-means. It is on by default so rewards match slime's; ``correct_weight=1
-incorrect_weight=1`` turns it off.
+means. It is on by default so rewards of episodes with a verdict match slime's;
+``correct_weight=1 incorrect_weight=1`` turns it off.
 
 Groups: solvers of a prompt form one group (round 0), rewriters another (round 1), the
 selector a group of one (round 2).
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import re
 
 from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode, set_reward
@@ -63,7 +73,11 @@ from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.store.schema import Row
 
 SOLVER, REWRITER, SELECTOR = "solver", "rewriter", "selector"
-JUDGMENT_RE = re.compile(r"Judgment:\s*(\d+)")
+# ``Judgment: N`` in any case (or spelled ``Judgement``), with markdown emphasis or a heading around the label or
+# the number, and ``N`` as ``2``, ``Solution 2``, ``#2`` or ``[2]``: ``**Judgment:** 2``, ``Judgment: **Solution #2**``,
+# ``### judgment: [2]``.
+JUDGMENT_RE = re.compile(r"\bjudge?ment[\s*_]*:[\s*_]*(?:solution\s*)?[#\[(]?\s*(\d+)", re.IGNORECASE)
+NO_WEIGHT = 1.0  # the episode weight when the selector gave no valid verdict (module docstring)
 
 REWRITE_TEMPLATE = """\
 Problem:
@@ -110,13 +124,30 @@ def final_answer(text: str, reasoning_end: str, require_reasoning: bool) -> str 
     return answer.strip() or None
 
 
-def parse_judgment(text: str | None, num_candidates: int) -> int | None:
-    """0-based index of the candidate selected by the last ``Judgment: N``; None if malformed."""
+class JudgmentStatus(str, enum.Enum):
+    OK = "ok"  # N in 1..m: a rewrite is selected
+    OUT_OF_RANGE = "out_of_range"  # a verdict whose N is not a candidate's number
+    MISSING = "missing"  # no verdict in the answer (or no answer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgment:
+    status: JudgmentStatus
+    number: int | None  # the N of the last verdict as written (1-based); None when missing
+
+    @property
+    def index(self) -> int | None:
+        """0-based index of the selected candidate; None unless the verdict is ``ok``."""
+        return self.number - 1 if self.status is JudgmentStatus.OK else None
+
+
+def parse_judgment(text: str | None, num_candidates: int) -> Judgment:
+    """The last verdict (:data:`JUDGMENT_RE`) in ``text`` among ``num_candidates`` candidates numbered from 1."""
     matches = JUDGMENT_RE.findall(text or "")
     if not matches:
-        return None
+        return Judgment(JudgmentStatus.MISSING, None)
     n = int(matches[-1])
-    return n - 1 if 1 <= n <= num_candidates else None
+    return Judgment(JudgmentStatus.OK if 1 <= n <= num_candidates else JudgmentStatus.OUT_OF_RANGE, n)
 
 
 def format_candidates(answers: list[str], max_chars: int) -> str:
@@ -196,15 +227,16 @@ class MultiAgent(AgentSystem):
         return metadata_of(row).get("answer") or ""
 
     async def score(self, rows: list[Row], scorer: Scorer) -> list[Row]:
-        """The reward rule of the module docstring, from the rows alone (``metadata.answer`` of solvers and
-        rewriters, ``metadata.selected`` of the selector)."""
+        """The reward rule of the module docstring, from the rows alone (``metadata.answer`` of every row, and
+        ``metadata.candidates`` of the selector, whose verdict is read here and written to its metadata)."""
         o = self.options
         scored = [r for r in rows if r.agent != SELECTOR]
         verdicts = dict(zip((r.sample_id for r in scored), await scorer.verdicts([(r, self.verify_text(r)) for r in scored])))
         selectors = [r for r in rows if r.agent == SELECTOR]
-        right, selector_raw = False, 0.0
+        right, selector_raw, weight, judged = False, 0.0, NO_WEIGHT, {}
         if selectors:
-            picked = metadata_of(selectors[0]).get("selected")
+            judged = self._judge(selectors[0])
+            picked = judged["selected"]
             if picked is not None:
                 if picked not in verdicts:
                     raise ValueError(
@@ -212,15 +244,35 @@ class MultiAgent(AgentSystem):
                         "rescoring needs whole episodes"
                     )
                 right, selector_raw = verdicts[picked].correct, verdicts[picked].reward
-        weight = o.correct_weight if right else o.incorrect_weight
+                weight = o.correct_weight if right else o.incorrect_weight
         for row in rows:
             verdict = verdicts.get(row.sample_id)
             raw = selector_raw if verdict is None else verdict.reward
             meta = {"reward_raw": raw, "episode_weight": weight, "selector_right": right}
             if verdict is not None:
                 meta["verdict"] = verdict.to_json()
+            if row.agent == SELECTOR:
+                meta.update(judged)
             set_reward(row, raw * weight, meta)
         return rows
+
+    @staticmethod
+    def _judge(selector: Row) -> dict:
+        """The selector's verdict, read from its stored answer and candidates, as its metadata keys: ``judgment``
+        (the selected candidate's number, None unless ``ok``), ``judgment_status`` and ``selected`` (a sample id)."""
+        meta = metadata_of(selector)
+        candidates = meta.get("candidates")
+        if candidates is None:
+            raise ValueError(
+                f"selector {selector.sample_id!r} has no metadata.candidates (the rewrites it was shown); "
+                "rescoring needs the rows multi_agent wrote"
+            )
+        judgment = parse_judgment(meta.get("answer"), len(candidates))
+        return {
+            "judgment": None if judgment.index is None else judgment.number,
+            "judgment_status": judgment.status.value,
+            "selected": None if judgment.index is None else candidates[judgment.index],
+        }
 
     async def _round(
         self, episode: Episode, agent: str, round: int, count: int, messages: list[dict], required: bool = False
@@ -233,7 +285,7 @@ class MultiAgent(AgentSystem):
     def _answered(self, call: AgentCall) -> _Answered:
         o = self.options
         answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
-        return _Answered(call, answer, {"answer": answer})
+        return _Answered(call, answer, {"answer": answer, "answer_status": "missing" if answer is None else "ok"})
 
     async def _select(self, episode: Episode, problem: str, rewrites: list[_Answered]) -> _Answered | None:
         o = self.options
@@ -245,12 +297,7 @@ class MultiAgent(AgentSystem):
         call = await episode.call(SELECTOR, 2, 0, episode.task.chat(prompt), required=False)
         if call is None:
             return None
-        answer = final_answer(call.last_text, o.reasoning_end, o.require_reasoning)
-        idx = parse_judgment(answer, len(rewrites))
-        meta = {
-            "answer": answer,
-            "candidates": [r.call.sample_id for r in rewrites],
-            "judgment": None if idx is None else idx + 1,
-            "selected": None if idx is None else rewrites[idx].call.sample_id,
-        }
-        return _Answered(call, answer, meta)
+        selector = self._answered(call)
+        # The verdict (judgment, judgment_status, selected) is read by score, from these two keys.
+        selector.meta["candidates"] = [r.call.sample_id for r in rewrites]
+        return selector

@@ -74,13 +74,26 @@ def status_counts(lf: pl.LazyFrame) -> pl.DataFrame:
 def per_agent(ds: RolloutDataset, agents: Sequence[str] | None = None) -> pl.DataFrame:
     """Rows, groups, tokens and reward by agent: exactly ``rollshard-store stats --json``'s ``agents``."""
     st = dataset_stats(ds)["agents"]
-    rows = [{"agent": a, **v} for a, v in st.items()]
+    rows = [{"agent": a, **{k: x for k, x in v.items() if k != "parse"}} for a, v in st.items()]
     schema = {"agent": pl.String, "rows": pl.Int64, "reward_rows": pl.Int64, "reward_mean": pl.Float64,
               "reward_std": pl.Float64, "groups": pl.Int64, "response_tokens": pl.Int64, "trainable_tokens": pl.Int64}
     df = pl.DataFrame(rows, schema=schema).select(
         "agent", "rows", "groups", "response_tokens", "trainable_tokens", "reward_rows", "reward_mean", "reward_std"
     )
     return _by_agents(df, agents or natural_sorted(st))
+
+
+def parse_rates(ds: RolloutDataset, agents: Sequence[str] | None = None) -> pl.DataFrame:
+    """What each agent's responses parsed to: ``rollshard-store stats --json``'s ``agents[...]["parse"]``, one row per
+    agent, parse key (``answer_status``, the selector's ``judgment_status``) and status, with the status's share of
+    the agent's rows that carry the key. Empty when no row records a parse status."""
+    st = dataset_stats(ds)["agents"]
+    order = list(agents or []) + [a for a in natural_sorted(st) if a not in (agents or [])]
+    rows = [{"agent": a, "key": key, "status": status, "rows": n, "share": n / entry["rows"]}
+            for a in order if a in st
+            for key, entry in st[a]["parse"].items() for status, n in entry["counts"].items()]
+    schema = {"agent": pl.String, "key": pl.String, "status": pl.String, "rows": pl.Int64, "share": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
 
 
 def finite_rewards(lf: pl.LazyFrame) -> pl.DataFrame:
@@ -260,7 +273,8 @@ def episode_table(rows: list[dict[str, Any]]) -> pl.DataFrame:
         m = r["meta"]
         note = ""
         if "judgment" in m:
-            note = f"Judgment: {m['judgment']} -> {m.get('selected')}" if m.get("judgment") else "no valid Judgment"
+            note = (f"Judgment: {m['judgment']} -> {m.get('selected')}" if m.get("judgment")
+                    else f"no valid Judgment ({m.get('judgment_status', 'malformed')})")
         elif r["sample_id"] in picked:
             note = "picked by the selector"
         answer = m.get("answer") if "answer" in m else r["response_text"]

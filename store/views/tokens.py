@@ -170,7 +170,9 @@ def episode_html(rows: list[dict[str, Any]]) -> str:
                     note = (f"<b>Judgment: {m['judgment']}</b> &rarr; picked "
                             f"<code>{html.escape(str(m.get('selected')))}</code>")
                 else:
-                    note = "<b>no valid Judgment</b> (malformed: no rewrite picked)"
+                    status = {"out_of_range": "out of range", "missing": "none in the answer"}.get(
+                        m.get("judgment_status"), "malformed")
+                    note = f"<b>no valid Judgment</b> ({status}: no rewrite picked)"
                 cands = m.get("candidates") or []
                 if cands:
                     note += "<br>candidates: " + ", ".join(

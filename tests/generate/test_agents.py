@@ -14,7 +14,7 @@ from rollshard.generate.agents import (
     make_agent_system,
     play,
 )
-from rollshard.generate.agents.multi_agent import final_answer, parse_judgment
+from rollshard.generate.agents.multi_agent import JudgmentStatus, final_answer, parse_judgment
 from rollshard.generate.agents.tool_loop import calculate, observation
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.tasks import Prompt, get_task
@@ -147,41 +147,57 @@ def test_multi_agent_rows_rewards_groups_and_logprobs(tok):
     sel = rows[-1]
     assert "### Solution 1\nwrong: 7\n\n### Solution 2\n\\boxed{12}\n\n" in sel.prompt_text
     assert sel.metadata["judgment"] == 2 and sel.metadata["selected"] == "p0/rewriter/1/1"
+    assert sel.metadata["judgment_status"] == "ok" and sel.metadata["answer_status"] == "ok"
     assert sel.metadata["candidates"] == ["p0/rewriter/1/0", "p0/rewriter/1/1"]
+    # solver 2 and rewriter 2 answered nothing after their reasoning
+    assert [r.metadata["answer_status"] for r in rows[:6]] == ["ok", "ok", "missing", "ok", "ok", "missing"]
     assert sel.metadata["reward_raw"] == 1.0 and sel.metadata["episode_weight"] == 1.2
     assert rows[0].metadata["verdict"]["answer"] == "12"
 
 
 @pytest.mark.parametrize(
-    "selector_text, selector_raw, weight",
+    "selector_text, status, selector_raw, weight",
     [
-        ("Judgment: 1", 0.0, 0.8),  # picks the wrong rewrite: selector 0, episode x 0.8
-        ("Judgment: 3", 0.0, 0.8),  # out of range (2 candidates): malformed
-        ("Judgment: 0", 0.0, 0.8),  # 1-based: 0 is malformed
-        ("I pick the second one.", 0.0, 0.8),  # no Judgment line: malformed
-        ("judgment: 2", 0.0, 0.8),  # case matters, as in slime's pattern
-        ("<think>Judgment: 2</think> Judgment: 1", 0.0, 0.8),  # only the answer part counts
-        ("<think>hmm</think>Judgment:2", 1.0, 1.2),
+        ("Judgment: 1", "ok", 0.0, 0.8),  # picks the wrong rewrite: selector 0, episode x 0.8
+        ("**Judgment:** 2", "ok", 1.0, 1.2),  # the right rewrite, in markdown: selector 1 x 1.2
+        ("judgment: 2", "ok", 1.0, 1.2),  # any case
+        ("<think>Judgment: 2</think> Judgment: 1", "ok", 0.0, 0.8),  # only the answer part counts
+        ("<think>hmm</think>Judgment:2", "ok", 1.0, 1.2),
+        # No valid verdict: the selector gets 0 and the others keep their verifier reward (weight 1.0), so the
+        # correct solver 0 and rewriter 1 are stored at 1.0, not 0.8.
+        ("Judgment: 3", "out_of_range", 0.0, 1.0),  # 2 candidates
+        ("Judgment: 0", "out_of_range", 0.0, 1.0),  # numbered from 1
+        ("Judgment: 2. No wait: Judgment: 6", "out_of_range", 0.0, 1.0),  # the last verdict counts, even out of range
+        ("I pick the second one.", "missing", 0.0, 1.0),
+        ("Judgment: IDX", "missing", 0.0, 1.0),  # the prompt's placeholder echoed
     ],
 )
-def test_multi_agent_selector_rule(tok, selector_text, selector_raw, weight):
+def test_multi_agent_selector_rule(tok, selector_text, status, selector_raw, weight):
     rows, _ = run_episode(make_agent_system("multi_agent", n_samples=3), tok, ma_script(selector_text))
     r = rewards(rows)
     assert r["selector/2/0"] == pytest.approx(selector_raw * weight, abs=1e-12)
     assert r["solver/0/0"] == pytest.approx(weight, abs=1e-12)
     assert r["rewriter/1/1"] == pytest.approx(weight, abs=1e-12)
     assert [r.metadata["episode_weight"] for r in rows] == [weight] * 7
+    sel = rows[-1].metadata
+    assert sel["judgment_status"] == status
+    if status == "ok":
+        assert sel["selected"] == sel["candidates"][sel["judgment"] - 1]
+    else:
+        assert sel["judgment"] is None and sel["selected"] is None
 
 
 def test_multi_agent_early_stops_and_weight_off(tok):
-    # No rewrite parses: solvers and rewriters only, x 0.8 (no selector to be right).
+    # No rewrite parses: solvers and rewriters only, x 1.0 (no selector, no verdict): the correct solver keeps 1.0.
     def no_rewrites(agent, index, turn, ids):
         return SOLVERS[index] if agent == "solver" else "  "
 
     rows, _ = run_episode(make_agent_system("multi_agent", n_samples=3), tok, no_rewrites)
-    assert rewards(rows) == pytest.approx(
-        {"solver/0/0": 0.8, "solver/0/1": 0.0, "solver/0/2": 0.0, "rewriter/1/0": 0.0, "rewriter/1/1": 0.0, "rewriter/1/2": 0.0}
-    )
+    assert rewards(rows) == {
+        "solver/0/0": 1.0, "solver/0/1": 0.0, "solver/0/2": 0.0, "rewriter/1/0": 0.0, "rewriter/1/1": 0.0,
+        "rewriter/1/2": 0.0,
+    }
+    assert {r.metadata["episode_weight"] for r in rows} == {1.0}
     # No solver answer parses (require_reasoning and none has </think>): solver rows only.
     system = make_agent_system("multi_agent", n_samples=2, options={"require_reasoning": "true"})
     rows, engine = run_episode(system, tok, lambda a, i, t, ids: "\\boxed{12}")
@@ -215,9 +231,43 @@ def test_parsers():
     assert final_answer("<think>a</think>", "</think>", False) is None
     assert final_answer(" plain ", "</think>", False) == "plain"
     assert final_answer(" plain ", "</think>", True) is None
-    assert parse_judgment("Judgment: 2 ... Judgment:  3", 3) == 2
-    assert parse_judgment("Judgment: 4", 3) is None
-    assert parse_judgment(None, 3) is None
+
+
+OK, OUT, MISSING = JudgmentStatus.OK, JudgmentStatus.OUT_OF_RANGE, JudgmentStatus.MISSING
+
+
+@pytest.mark.parametrize(
+    "text, status, number",
+    [
+        ("Judgment: 2", OK, 2),
+        ("**Judgment:** 2", OK, 2),
+        ("**Judgment: 2**", OK, 2),
+        ("Judgment: **2**", OK, 2),
+        ("### Judgment: 2", OK, 2),
+        ("**Judgment**: 2", OK, 2),
+        ("judgment: 2", OK, 2),
+        ("JUDGMENT:2", OK, 2),
+        ("Judgement: 2", OK, 2),
+        ("Judgment: Solution 2", OK, 2),
+        ("Judgment: #2", OK, 2),
+        ("Judgment: [2]", OK, 2),
+        ("Judgment: **Solution #3**.", OK, 3),
+        ("Solution 1 has a slip.\n\n**Judgment:** Solution #4", OK, 4),
+        ("Judgment: 1 at first. On reflection, solution 3.\n**Judgment:** 3", OK, 3),  # the last verdict
+        ("Judgment: 3\nJudgment: 5", OUT, 5),  # the last verdict, out of range: not the earlier valid one
+        ("Judgment: 0", OUT, 0),
+        ("Judgment: 6", OUT, 6),
+        ("Judgment: IDX", MISSING, None),
+        ("Solution 2 is the best.", MISSING, None),  # a solution named outside a verdict is not one
+        ("a misjudgment: 2", MISSING, None),
+        ("", MISSING, None),
+        (None, MISSING, None),
+    ],
+)
+def test_parse_judgment(text, status, number):
+    judgment = parse_judgment(text, 4)
+    assert (judgment.status, judgment.number) == (status, number)
+    assert judgment.index == (number - 1 if status is OK else None)
 
 
 def test_single_rows_and_group(tok):

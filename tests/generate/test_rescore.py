@@ -90,7 +90,7 @@ def test_rescore_with_another_reward_changes_rewards_and_advantages_and_nothing_
         selector = [r for r in episode if r["agent"] == "selector"]
         picked = json.loads(selector[0]["metadata"])["selected"] if selector else None
         right = picked is not None and raw[picked] >= 0.5
-        weight = 1.2 if right else 0.8
+        weight = 1.0 if picked is None else 1.2 if right else 0.8  # no valid verdict (or no selector): 1.0
         weights.add(weight)
         for r in episode:
             meta = json.loads(r["metadata"])
@@ -237,3 +237,37 @@ def test_a_rescore_of_a_rescore_defaults_to_the_last_scorer(multi_agent, tmp_pat
     capsys.readouterr()
     assert rescore(tmp_path / "a", "--out", tmp_path / "b") == 0  # the letters function, not the toy verifier
     assert "0 changed); shards: 2 copied" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "selector_text, status, weight",
+    [("**Judgment:** 2", "ok", 1.2), ("I pick the second one.", "missing", 1.0)],
+)
+def test_rescore_of_an_older_dataset_reads_the_verdict_again(tok, tmp_path, selector_text, status, weight):  # noqa: F811
+    """Rows as older versions stored them: the verdict read by ``Judgment:\\s*(\\d+)`` (so ``**Judgment:** 2`` was
+    malformed), no judgment_status or answer_status, and every reward x 0.8 without a valid verdict. Rescoring with
+    the dataset's own rule reads the verdict from the stored answer: the markdown one picks the right rewrite
+    (x 1.2); with none, the correct solver 0 and rewriter 1 get 1.0 instead of 0.8."""
+    rows, _ = run_episode(make_agent_system("multi_agent", n_samples=3), tok, ma_script(selector_text))
+    for row in rows:
+        meta = row.metadata
+        meta.pop("answer_status")
+        if row.agent == "selector":
+            meta.pop("judgment_status")
+            meta.update(judgment=None, selected=None, reward_raw=0.0)
+        meta.update(episode_weight=0.8, selector_right=False)
+        row.reward = meta["reward_raw"] * 0.8
+    config = {"agents": make_agent_system("multi_agent", n_samples=3).config(), "task": "math"}
+    with ShardWriter(tmp_path / "ds", writer_id="gen-0-of-1", config=config) as w:
+        w.write_groups(rows_to_table(rows))
+    assert rescore(tmp_path / "ds", "--out", tmp_path / "new") == 0
+    new = {r["sample_id"].removeprefix("p0/"): r for r in table(tmp_path / "new").to_pylist()}
+    assert {k: r["reward"] for k, r in new.items()} == pytest.approx({
+        "solver/0/0": weight, "solver/0/1": 0.0, "solver/0/2": 0.0,
+        "rewriter/1/0": 0.0, "rewriter/1/1": weight, "rewriter/1/2": 0.0,
+        "selector/2/0": weight if status == "ok" else 0.0,
+    }, abs=1e-6)
+    sel = json.loads(new["selector/2/0"]["metadata"])
+    assert (sel["judgment_status"], sel["judgment"], sel["selected"], sel["episode_weight"]) == (
+        (status, 2, "p0/rewriter/1/1", 1.2) if status == "ok" else (status, None, None, 1.0))
+    assert "answer_status" not in json.loads(new["solver/0/0"]["metadata"])  # recorded by generation only

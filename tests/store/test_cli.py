@@ -124,6 +124,7 @@ def test_stats_json_worked_values(worked, stats_json):
     assert (rewriter["rows"], rewriter["response_tokens"], rewriter["reward_mean"], rewriter["reward_std"]) == (
         2, 6, 1.0, 0.0)
     assert (selector["rows"], selector["groups"], selector["response_tokens"]) == (1, 1, 1)
+    assert all(a["parse"] == {} for a in st["agents"].values())  # no row records a parse status
     # by-agent lengths (from loss_mask) add up to the manifest's response token count
     assert sum(a["response_tokens"] for a in st["agents"].values()) == st["response_tokens"]
 
@@ -195,6 +196,56 @@ def test_inspect_sample_ids_without_tokenizer(worked, capsys):
     assert main(["inspect", str(worked), "--sample", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no sample_id 'nope'" in err and "ids look like 'p0-solver-0'" in err
+
+
+# Parse statuses as multi_agent records them in a row's metadata JSON (store reads them as data), 4 episodes:
+#   episode  solver answer_status   selector answer_status / judgment_status
+#   q0       ok, ok                 ok / ok
+#   q1       ok, missing            ok / ok
+#   q2       ok, ok                 ok / out_of_range
+#   q3       missing, (no key)      missing / missing
+# solver: 7 rows carry the key, 5 ok (5/7), 2 missing; the 8th (an older row) is not counted.
+# selector: answer 3 of 4 ok; judgment ok 2, out_of_range 1, missing 1 (1/2, 1/4, 1/4).
+# policy: its metadata has an answer only inside the verdict and no status key: no parse entry.
+PARSED = [
+    ("q0", ["ok", "ok"], ("ok", "ok")),
+    ("q1", ["ok", "missing"], ("ok", "ok")),
+    ("q2", ["ok", "ok"], ("ok", "out_of_range")),
+    ("q3", ["missing", None], ("missing", "missing")),
+]
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("parsed") / "ds"
+    with ShardWriter(root, writer_id="w0", config={"agent_system": "multi_agent"}) as w:
+        for q, solver_status, (answer, judgment) in PARSED:
+            solvers = [_row(f"{q}-solver-{i}", f"{q}/solver", "solver", 0, 2, [1], 1.0) for i in range(2)]
+            for row, status in zip(solvers, solver_status):
+                row.metadata = {"answer": None if status == "missing" else "7", "task": "math"}
+                if status is not None:
+                    row.metadata["answer_status"] = status
+            selector = _row(f"{q}-selector-0", f"{q}/selector", "selector", 2, 2, [1], 0.0)
+            selector.metadata = {"answer_status": answer, "judgment_status": judgment, "judgment": None}
+            w.write_group(solvers)
+            w.write_group([selector])
+        policy = _row("q9-policy-0", "q9/policy", "policy", 0, 2, [1], 1.0)
+        policy.metadata = {"verdict": {"answer": "7", "reward": 1.0}}
+        w.write_group([policy])
+    return root
+
+
+def test_stats_parse_rates_by_agent(parsed, capsys):
+    assert main(["stats", str(parsed), "--json"]) == 0
+    agents = json.loads(capsys.readouterr().out)["agents"]
+    assert agents["solver"]["parse"] == {
+        "answer_status": {"rows": 7, "counts": {"ok": 5, "missing": 2}, "ok_share": pytest.approx(5 / 7, abs=1e-12)}}
+    assert agents["selector"]["parse"] == {
+        "answer_status": {"rows": 4, "counts": {"ok": 3, "missing": 1}, "ok_share": 0.75},
+        "judgment_status": {"rows": 4, "counts": {"ok": 2, "missing": 1, "out_of_range": 1}, "ok_share": 0.5},
+    }
+    assert agents["policy"]["parse"] == {}
+    assert agents["solver"]["rows"] == 8  # the row without a status still counts as a row
 
 
 def test_not_a_dataset_is_one_line_exit_2(tmp_path):

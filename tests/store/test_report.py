@@ -124,6 +124,8 @@ def page(report):
             "text": {s: tab.inner_text(f"#{s}") for s in SECTIONS},
             "per_agent": tab.evaluate(
                 "[...document.querySelectorAll('table.per-agent tbody tr')].map(r => [...r.cells].map(c => c.innerText))"),
+            "parse": tab.evaluate(
+                "[...document.querySelectorAll('table.parse tbody tr')].map(r => [...r.cells].map(c => c.innerText))"),
             "across": tab.evaluate(
                 "[...document.querySelectorAll('table.across tbody tr')].map(r => [...r.cells].map(c => c.innerText))"),
             "scripts": tab.evaluate("document.scripts.length"),
@@ -158,6 +160,12 @@ def test_report_numbers_are_the_stats(page, report):
         assert shown[agent]["trainable_tokens"] == f"{a['trainable_tokens']:,}"
         assert shown[agent]["reward_mean"] == f"{a['reward_mean']:,.4f}"
     assert f"{last['rows']:,}" in page["text"]["overview"]
+    # parse rates: one line per agent, key and status, the status's share of the rows carrying the key
+    expected = [[agent, key, status, f"{n:,}", f"{n / entry['rows']:,.4f}"]
+                for agent in ("solver", "rewriter", "selector")
+                for key, entry in last["agents"][agent]["parse"].items() for status, n in entry["counts"].items()]
+    assert page["parse"] == expected
+    assert {k for a in last["agents"].values() for k in a["parse"]} == {"answer_status", "judgment_status"}
     # reward across rounds: round i's means are dataset i's stats
     for rnd, agent, mean in ((int(r[0]), r[2], r[5]) for r in page["across"]):
         assert mean == f"{report['stats'][rnd]['agents'][agent]['reward_mean']:,.4f}"

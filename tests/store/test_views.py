@@ -140,3 +140,31 @@ def test_relative_paths_resolve_from_the_launch_directory_then_the_repository_ro
     config = {"engine": "embedded:runs/tiny", "model": "runs/tiny"}
     assert paths.dataset_tokenizer(config, str(repo / "runs" / "demo")) == str(repo / "runs" / "tiny")
     assert paths.dataset_tokenizer({"model": "runs/none"}, str(repo / "runs" / "demo")) is None
+
+
+def test_parse_rates_and_the_selector_status_in_the_episode(tmp_path):
+    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.schema import Row
+    from rollshard.store.writer import ShardWriter
+
+    # selectors: judgment ok, out_of_range, missing, missing (shares .25, .25, .5); a solver with its answer ok
+    def row(sid, agent, rnd, meta):
+        return Row(sample_id=sid, prompt_id=sid.split("/")[0], group_id=sid.rsplit("/", 1)[0], agent=agent, round=rnd,
+                   prompt_tokens=[1], response_tokens=[2], rollout_logprobs=[-0.5], loss_mask=[1], reward=0.0,
+                   status="completed", finish_reason="stop", weight_version="0", temperature=1.0, metadata=meta)
+
+    with ShardWriter(tmp_path / "ds", writer_id="w0") as w:
+        for q, status in zip("abcd", ("ok", "out_of_range", "missing", "missing")):
+            w.write_group([row(f"{q}/selector/2/0", "selector", 2, {"judgment_status": status})])
+        w.write_group([row("a/solver/0/0", "solver", 0, {"answer_status": "ok"})])
+    rates = data.parse_rates(RolloutDataset.open(tmp_path / "ds"), ["solver", "selector"])
+    assert rates.rows() == [
+        ("solver", "answer_status", "ok", 1, 1.0),
+        ("selector", "judgment_status", "ok", 1, 0.25),
+        ("selector", "judgment_status", "missing", 2, 0.5),
+        ("selector", "judgment_status", "out_of_range", 1, 0.25),
+    ]
+    table = data.episode_table([{"round": 2, "agent": "selector", "sample_id": "b/selector/2/0", "reward": 0.0,
+                                 "status": "completed", "length": 1, "response_text": "Judgment: 6",
+                                 "meta": {"judgment": None, "judgment_status": "out_of_range", "selected": None}}])
+    assert table["pick"][0] == "no valid Judgment (out_of_range)"
