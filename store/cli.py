@@ -329,7 +329,21 @@ def _stats(ds: RolloutDataset, args, out: Console, err: Console) -> int:
     out.print(_totals_table(st))
     out.print(_counts_table("rows by status", "status", st["status"], st["rows"]))
     out.print(_agents_table(st))
+    if any(a.get("parse") for a in st["agents"].values()):
+        out.print(_parse_table(st))
     return EXIT_OK
+
+
+def _parse_table(st: dict[str, Any]) -> Table:
+    """Each agent's parse rates (an agent system that records answer_status / judgment_status: multi_agent)."""
+    t = Table(title="parsed by agent")
+    for c in ("agent", "what", "rows", "ok", "statuses"):
+        t.add_column(c, justify="left" if c in ("agent", "what", "statuses") else "right")
+    for agent, a in st["agents"].items():
+        for key, e in a.get("parse", {}).items():
+            statuses = ", ".join(f"{k} {n:,}" for k, n in e["counts"].items())
+            _row(t, agent, key.removesuffix("_status"), f"{e['rows']:,}", f"{e['ok_share']:.1%}", statuses)
+    return t
 
 
 def _totals_table(st: dict[str, Any]) -> Table:

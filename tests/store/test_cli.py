@@ -248,6 +248,15 @@ def test_stats_parse_rates_by_agent(parsed, capsys):
     assert agents["solver"]["rows"] == 8  # the row without a status still counts as a row
 
 
+def test_stats_prints_the_parse_rates(parsed, capsys):
+    assert main(["stats", str(parsed)]) == 0
+    out = capsys.readouterr().out
+    assert "parsed by agent" in out
+    lines = [" ".join(line.replace("│", " ").split()) for line in out.splitlines()]
+    assert "selector judgment 4 50.0% ok 2, missing 1, out_of_range 1" in lines
+    assert "solver answer 7 71.4% ok 5, missing 2" in lines
+
+
 def test_not_a_dataset_is_one_line_exit_2(tmp_path):
     res = run("stats", tmp_path)
     assert res.returncode == 2
