@@ -21,7 +21,7 @@ import html
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import polars as pl
 
@@ -61,10 +61,14 @@ def _p(text: str) -> str:
 
 
 def build(datasets: list[str], *, audit: str | None = None, metrics: str | None = None,
+          held_out: list[dict[str, Any]] | None = None,
           step: Callable[[str], None] = lambda _: None, warn: Callable[[str], None] = lambda _: None) -> str:
     """The report page as HTML text. ``step(name)`` is called as each section starts (progress), ``warn(text)``
     with what the page had to guess (an audit report naming no dataset). An audit of none of ``datasets`` is
-    refused (:class:`~rollshard.store.views.mismatch.AuditDatasetError`) before any section is built."""
+    refused (:class:`~rollshard.store.views.mismatch.AuditDatasetError`) before any section is built.
+    ``held_out``: per round, ``{"round", "train_reward", "policy", "checkpoint"}`` with the held-out pass@1 of the
+    round's policy and of the checkpoint its training made (None where not evaluated), as ``rollshard-loop
+    --eval`` measures them: a section of its own beside the rewards."""
     figures.mpl()  # the one-line error about the extra, before any work
     step("opening datasets")
     opened = [RolloutDataset.open(p) for p in datasets]
@@ -95,6 +99,9 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
     _overview(page, opened)
     step("rewards")
     _rewards(page, opened, lf, agents)
+    if held_out:
+        step("held-out evaluation")
+        _held_out(page, held_out)
     step("groups, lengths")
     _groups_lengths(page, lf, agents)
     step("logprobs")
@@ -154,6 +161,24 @@ def _rewards(page: Page, opened, lf, agents) -> None:
            if len(opened) > 1 else "One dataset given (one round); pass several to compare rounds."),
         table_html(across, cls="across"),
         page.figure(figures.rounds_figure(across, all_agents), "reward across rounds"),
+    )
+
+
+def _held_out(page: Page, rounds: list[dict[str, Any]]) -> None:
+    table = pl.DataFrame(
+        [{"round": r["round"], "train reward (its rows)": r.get("train_reward"),
+          "held-out pass@1 (its policy)": r.get("policy"), "held-out pass@1 (its checkpoint)": r.get("checkpoint")}
+         for r in rounds],  # fmt: skip
+        schema={"round": pl.Int64, "train reward (its rows)": pl.Float64, "held-out pass@1 (its policy)": pl.Float64,
+                "held-out pass@1 (its checkpoint)": pl.Float64},
+    )
+    page.add(
+        "held-out", "Held-out accuracy across rounds",
+        _p("Round k's policy generated its rows (their mean reward is the training reward) and was trained into its "
+           "checkpoint, the policy of round k+1; both evaluated greedy on the task's held-out split "
+           "(rollshard-generate eval), which training never sees."),
+        table_html(table, cls="held-out"),
+        page.figure(figures.held_out_figure(table), "held-out accuracy and training reward across rounds"),
     )
 
 

@@ -520,7 +520,8 @@ class Loop:
         last = self.round_dir(self.rounds[-1]["round"])
         audit = last / "audit.parquet" if self.rounds[-1].get("audit") else None  # its rows beside the trainer's
         try:
-            page = report.build(datasets, metrics=str(last / "train" / "metrics.jsonl"), audit=audit and str(audit))
+            page = report.build(datasets, metrics=str(last / "train" / "metrics.jsonl"), audit=audit and str(audit),
+                                held_out=self.held_out())
             path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
             _say(f"no report: {e}")
@@ -528,6 +529,15 @@ class Loop:
         _say(f"report of {len(datasets)} rounds: {path}")
 
     # ---- summary -----------------------------------------------------------------------------
+
+    def held_out(self) -> list[dict[str, Any]] | None:
+        """Per generated round: its rows' reward and the held-out pass@1 of its policy and checkpoint (``--eval``)."""
+        rows = self.summary()
+        if not any(r["eval"] or r["checkpoint_eval"] for r in rows):
+            return None
+        score = lambda f: f.get("pass@1") if f else None  # noqa: E731
+        return [{"round": r["round"], "train_reward": r["reward_mean"], "policy": score(r["eval"]),
+                 "checkpoint": score(r["checkpoint_eval"])} for r in rows]  # fmt: skip
 
     def summary(self) -> list[dict[str, Any]]:
         """One entry per generated round: reward by agent of its rows, its training's step-0 mismatch."""

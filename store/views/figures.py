@@ -100,6 +100,30 @@ def rounds_figure(across: pl.DataFrame, agents: Sequence[str]):
     return fig
 
 
+def held_out_figure(table: pl.DataFrame):
+    """Held-out pass@1 of each round's policy (round R: the last checkpoint) and the training reward of its rows."""
+    fig = new_figure(8, 3.6)
+    ax = fig.subplots()
+    k = table["round"].to_list()
+    policies = [(r, v) for r, v in zip(k, table["held-out pass@1 (its policy)"].to_list()) if v is not None]
+    last = table.tail(1)["held-out pass@1 (its checkpoint)"].item() if table.height else None
+    if last is not None:
+        policies.append((k[-1] + 1, last))
+    if policies:
+        x, y = zip(*policies)
+        ax.plot(x, y, marker="o", label="held-out pass@1 of the policy")
+        for xi, yi in policies:
+            ax.annotate(f"{yi:.1%}", (xi, yi), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    rewards = [(r, v) for r, v in zip(k, table["train reward (its rows)"].to_list()) if v is not None]
+    if rewards:
+        ax.plot(*zip(*rewards), marker="s", linestyle="--", label="training reward of its rows")
+    ax.set(title="Held-out accuracy and training reward by policy", xlabel="policy of round (last: final checkpoint)",
+           ylabel="accuracy / mean reward", ylim=(0, 1.05))
+    ax.set_xticks(list(range(0, (k[-1] + 2) if k else 1)))
+    legend_outside(ax, title="")
+    return fig
+
+
 def _short(path: str, n: int = 28) -> str:
     tail = str(path).rstrip("/").rsplit("/", 2)
     text = "/".join(tail[-2:])

@@ -336,3 +336,17 @@ def test_report_read_errors_are_one_line(same_ids, tmp_path, capsys, monkeypatch
     assert err == (f"rollshard-store: error: cannot read {same_ids[0]} {same_ids[1]}: AWS Error ACCESS_DENIED during "
                    "GetObject operation; run `rollshard-store validate` on it\n")
     assert not out.exists()
+
+
+def test_report_shows_held_out_accuracy_beside_the_training_reward(same_ids):
+    held_out = [
+        {"round": 0, "train_reward": 0.25, "policy": 0.203, "checkpoint": 0.375},
+        {"round": 1, "train_reward": 0.5, "policy": 0.375, "checkpoint": 0.4219},
+    ]
+    page = report_module.build([str(p) for p in same_ids], held_out=held_out)
+    section = page[page.index("<section id='held-out'>"):]
+    section = section[: section.index("</section>")]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", section)
+    assert cells[:8] == ["0", "0.2500", "0.2030", "0.3750", "1", "0.5000", "0.3750", "0.4219"], cells
+    assert "<img" in section and "Held-out accuracy across rounds" in section
+    assert "<section id='held-out'>" not in report_module.build([str(same_ids[0])])  # no --eval, no section

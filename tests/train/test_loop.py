@@ -484,8 +484,10 @@ EVAL = "--task arithmetic --limit 3 --max-new-tokens 4"
 @pytest.mark.slow
 def test_eval_scores_round_0s_model_and_every_checkpoint(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
-    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--eval", EVAL, rounds=2)))
+    code, stdout, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--eval", EVAL, rounds=2, report=True)))
     assert code == 0, err
+    page = (out / "report.html").read_text()
+    assert "<section id='held-out'>" in page  # the held-out figures beside the training reward
     state = json.loads((out / "loop.json").read_text())
     r0, r1 = state["rounds"]
     for figures, model in ((r0["eval"], tiny_gpt2), (r0["checkpoint_eval"], out / r0["checkpoint"]),
