@@ -70,7 +70,7 @@ def rollshard_side(args, model: str, out: Path) -> dict:
         "--generate", f"--task arithmetic --limit {args.prompts} --n-samples {args.samples} "
                       f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature}",
         "--train", f"--groups-per-step {args.groups_per_step} --num-epochs 1 --lr {args.lr} --mode decoupled "
-                   f"--micro-batch-tokens {args.micro_batch_tokens} --no-tensorboard",
+                   f"--micro-batch-tokens {args.micro_batch_tokens} --warmup-steps {args.warmup_steps} --no-tensorboard",
         "--eval", f"--task arithmetic --limit {args.eval_prompts} --max-new-tokens {args.max_new_tokens}",
     ]  # fmt: skip
     log("rollshard: " + shlex.join(loop))
@@ -107,7 +107,7 @@ def trl_side(args, model: str, out: Path) -> dict:
         raise SystemExit(f"the TRL worker exited {code}")
     train_s = json.loads((out / "trl_time.json").read_text())["train_s"]
     start = time.perf_counter()
-    code = subprocess.run(eval_command(str(out / "model"), args, out / "eval"), cwd=REPO).returncode
+    code = subprocess.run(eval_command(str(out / "model"), args, out / "eval"), cwd=REPO, stdout=sys.stderr).returncode
     eval_s = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"eval of the TRL model exited {code}")
@@ -119,7 +119,7 @@ def _shared_flags(args) -> list[str]:
     return [
         "--rounds", str(args.rounds), "--prompts", str(args.prompts), "--samples", str(args.samples),
         "--groups-per-step", str(args.groups_per_step), "--lr", str(args.lr), "--temperature", str(args.temperature),
-        "--max-new-tokens", str(args.max_new_tokens),
+        "--max-new-tokens", str(args.max_new_tokens), "--warmup-steps", str(args.warmup_steps),
     ]  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def trl_worker(args) -> None:
         output_dir=str(args.out / "trl"), learning_rate=args.lr, per_device_train_batch_size=args.groups_per_step * args.samples,
         num_generations=args.samples, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         max_steps=steps, num_iterations=1, beta=0.0, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, seed=0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        use_cpu=True, bf16=False, seed=0, lr_scheduler_type="constant_with_warmup", warmup_steps=args.warmup_steps, max_grad_norm=1.0,
         weight_decay=0.0,
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up (rollshard: of every round's training)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--eval-prompts", type=int, default=128)
@@ -196,7 +197,8 @@ def main() -> None:
     ours_minutes = sum(r["generate_s"] + r["train_s"] for r in ours["rounds"]) / 60
     result = {
         "recipe": {k: getattr(args, k) for k in ("rounds", "prompts", "samples", "groups_per_step", "lr",
-                                                 "temperature", "max_new_tokens", "micro_batch_tokens", "eval_prompts")},
+                                                 "temperature", "max_new_tokens", "micro_batch_tokens", "eval_prompts",
+                                                 "warmup_steps")},
         "base_accuracy": base,
         "rollshard": {**ours, "gain_per_minute": (ours["rounds"][-1]["accuracy"] - base) / ours_minutes,
                       "minutes_excluding_eval": ours_minutes},
