@@ -233,10 +233,12 @@ INJECTION_POINTS = 80  # interrupt points spread over the hand-off; measured: 7 
 
 def _interrupted_commit(root, groups, at_line: int) -> tuple[str | None, int]:
     """Commit ``groups`` with a KeyboardInterrupt raised into the writing thread at its ``at_line``-th traced line
-    (in the writer, the storage layer and the stdlib queue/threading code it uses); the ``with`` block then
+    (in the writer, the storage layer and the stdlib queue code it uses); the ``with`` block then
     discards the open shard as it would on a real Ctrl-C. Returns where it landed (None: not reached) and the
     number of lines traced."""
-    traced = ("store/writer.py", "store/storage.py", "/queue.py", "/threading.py")
+    # Not threading.py: CPython's threading is not safe against an exception raised inside it (an interrupt landing
+    # in Thread.start's bookkeeping left a thread that never ran, and the next executor's join hung the test run).
+    traced = ("store/writer.py", "store/storage.py", "/queue.py")
     main = threading.main_thread()
     seen = {"n": 0, "where": None}
 
@@ -265,11 +267,6 @@ def _interrupted_commit(root, groups, at_line: int) -> tuple[str | None, int]:
                 sys.settrace(None)
     except KeyboardInterrupt:
         pass
-    except RuntimeError:
-        # CPython's Condition is not exception-safe: an interrupt landing inside its wait (a thread being started)
-        # can surface as "release unlocked lock" instead. What the writer guarantees still holds, checked below.
-        if "/threading.py" not in str(seen["where"]):
-            raise
     return seen["where"], seen["n"]
 
 
@@ -291,7 +288,7 @@ def test_keyboard_interrupt_anywhere_in_a_commit_never_hangs_or_half_writes(tmp_
             pass
         assert not list((root / "_tmp").iterdir()) and not list((root / "_manifests").glob(".*.tmp")), where
         assert RolloutDataset.open(root).read().num_rows in (rows, 12) and validate_dataset(root).problems == []
-    assert {"writer.py", "storage.py", "threading.py"} <= landed  # queue.py too, before SimpleQueue
+    assert {"writer.py", "storage.py"} <= landed  # queue.py too, before SimpleQueue
 
 
 def test_manifest_temp_file_of_a_crash_is_cleaned_on_reopen(tmp_path, monkeypatch):
