@@ -378,7 +378,7 @@ class Trainer:
             disable=not (self.env.is_main and tr.progress), dynamic_ncols=True,
         )
         started = time.perf_counter()
-        self._check_signal()
+        signal_checked = False  # after the first step's rows were read: a damaged shard is said alone, first
         try:
             with _StopSignals() as stop, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=LOADER_NO_STEP)
@@ -394,6 +394,9 @@ class Trainer:
                     waited = time.perf_counter() - t0
                     if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
                         break  # the data ended (on some rank: all stop together)
+                    if not signal_checked:
+                        self._check_signal()
+                        signal_checked = True
                     fresh = self.step == 0
                     metrics = self.train_step(step)
                     self.step += 1
