@@ -257,7 +257,7 @@ class Loop:
         from rollshard.train.config import resolve
 
         policy = str(self.policy_path(0))
-        train = self.train_command(0, policy)[3:]  # after: python -m rollshard.train
+        train = self.train_args(0, policy)
         said = io.StringIO()
         try:
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
@@ -268,7 +268,7 @@ class Loop:
             raise UsageError(f"--train: {what}") from None
         except ValueError as e:
             raise UsageError(f"--train: {one_line(e)}") from e
-        check = [*self.generate_command(0, policy, "0"), "--check-args"]
+        check = [sys.executable, "-m", "rollshard.generate", *self.generate_args(0, policy, "0"), "--check-args"]
         done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
         if done.returncode != 0:
             raise UsageError(f"--generate: {_last_error(done.stderr, 'rollshard-generate')}")
@@ -288,6 +288,10 @@ class Loop:
         return Path(self.settings["model"]) if k == 0 else self.out / self.rounds[k - 1]["checkpoint"]
 
     def generate_command(self, k: int, policy: str, version: str | None = None) -> list[str]:
+        return [sys.executable, "-m", "rollshard.generate", *self.generate_args(k, policy, version)]
+
+    def generate_args(self, k: int, policy: str, version: str | None = None) -> list[str]:
+        """rollshard-generate's flags for round k (what the loop's check runs with --check-args before round 0)."""
         engine = self.settings["engine"]
         if version is None:
             version = self.rounds[k]["policy_version"] if k < len(self.rounds) else _policy_version(Path(policy))
@@ -297,11 +301,15 @@ class Loop:
             else ["--engine", engine, "--update-weights", policy, "--weight-version", version]
         )  # fmt: skip
         return [
-            sys.executable, "-m", "rollshard.generate", *where, "--out", str(self.round_dir(k) / "data"),
-            "--seed", str(self.settings["seed"] + k), *self.settings["generate"], *self._quiet(),
+            *where, "--out", str(self.round_dir(k) / "data"), "--seed", str(self.settings["seed"] + k),
+            *self.settings["generate"], *self._quiet(),
         ]  # fmt: skip
 
     def train_command(self, k: int, policy: str) -> list[str]:
+        return [sys.executable, "-m", "rollshard.train", *self.train_args(k, policy)]
+
+    def train_args(self, k: int, policy: str) -> list[str]:
+        """rollshard-train's flags for round k (what the loop's check parses before round 0, too)."""
         first = max(0, k - self.settings["window"] + 1)
         data = ",".join(str(self.round_dir(j) / "data") for j in range(first, k + 1))
         out = self.round_dir(k) / "train"
@@ -311,10 +319,7 @@ class Loop:
         # With wandb, each round is a run of its own; name it after the round (every round's folder is `train`).
         if any("wandb" in t for t in train) and not any(t.startswith("--wandb-name") for t in train):
             train = ["--wandb-name", f"{self.out.name}/round_{k:03d}", *train]
-        return [
-            sys.executable, "-m", "rollshard.train", "--data", data, "--model", policy, "--out", str(out),
-            *resume, *train, *self._quiet(),
-        ]  # fmt: skip
+        return ["--data", data, "--model", policy, "--out", str(out), *resume, *train, *self._quiet()]
 
     def audit_command(self, k: int, policy: str) -> list[str]:
         return [

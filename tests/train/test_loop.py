@@ -334,8 +334,9 @@ def test_the_policy_of_round_0_is_read_when_it_generates_and_frozen_once_it_comm
     # A generation that failed on its flags wrote no row: rerunning with another --model is a fresh start, and the
     # round carries the version of the policy it really generated with.
     out = tmp_path / "run"
-    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--generate", "--no-such-flag 1", rounds=1)))
-    assert code == 2 and "round 0: generating failed (exit 2" in err
+    # (a flag that parses, refused by the stage: a bad one is refused before round 0, test_loop_checks.py)
+    code, _, err = finish(run_loop(*loop_args(tiny_gpt2, out, "--generate", "--agents nobody", rounds=1)))
+    assert code == 2 and "round 0: generating failed (exit 2" in err, err
     code, stdout, err = finish(run_loop(*loop_args(checkpoint, out, rounds=1)))
     assert code == 0, err
     (entry,) = json.loads(stdout)["rounds"]
