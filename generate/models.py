@@ -34,9 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from rollshard.store.gguf import convert_gguf, save_model_folder
 
 PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
 PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}
@@ -222,8 +222,6 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
     if path.exists() and not is_model_folder(path) and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{path} exists and is not a model folder; give a new or empty folder")
     if preset in GGUF_PRESETS:
-        from rollshard.store.gguf import convert_gguf
-
         return convert_gguf(preset_gguf(preset), path)
 
     tokenizer = train_tokenizer()
@@ -236,19 +234,7 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
         bos_token_id=eos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True
     )
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _patch_for_older_loaders(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return save_model_folder(path, model, tokenizer, _patch_for_older_loaders)
 
 
 def _patch_for_older_loaders(folder: Path) -> None:

@@ -103,13 +103,22 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, sha256: str 
         raise GGUFError(f"{src.name}: the dequantized weights do not fit a {config.model_type} model "
                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.generation_config = quantized.generation_config
+    source = {"gguf": src.name, "sha256": sha256 or file_sha256(src)}
+    return save_model_folder(
+        out, model, tokenizer, lambda tmp: (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    )
+
+
+def save_model_folder(out: str | os.PathLike, model, tokenizer, finish=lambda folder: None) -> Path:
+    """Save ``model`` and ``tokenizer`` as a Hugging Face folder at ``out``, replacing what is there: written under
+    a temporary name beside it (``finish(folder)`` adds to it), then renamed, so a reader never sees half of it."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        source = {"gguf": src.name, "sha256": sha256 or file_sha256(src)}
-        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        finish(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
