@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Generate rollouts with an agent system into a rollshard dataset (resumable: rerun to continue). "
         "Subcommands: `serve` (the embedded engine behind SGLang's HTTP API), `rescore` (new rewards for a stored "
-        "dataset, no engine), `init-model` (a tiny local model).",
+        "dataset, no engine), `eval` (a model on held-out prompts: pass@k), `init-model` (a tiny local model, or the real "
+        "SmolLM2-135M-Instruct).",
     )
     g = p.add_argument_group("what to run")
     g.add_argument("--engine", required=True, metavar="SPEC", help="embedded:MODEL_DIR, or SGLang URL[,URL...]")
