@@ -3,14 +3,24 @@
 A micro-batch (:class:`PackedBatch`) holds S sequences, each the row's prompt tokens
 followed by its response tokens, concatenated into one stream of T tokens. The
 boundaries are ``cu_seqlens`` (``[S+1]``, int32, the layout of flash-attention's
-varlen kernels and of ``transformers``' packed-sequence path) and ``position_ids``
-restart at 0 for every sequence, so attention never crosses a sequence.
+varlen kernels and of ``transformers``' packed-sequence path); position ids restart at
+0 for every sequence, so attention never crosses a sequence.
+
+The batch is lean: per token it carries only what differs per token (``input_ids``,
+``loss_mask``, ``rollout_logprobs``: three ``[T]`` arrays written per step). What is
+per sequence stays per sequence: the sampling temperature is ``temperatures [S]``, and
+the position ids are not stored at all. The consumer derives both where it uses them,
+on its own device, from ``cu_seqlens`` (:func:`positions_from_cu_seqlens`,
+:func:`token_temperatures`: a ``repeat_interleave`` each, no host copy, no device sync);
+the values are exactly those a ``[T]`` copy would hold. ``PackedBatch.position_ids`` and
+``PackedBatch.temperature`` are the same derivations as properties, for code that reads
+a batch on the host.
 
 Alignment convention (the trainer depends on it): ``loss_mask[t]`` and
 ``rollout_logprobs[t]`` describe token ``input_ids[t]`` as a *target*. The logprob of
 ``input_ids[t]`` is predicted by the logits at position ``t - 1``, so the trainer
-computes ``logp[t] = log_softmax(logits[t - 1] / temperature[t])[input_ids[t]]`` and
-never shifts across a ``cu_seqlens`` boundary. Prompt positions carry mask 0 and
+computes ``logp[t] = log_softmax(logits[t - 1] / temperature of t's sequence)[input_ids[t]]``
+and never shifts across a ``cu_seqlens`` boundary. Prompt positions carry mask 0 and
 logprob 0. A row with an empty prompt has no position that predicts its first
 response token; that token's mask is set to 0.
 
@@ -37,8 +47,8 @@ closed the micro-batch): 1.0 means no budget left unused; an oversize micro-batc
 counts as full.
 
 The ``[T]`` tensors of one step's micro-batches are views of one buffer per field
-(the step is written in one pass); they do not overlap, and ``.to(device)`` copies
-only the view.
+(the step is written in one pass), as are the ``[S]`` temperatures; they do not overlap,
+and ``.to(device)`` copies only the view.
 """
 
 from __future__ import annotations
@@ -64,11 +74,10 @@ class PackedBatch:
     """One micro-batch: S sequences packed into T tokens, no padding."""
 
     input_ids: torch.Tensor  # [T] int64, prompt then response tokens of each sequence
-    position_ids: torch.Tensor  # [T] int64, restarting at 0 for each sequence
     cu_seqlens: torch.Tensor  # [S+1] int32, sequence boundaries in the flat stream
     loss_mask: torch.Tensor  # [T] float32, row's loss_mask at response positions, 0 at prompt positions
     rollout_logprobs: torch.Tensor  # [T] float32, stored logprob of input_ids[t] at response positions, else 0
-    temperature: torch.Tensor  # [T] float32, row's sampling temperature (1.0 when null; 0 = greedy kept as 0)
+    temperatures: torch.Tensor  # [S] float32, row's sampling temperature (1.0 when null; 0 = greedy kept as 0)
     response_start: torch.Tensor  # [S] int64, flat index of each sequence's first response token
     seq_group: torch.Tensor  # [S] int64, index of the sequence's group in Step.group_ids
     rewards: torch.Tensor  # [S] float32
@@ -86,6 +95,16 @@ class PackedBatch:
     @property
     def num_sequences(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # [T] int64
+        """Derived, not stored: 0, 1, ... within each sequence (:func:`positions_from_cu_seqlens`)."""
+        return positions_from_cu_seqlens(self.cu_seqlens, self.num_tokens)
+
+    @property
+    def temperature(self) -> torch.Tensor:  # [T] float32
+        """Derived, not stored: each token's sequence temperature (:func:`token_temperatures`)."""
+        return token_temperatures(self.temperatures, self.cu_seqlens, self.num_tokens)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
         """A copy with every tensor on ``device``."""
@@ -206,28 +225,21 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
     total = int(cu[-1])
     longest = int(seq_len.max())
     zeros_u8, zeros_f32 = np.zeros(longest, np.uint8), np.zeros(longest, np.float32)
-    positions = np.arange(longest, dtype=np.int64)
-    idx, prompt_lens, lens = order.tolist(), p_len.tolist(), seq_len.tolist()
+    idx, prompt_lens = order.tolist(), p_len.tolist()
+    # Three [T] arrays: the position ids and the temperature are per sequence, derived by the consumer.
     input_ids = _pooled(total, np.int64)  # [T]
     np.concatenate([t for i in idx for t in (seqs.prompt[i], seqs.response[i])], out=input_ids)
-    position_ids = _pooled(total, np.int64)  # [T]
-    np.concatenate([positions[:n] for n in lens], out=position_ids)
     loss_mask = _pooled(total, np.float32)  # [T]
     masks = [t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], _trainable(seqs.mask[i], n))]
     np.concatenate(masks, out=loss_mask)
     logprobs = _pooled(total, np.float32)  # [T]
     np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
-    temp = seqs.temperature[order]
-    temp = np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32)  # [S]
-    temperature = _pooled(total, np.float32)  # [T]
-    for k, t in enumerate(temp.tolist()):
-        temperature[cu[k] : cu[k + 1]] = t
+    temp = seqs.temperature[order]  # [S]
+    temperatures = torch.from_numpy(np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
     flat = {
         "input_ids": torch.from_numpy(input_ids),
-        "position_ids": torch.from_numpy(position_ids),
         "loss_mask": torch.from_numpy(loss_mask),
         "rollout_logprobs": torch.from_numpy(logprobs),
-        "temperature": torch.from_numpy(temperature),
     }
     response_start = cu[:-1] + p_len  # [S] step-wide
     group = seqs.group[order].astype(np.int64)
@@ -242,6 +254,7 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
                 **{name: t[lo:hi] for name, t in flat.items()},
                 **_supports(seqs, ids, (cu[first:last] - lo + p_len[first:last]).tolist(), loss_mask[lo:hi]),
                 cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
+                temperatures=temperatures[first:last],
                 response_start=torch.from_numpy(response_start[first:last] - lo),
                 seq_group=torch.from_numpy(group[first:last]),
                 rewards=torch.from_numpy(reward[first:last]),
@@ -255,6 +268,23 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
         first = last
     capacity = sum(max(budget, b.num_tokens) for b in batches)
     return batches, total / capacity
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T] int64
+    """Position ids of a packed stream of ``num_tokens`` tokens, restarting at 0 at every sequence start
+    (``cu_seqlens [S+1]``), on ``cu_seqlens``' device: ``t - cu_seqlens[sequence of t]``.
+
+    ``num_tokens`` is ``PackedBatch.num_tokens`` (known on the host), so nothing waits for the device."""
+    cu = cu_seqlens.long()  # [S+1]
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=num_tokens)  # [T] its sequence's start
+    return torch.arange(num_tokens, device=cu.device) - starts
+
+
+def token_temperatures(temperatures: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T]
+    """Each token's sampling temperature, that of its sequence (``temperatures [S]``, ``cu_seqlens [S+1]``), on
+    their device; ``num_tokens`` as in :func:`positions_from_cu_seqlens`."""
+    cu = cu_seqlens.long()  # [S+1]
+    return torch.repeat_interleave(temperatures, cu[1:] - cu[:-1], output_size=num_tokens)
 
 
 def _supports(seqs: Sequences, ids: list[int], starts: list[int], loss_mask: np.ndarray) -> dict[str, torch.Tensor]:
@@ -320,7 +350,7 @@ def unpack(batch: PackedBatch) -> list[dict]:
                 "weight_version": batch.weight_versions[k],
                 "group": int(batch.seq_group[k]),
                 "reward": float(batch.rewards[k]),
-                "temperature": float(batch.temperature[start]) if end > start else None,
+                "temperature": float(batch.temperatures[k]),
                 "prompt_tokens": batch.input_ids[start:mid].tolist(),
                 "response_tokens": batch.input_ids[mid:end].tolist(),
                 "rollout_logprobs": batch.rollout_logprobs[mid:end].tolist(),

@@ -321,7 +321,7 @@ def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, m
             "agent": pa.array(mb.agents, pa.string()).take(take),
             "source": pa.array([source] * len(at), pa.string()),
             "weight_version": pa.array(mb.weight_versions, pa.string()).take(take),
-            "temperature": pa.array(mb.temperature[at].numpy().astype(np.float32)),
+            "temperature": pa.array(mb.temperatures[seq].numpy().astype(np.float32)),
             "position": pa.array(position.numpy().astype(np.int32)),
             "token": pa.array(mb.input_ids[at].numpy().astype(np.int32)),
             "rollout_logprob": pa.array(mb.rollout_logprobs[at].numpy().astype(np.float32)),

@@ -137,11 +137,10 @@ def dummy_batch() -> PackedBatch:
     """Two tokens, one of them scored: a pass that keeps a rank in step with the others at zero weight."""
     return PackedBatch(
         input_ids=torch.zeros(2, dtype=torch.int64),
-        position_ids=torch.arange(2),
         cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
         loss_mask=torch.tensor([0.0, 1.0]),
         rollout_logprobs=torch.zeros(2),
-        temperature=torch.ones(2),
+        temperatures=torch.ones(1),
         response_start=torch.tensor([1]),
         seq_group=torch.tensor([0]),
         rewards=torch.zeros(1),

@@ -29,10 +29,12 @@ of two datasets of ``--groups`` groups each against the single-dataset loader on
 bare ``pyarrow.dataset`` scan, the loader (data checks on and off), and the path a TRL user would take
 instead: HF ``datasets`` streaming over the shards (``RolloutDataset.to_hf``) and a collate of each batch of
 64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask)
-(``--no-hf`` leaves it out). Beside the wall-clock figures: each path's process CPU seconds (every thread),
-which a busy machine disturbs less, and the median of the rounds' ratios. Then a prototype of a changed batch
-contract, measured here only: the temperature per sequence and no ``position_ids`` (three ``[T]`` arrays
-written per step instead of five), end to end in the loader and as packing alone on one thread.
+(``--no-hf`` leaves it out). The rounds are interleaved with the order rotated each round. Beside the
+wall-clock figures: each path's process CPU seconds (every thread), which a busy machine disturbs less, the
+median of the rounds' ratios, what the data checks cost (best and median of the rounds), and the load
+average before and after. Then the batch as it was before it was made lean, measured here only: packing plus
+``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays per step instead of
+three), end to end in the loader and as packing alone on one thread.
 
 ``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
 epoch, opening included, data checks on and off) over the same rows with a top-k support
@@ -48,6 +50,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -127,63 +130,39 @@ def trl_path(ds: RolloutDataset, batch_rows: int = 64) -> int:
     return tokens + (collate(rows) if rows else 0)
 
 
-def pack_without_per_token_copies(seqs, budget: int, support_budget=None):
-    """A prototype of packing.pack under a changed batch contract, measured only here: the temperature per
-    sequence (``[S]``) instead of per token, and no ``position_ids`` (a backend would derive them from
-    ``cu_seqlens``): three ``[T]`` arrays written per step instead of five. Same bins, ids, mask and logprobs."""
-    import numpy as np
-    import torch
-
+def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
+    """packing.pack plus what the batch carried before it was made lean, measured only here: ``position_ids`` and
+    the temperature as ``[T]`` arrays written on the host (five ``[T]`` arrays per step instead of three), exactly
+    as pack wrote them (pooled buffers, a concatenation of aranges, a fill of each sequence's slice)."""
     from rollshard.store import packing as P
 
-    if len(seqs) == 0:
-        return [], 1.0
-    bins = P.first_fit_decreasing(seqs.lengths(), budget)
-    order = np.concatenate(bins)
-    p_len = np.fromiter((len(seqs.prompt[i]) for i in order), np.int64, len(order))
-    seq_len = p_len + np.fromiter((len(seqs.response[i]) for i in order), np.int64, len(order))
-    cu = np.zeros(len(order) + 1, np.int64)
-    np.cumsum(seq_len, out=cu[1:])
-    total, longest = int(cu[-1]), int(seq_len.max())
-    zeros_u8, zeros_f32 = np.zeros(longest, np.uint8), np.zeros(longest, np.float32)
-    idx, prompt_lens = order.tolist(), p_len.tolist()
-    input_ids = P._pooled(total, np.int64)
-    np.concatenate([t for i in idx for t in (seqs.prompt[i], seqs.response[i])], out=input_ids)
-    loss_mask = P._pooled(total, np.float32)
-    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], P._trainable(seqs.mask[i], n))],
-                   out=loss_mask)
-    logprobs = P._pooled(total, np.float32)
-    np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
-    temp = seqs.temperature[order]
-    temp = torch.from_numpy(np.where(np.isnan(temp), P.DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
-    flat = {"input_ids": torch.from_numpy(input_ids), "loss_mask": torch.from_numpy(loss_mask),
-            "rollout_logprobs": torch.from_numpy(logprobs)}
-    empty = torch.zeros(0)
-    response_start = cu[:-1] + p_len
-    group, reward = seqs.group[order].astype(np.int64), seqs.reward[order].astype(np.float32)
-    batches, first = [], 0
-    for b in bins:
-        last = first + len(b)
-        lo, hi = int(cu[first]), int(cu[last])
-        ids = order[first:last].tolist()
-        batches.append(P.PackedBatch(
-            **{name: t[lo:hi] for name, t in flat.items()}, position_ids=empty, temperature=temp[first:last],
-            cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
-            response_start=torch.from_numpy(response_start[first:last] - lo),
-            seq_group=torch.from_numpy(group[first:last]), rewards=torch.from_numpy(reward[first:last]),
-            agents=[seqs.agent[i] for i in ids], sample_ids=[seqs.sample_id[i] for i in ids],
-            weight_versions=[seqs.weight_version[i] for i in ids], num_tokens=hi - lo,
-            num_loss_tokens=int(loss_mask[lo:hi].sum())))
-        first = last
-    return batches, total / sum(max(budget, b.num_tokens) for b in batches)
+    batches, efficiency = P.pack(seqs, budget, support_budget)
+    if not batches:
+        return batches, efficiency
+    lens = [n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()]
+    total = sum(lens)
+    positions = np.arange(max(lens), dtype=np.int64)
+    position_ids = P._pooled(total, np.int64)  # [T]
+    np.concatenate([positions[:n] for n in lens], out=position_ids)
+    temperature = P._pooled(total, np.float32)  # [T]
+    temps = np.concatenate([b.temperatures.numpy() for b in batches])  # [S]
+    cu = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=cu[1:])
+    for k, t in enumerate(temps.tolist()):
+        temperature[cu[k] : cu[k + 1]] = t
+    lo = 0
+    for b in batches:  # each micro-batch keeps its views alive, as the two fields did
+        b.per_token_arrays = (position_ids[lo : lo + b.num_tokens], temperature[lo : lo + b.num_tokens])
+        lo += b.num_tokens
+    return batches, efficiency
 
 
-def loader_run_prototype(ds, config: LoaderConfig) -> dict:
-    """loader_run with pack_without_per_token_copies in place of the loader's packing (bench only)."""
+def loader_run_per_token(ds, config: LoaderConfig) -> dict:
+    """loader_run with pack_with_per_token_arrays in place of the loader's packing (bench only)."""
     import rollshard.store.loader.pack as loader_pack
 
     real = loader_pack.pack
-    loader_pack.pack = pack_without_per_token_copies
+    loader_pack.pack = pack_with_per_token_arrays
     try:
         return loader_run(ds, config)
     finally:
@@ -191,7 +170,8 @@ def loader_run_prototype(ds, config: LoaderConfig) -> dict:
 
 
 def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
-    """M tokens/s of packing alone (one thread, no reading) on one epoch's steps, as-is and the prototype."""
+    """M tokens/s of packing alone (one thread, no reading) on one epoch's steps: the lean batch and the one
+    before (five [T] arrays)."""
     import rollshard.store.loader.pack as loader_pack
     from rollshard.store.packing import pack
 
@@ -208,9 +188,9 @@ def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
     finally:
         loader_pack._sequences = real
     tokens = sum(int(s.lengths().sum()) for s in steps)
-    best = {"pack": float("inf"), "prototype": float("inf")}
+    best = {"lean": float("inf"), "per_token_arrays": float("inf")}
     for _ in range(repeat):
-        for name, fn in (("pack", pack), ("prototype", pack_without_per_token_copies)):
+        for name, fn in (("lean", pack), ("per_token_arrays", pack_with_per_token_arrays)):
             t0 = time.perf_counter()
             for s in steps:
                 fn(s, config.micro_batch_tokens)
@@ -228,49 +208,61 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
         "bare_scan": lambda: scan_tokens(ds),
         "loader": lambda: loader_run(ds, full)["tokens"],
         "loader_unchecked": lambda: loader_run(ds, unchecked)["tokens"],
-        "loader_prototype_3_token_arrays": lambda: loader_run_prototype(ds, full)["tokens"],
+        "loader_per_token_arrays": lambda: loader_run_per_token(ds, full)["tokens"],
         "hf_streaming_collate": lambda: trl_path(ds),
     }
     if args.no_hf:
         del paths["hf_streaming_collate"]
+    load_before = os.getloadavg()
     best = {k: float("inf") for k in paths}
     cpu_rounds: dict[str, list[float]] = {k: [] for k in paths}
-    ratios = []  # per round: each path's speed against that round's bare scan
-    for _ in range(args.repeat):  # interleaved: a change in machine load hits every path alike
+    rounds = []  # per round: each path's seconds
+    names = list(paths)
+    for r in range(args.repeat):  # interleaved, the order rotated: a change in machine load hits every path alike
         times = {}
-        for name, fn in paths.items():
+        for name in names[r % len(names):] + names[: r % len(names)]:
             c0 = time.process_time()
-            t, n = best_of(1, fn)
+            t, n = best_of(1, paths[name])
             cpu_rounds[name].append(time.process_time() - c0)
             assert n == ds.num_tokens, (name, n, ds.num_tokens)
             best[name] = min(best[name], t)
             times[name] = t
-        ratios.append({k: times["bare_scan"] / t for k, t in times.items()})
-    out = {"rows": ds.num_rows, "tokens": ds.num_tokens, "mb": ds.num_bytes / 1e6,
+        rounds.append(times)
+    out = {"rows": ds.num_rows, "tokens": ds.num_tokens, "mb": ds.num_bytes / 1e6, "repeat": args.repeat,
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "m_tokens_per_s": {k: ds.num_tokens / t / 1e6 for k, t in best.items()},
            "vs_bare_scan": {k: best["bare_scan"] / t for k, t in best.items()}}
-    cpu = {k: float("inf") for k in paths}  # process CPU seconds (every thread), best of the rounds
-    for k, v in cpu_rounds.items():
-        cpu[k] = min(v)
+    cpu = {k: min(v) for k, v in cpu_rounds.items()}  # process CPU seconds (every thread), best of the rounds
     out["cpu_s"] = cpu
     out["cpu_vs_bare_scan"] = {k: cpu["bare_scan"] / c for k, c in cpu.items()}
-    out["vs_bare_scan_median"] = {k: float(np.median([r[k] for r in ratios])) for k in paths}
+    out["vs_bare_scan_median"] = {k: float(np.median([r["bare_scan"] / r[k] for r in rounds])) for k in paths}
+    out["vs_bare_scan_rounds"] = {k: [r["bare_scan"] / r[k] for r in rounds] for k in paths}
+    # What the data checks cost: the share of the checked loader's time the unchecked one saves.
+    out["data_checks_cost"] = {"best": 1 - best["loader_unchecked"] / best["loader"],
+                               "median": float(np.median([1 - r["loader_unchecked"] / r["loader"] for r in rounds]))}
+    out["lean_vs_per_token_arrays"] = {  # > 1: the lean batch is faster
+        "best": best["loader_per_token_arrays"] / best["loader"],
+        "median": float(np.median([r["loader_per_token_arrays"] / r["loader"] for r in rounds]))}
     if "hf_streaming_collate" in best:
         out["loader_vs_hf_streaming_collate"] = best["hf_streaming_collate"] / best["loader"]
     out["pack_only"] = pack_only(ds, full, args.repeat)
+    say = functools.partial(print, file=sys.stderr) if args.json else print  # --json: figures on stdout
     if args.json:
         print(json.dumps(out, indent=1))
-        return
-    print(f"dataset: {out['rows']} rows, {out['tokens']:,} tokens, {out['mb']:.0f} MB on disk\n")
-    print("| read path | M tokens/s | vs bare scan (best) | median of rounds | CPU s | bare scan's CPU / CPU |")
-    print("|---|---:|---:|---:|---:|---:|")
+    say(f"dataset: {out['rows']} rows, {out['tokens']:,} tokens, {out['mb']:.0f} MB on disk; load average "
+        f"{load_before[0]:.2f} before, {out['loadavg_after'][0]:.2f} after\n")
+    say("| read path | M tokens/s | vs bare scan (best) | median of rounds | CPU s | bare scan's CPU / CPU |")
+    say("|---|---:|---:|---:|---:|---:|")
     for k in paths:
-        print(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} | "
-              f"{out['vs_bare_scan_median'][k]:.2f} | {cpu[k]:.2f} | {out['cpu_vs_bare_scan'][k]:.2f} |")
+        say(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} | "
+            f"{out['vs_bare_scan_median'][k]:.2f} | {cpu[k]:.2f} | {out['cpu_vs_bare_scan'][k]:.2f} |")
+    c = out["data_checks_cost"]
+    say(f"\ndata checks: {100 * c['best']:.1f}% of the loader's time (best of {args.repeat}), "
+        f"{100 * c['median']:.1f}% (median of the rounds)")
     po = out["pack_only"]
-    print(f"\npacking alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
-          f"{po['m_tokens_per_s']['pack']:.0f} M tokens/s as is, {po['m_tokens_per_s']['prototype']:.0f} M tokens/s "
-          "with the temperature per sequence and no position_ids (prototype)")
+    say(f"packing alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
+        f"{po['m_tokens_per_s']['lean']:.0f} M tokens/s (lean batch), {po['m_tokens_per_s']['per_token_arrays']:.0f} "
+        "M tokens/s with position_ids and temperature as [T] arrays (the batch before)")
 
 
 def loader_run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, *, mix: str | None = None) -> dict:
@@ -295,11 +287,17 @@ def mix_bench(tmp: Path, base: pa.Table, args) -> None:
     config = LoaderConfig(shuffle_window=args.window)
     spec = f"{a.storage.root}:0.7,{b.storage.root}:0.3"
     t_one = t_mix = float("inf")
-    for _ in range(args.repeat):  # interleaved, so that a change in machine load hits both alike
-        t, one = best_of(1, lambda: loader_run(a, config))
-        t_one = min(t_one, t)
-        t, mixed = best_of(1, lambda: loader_run(None, config, mix=spec))
-        t_mix = min(t_mix, t)
+    ratios = []  # per round: the mixture's groups/s over one dataset's
+    load_before = os.getloadavg()
+    for r in range(args.repeat):  # interleaved, the order alternated, so that a change in load hits both alike
+        for side in ("one", "mix") if r % 2 == 0 else ("mix", "one"):
+            if side == "one":
+                t1, one = best_of(1, lambda: loader_run(a, config))
+                t_one = min(t_one, t1)
+            else:
+                t2, mixed = best_of(1, lambda: loader_run(None, config, mix=spec))
+                t_mix = min(t_mix, t2)
+        ratios.append((mixed["groups"] / t2) / (one["groups"] / t1))
     say = functools.partial(print, file=sys.stderr) if args.json else print  # --json: figures on stdout
     say(f"two datasets of {args.groups} groups (8 rows each), groups_per_step 8, window {args.window}, "
         f"best of {args.repeat}\n")
@@ -308,12 +306,16 @@ def mix_bench(tmp: Path, base: pa.Table, args) -> None:
     say(f"| RolloutLoader, one dataset | {one['groups']} | {one['groups'] / t_one:,.0f} | {n_load(one, t_one):.1f} |")
     say(f"| MixtureLoader a:0.7,b:0.3 | {mixed['groups']} | {mixed['groups'] / t_mix:,.0f} | "
         f"{n_load(mixed, t_mix):.1f} |")
+    say(f"\nmixture / one dataset, groups/s: {(mixed['groups'] / t_mix) / (one['groups'] / t_one):.2f} (best), "
+        f"{float(np.median(ratios)):.2f} (median of the rounds); load average {load_before[0]:.2f} before")
     if args.json:
         print(json.dumps({
             "groups": args.groups, "window": args.window, "repeat": args.repeat,
             "one": {"groups": one["groups"], "seconds": t_one, "m_tokens_per_s": n_load(one, t_one)},
             "mixture": {"groups": mixed["groups"], "seconds": t_mix, "m_tokens_per_s": n_load(mixed, t_mix)},
             "mixture_vs_one": (mixed["groups"] / t_mix) / (one["groups"] / t_one),
+            "mixture_vs_one_median": float(np.median(ratios)), "mixture_vs_one_rounds": ratios,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         }, indent=1))  # fmt: skip
 
 
@@ -343,8 +345,7 @@ def supports_bench(tmp: Path, args) -> None:
                                         "bytes_on_disk": datasets[d].num_bytes}
     with RolloutLoader(datasets[f"top_k={args.top_k} support"], configs["checks on"]) as loader:
         b = next(iter(loader)).micro_batches[0]
-        core = sum(getattr(b, n).nbytes for n in ("input_ids", "position_ids", "loss_mask", "rollout_logprobs",
-                                                   "temperature"))
+        core = sum(getattr(b, n).nbytes for n in ("input_ids", "loss_mask", "rollout_logprobs", "temperatures"))
         extra = sum(getattr(b, n).nbytes for n in ("sampling_logprobs", "has_support", "support_ids", "support_offsets"))
     results["micro_batch_bytes"] = {"token_tensors": core, "support_tensors": extra}
     if args.json:

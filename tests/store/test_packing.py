@@ -1,8 +1,18 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from rollshard.store.packing import Sequences, first_fit_decreasing, pack, packing_efficiency, unpack
+from rollshard.store.packing import (
+    Sequences,
+    first_fit_decreasing,
+    pack,
+    packing_efficiency,
+    positions_from_cu_seqlens,
+    token_temperatures,
+    unpack,
+)
 
 
 def seqs_of(rows: list[dict]) -> Sequences:
@@ -53,14 +63,16 @@ def test_pack_layout_and_round_trip():
     assert b.num_tokens == 7 and b.num_sequences == 2
     assert (b.num_loss_tokens, batches[1].num_loss_tokens) == (3, 2)  # masks [1, 0, 1] + [1]; [1, 1]
     assert b.input_ids.tolist() == [7, 8, 1, 2, 3, 9, 4]
-    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1]  # derived from cu_seqlens, not stored
     assert b.cu_seqlens.tolist() == [0, 5, 7] and b.cu_seqlens.dtype == torch.int32
     assert b.response_start.tolist() == [2, 6]
     assert b.loss_mask.tolist() == [0, 0, 1, 0, 1, 0, 1]
     assert b.rollout_logprobs.tolist() == [0, 0, -0.5, 0, -1.5, 0, -0.25]
-    # row temperature on every token; a null temperature is 1.0
-    assert b.temperature.tolist() == pytest.approx([0.7] * 5 + [1.0] * 2)
-    assert batches[1].temperature.tolist() == [0.0] * 5  # greedy stays 0; the trainer maps <= 0 to 1
+    # one temperature per sequence (float32 0.7); a null temperature is 1.0; on every token by derivation
+    assert b.temperatures.tolist() == [np.float32(0.7), 1.0] and b.temperatures.dtype == torch.float32
+    assert b.temperature.tolist() == [np.float32(0.7)] * 5 + [1.0] * 2
+    assert batches[1].temperatures.tolist() == [0.0]  # greedy stays 0; the trainer maps <= 0 to 1
+    assert {f.name for f in dataclasses.fields(b)}.isdisjoint({"position_ids", "temperature"})  # no [T] copies
     assert b.seq_group.tolist() == [0, 0] and batches[1].seq_group.tolist() == [1]
     assert b.rewards.tolist() == [1.0, 0.0] and b.weight_versions == ["3", None]
     assert b.input_ids.dtype == torch.int64 and b.loss_mask.dtype == torch.float32
@@ -239,3 +251,38 @@ def test_the_default_support_budget_never_binds_up_to_top_k_64():
     for k, bins in ((64, [["a", "b"]]), (65, [["a"], ["b"]])):
         seqs = with_supports([supported_row("a", [1], [k] * 199), supported_row("b", [1], [k] * 55)])
         assert [b.sample_ids for b in pack(seqs, 256)[0]] == bins
+
+
+def test_positions_and_temperatures_from_cu_seqlens_worked_example():
+    # Sequences of 3, 0 (empty: nothing of it in the stream), 1 and 2 tokens: T = 6.
+    cu = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)
+    assert positions_from_cu_seqlens(cu, 6).tolist() == [0, 1, 2, 0, 0, 1]
+    assert positions_from_cu_seqlens(cu, 6).dtype == torch.int64
+    temps = torch.tensor([0.7, 0.5, 0.0, 1.0])  # [S]
+    assert token_temperatures(temps, cu, 6).tolist() == [np.float32(0.7)] * 3 + [0.0] + [1.0] * 2
+    empty = torch.tensor([0], dtype=torch.int32)  # no sequence at all
+    assert positions_from_cu_seqlens(empty, 0).tolist() == [] and token_temperatures(temps[:0], empty, 0).numel() == 0
+
+
+def test_derived_layout_equals_the_per_token_arrays_it_replaces():
+    # The [T] arrays pack wrote before, built here as it built them (a concatenation of aranges, and a fill of each
+    # sequence's slice with its temperature): the derived ones are equal, element for element and dtype.
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(40):
+        p, r = int(rng.integers(0, 5)), int(rng.integers(0, 9))
+        rows.append(dict(prompt=rng.integers(0, 50, p).tolist(), response=rng.integers(0, 50, r).tolist(),
+                         logprobs=[-0.5] * r, mask=[1] * r, reward=float(i % 3), group=i // 4, agent="policy",
+                         sample_id=f"s{i}", version="0",
+                         temperature=[0.7, float("nan"), 0.0, 1.3][i % 4]))
+    batches, _ = pack(seqs_of(rows), budget=16)
+    assert len(batches) > 3
+    for b in batches:
+        cu = b.cu_seqlens.tolist()
+        old_positions = torch.from_numpy(np.concatenate([np.arange(e - s, dtype=np.int64) for s, e in
+                                                          zip(cu[:-1], cu[1:])]))
+        old_temperature = torch.empty(b.num_tokens, dtype=torch.float32)
+        for k, t in enumerate(b.temperatures.tolist()):
+            old_temperature[cu[k] : cu[k + 1]] = t
+        assert torch.equal(positions_from_cu_seqlens(b.cu_seqlens, b.num_tokens), old_positions)
+        assert torch.equal(token_temperatures(b.temperatures, b.cu_seqlens, b.num_tokens), old_temperature)

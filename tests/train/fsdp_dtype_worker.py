@@ -63,8 +63,9 @@ def measure(path: str, fp32_lm_head: bool, env) -> dict:
     ids = torch.randint(3, backend.hf_model.config.vocab_size, (12,), generator=g)
     positions = torch.cat([torch.arange(5), torch.arange(7)])
     mask = (positions > 1).float()
-    temperature = torch.full((12,), 0.7)
-    batch = SimpleNamespace(input_ids=ids, position_ids=positions, loss_mask=mask, temperature=temperature)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)  # two sequences, of 5 and 7 tokens
+    batch = SimpleNamespace(input_ids=ids, cu_seqlens=cu, num_tokens=12, loss_mask=mask,
+                            temperatures=torch.full((2,), 0.7))
     logp, _ = backend.logprobs(batch, grad=False)
     at = torch.nonzero(mask).flatten()
     logits = torch.nn.functional.linear(seen.pop("h"), seen.pop("w"))  # [K, V] pure fp32 on the same hidden states

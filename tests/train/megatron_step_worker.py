@@ -87,7 +87,7 @@ def main(model: str, data: str, out: str, tp: int, pp: int, ep: int = 1) -> None
         lp_h, ent_h = hf.logprobs(mb, grad=True, entropy=True)
         lp_m, ent_m = mg.logprobs(mb, grad=True, entropy=True)
         mask = mb.loss_mask
-        temps |= set(mb.temperature[mask > 0].tolist())
+        temps |= set(mb.temperature[mask > 0].tolist())  # derived per token from the [S] temperatures
         diffs["logp"] = max(diffs["logp"], float(((lp_h - lp_m).detach() * mask).abs().max()))
         diffs["entropy"] = max(diffs["entropy"], float(((ent_h - ent_m).detach() * mask).abs().max()))
         hf.backward(loss_of(lp_h, ent_h, mask))

@@ -29,14 +29,16 @@ def test_packed_attention_equals_megatron_attention_with_the_block_mask(megatron
                                attention_dropout=0.0, masked_softmax_fusion=False, use_cpu_initialization=True)
     attn = PackedSequenceAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                    attention_type="self")
-    position_ids = torch.cat([torch.arange(n) for n in (5, 1, 7, 3)])  # [T] four sequences, one of a single token
+    lengths = (5, 1, 0, 7, 3)  # five sequences, one of a single token, one empty
+    position_ids = torch.cat([torch.arange(n) for n in lengths])  # [T] for the block mask
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)  # [S+1]
     T = position_ids.numel()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(T, 1, 4, 8, generator=g)  # [T, B, heads, d]
     k, v = torch.randn(T, 1, 2, 8, generator=g), torch.randn(T, 1, 2, 8, generator=g)  # [T, B, groups, d]
 
     dense = attn(q, k, v, packed_causal_mask(position_ids))  # megatron-core's kernel, [T, T] mask
-    with packed_sequences(position_ids):
+    with packed_sequences(cu_seqlens):
         packed = attn(q, k, v, None)
     assert packed.shape == dense.shape == (T, 1, 32)
     assert (packed - dense).abs().max() <= 1e-6

@@ -311,8 +311,8 @@ def test_backend_head_dtype_under_bf16_follows_the_config(tiny_gpt2, fp32_lm_hea
     seen = {}
     backend.hf_model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.update(dtype=out.dtype))
     batch = SimpleNamespace(
-        input_ids=torch.tensor([5, 6, 7, 8]), position_ids=torch.arange(4),
-        loss_mask=torch.tensor([0.0, 1, 1, 1]), temperature=torch.full((4,), 0.7),
+        input_ids=torch.tensor([5, 6, 7, 8]), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32), num_tokens=4,
+        loss_mask=torch.tensor([0.0, 1, 1, 1]), temperatures=torch.full((1,), 0.7),
     )
     logp, _ = backend.logprobs(batch, grad=False)
     assert logp.dtype == torch.float32

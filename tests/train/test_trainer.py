@@ -139,8 +139,8 @@ def _micro_batch(loss_tokens: list[int], prompt: int = 2, tool: int = 3):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     S = len(loss_tokens)
     return PackedBatch(
-        input_ids=torch.zeros(T, dtype=torch.int64), position_ids=torch.cat([torch.arange(n) for n in lens]),
-        cu_seqlens=cu, loss_mask=mask, rollout_logprobs=torch.zeros(T), temperature=torch.ones(T),
+        input_ids=torch.zeros(T, dtype=torch.int64),
+        cu_seqlens=cu, loss_mask=mask, rollout_logprobs=torch.zeros(T), temperatures=torch.ones(S),
         response_start=cu[:-1].long() + prompt, seq_group=torch.arange(S), rewards=torch.zeros(S),
         agents=["a"] * S, sample_ids=[str(i) for i in range(S)], weight_versions=[None] * S,
         num_tokens=T, num_loss_tokens=int(mask.sum()),
@@ -395,3 +395,73 @@ def test_ranks_that_opened_different_datasets_are_refused(tiny_dataset, tmp_path
         check_same_data(loader, TwoRanks(rank=0, world_size=2, other=mine))  # the same data: passes
         with pytest.raises(ValueError, match=r"the ranks opened different datasets \(rank 0 and ranks \[1\]\)"):
             check_same_data(loader, TwoRanks(rank=0, world_size=2, other=["another"]))
+
+
+def _per_token_logprobs(self, batch, *, grad, entropy=False, reference=False, support=False):
+    """HFBackend.logprobs as it was before the lean batch: ``position_ids`` and the temperature as ``[T]`` arrays
+    written on the host as packing wrote them (a concatenation of aranges; each sequence's slice filled with its
+    temperature), then copied to the device."""
+    import numpy as np
+
+    from rollshard.train.logprobs import Support, packed_logprobs
+
+    module = self.reference if reference else self.policy
+    cu = batch.cu_seqlens.cpu().tolist()
+    positions = np.concatenate([np.arange(e - s, dtype=np.int64) for s, e in zip(cu[:-1], cu[1:])])  # [T]
+    temperature = np.empty(cu[-1], np.float32)  # [T]
+    for k, t in enumerate(batch.temperatures.cpu().tolist()):
+        temperature[cu[k] : cu[k + 1]] = t
+    dev = self.device
+    sup = Support.of(batch) if support else None
+    if sup is not None:
+        sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
+    with torch.set_grad_enabled(grad), self._autocast():
+        out = packed_logprobs(
+            module, input_ids=batch.input_ids.to(dev), position_ids=torch.from_numpy(positions).to(dev),
+            loss_mask=batch.loss_mask.to(dev), temperature=torch.from_numpy(temperature).to(dev),
+            with_entropy=entropy, support=sup,
+        )
+    return (*out, None) if support and sup is None else out
+
+
+@pytest.mark.parametrize("loss", [
+    {},  # vanilla: token-mean PPO clip, one mini-batch
+    {"mode": "decoupled", "is_correction": "tis", "kl_coef": 0.1, "entropy_coef": 0.01},  # every logprob pass
+])
+def test_lean_batch_step_is_bit_for_bit_the_per_token_layout(tiny_dataset, tiny_gpt2, tmp_path, monkeypatch, loss):
+    """Position ids and temperatures derived from ``cu_seqlens`` on the device (the lean batch) give the very losses,
+    metrics, gradients and weights that the per-token arrays packing used to write give: torch.equal, not allclose.
+    Two steps, two mini-batches (the second trains on updated weights), rows at temperatures 1.0 and 0.7."""
+    from rollshard.train.backends.hf import HFBackend
+
+    grads: dict[str, list[dict[str, torch.Tensor]]] = {"lean": [], "per_token": []}
+    real_step = HFBackend.optimizer_step
+
+    def run(name: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        def capture(self):  # the gradients the update uses, before clipping
+            grads[name].append({n: p.grad.detach().clone() for n, p in self.policy.named_parameters()})
+            return real_step(self)
+
+        monkeypatch.setattr(HFBackend, "optimizer_step", capture)
+        config = make_config(tiny_dataset, tiny_gpt2, tmp_path / name, data={"micro_batch_tokens": 48}, loss=loss,
+                             trainer={"max_steps": 2, "mini_batches": 2})
+        trainer = Trainer(config)
+        try:
+            history = trainer.run()
+            weights = {n: p.detach().clone() for n, p in trainer.backend.policy.named_parameters()}
+        finally:
+            trainer.close()
+        return history, weights
+
+    lean, lean_weights = run("lean")
+    monkeypatch.setattr(HFBackend, "logprobs", _per_token_logprobs)
+    old, old_weights = run("per_token")
+    assert len(lean) == len(old) == 2 and lean[0]["data/micro_batches"] >= 2
+    for a, b in zip(lean, old):  # every figure but the clock's (perf/*: step time, data-wait share, tokens/s)
+        assert a.keys() == b.keys()
+        assert {k: v for k, v in a.items() if not k.startswith("perf/")} == {
+            k: v for k, v in b.items() if not k.startswith("perf/")}
+    assert len(grads["lean"]) == len(grads["per_token"]) == 4  # 2 steps x 2 mini-batches
+    for ga, gb in zip(grads["lean"], grads["per_token"]):
+        assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+    assert all(torch.equal(lean_weights[n], old_weights[n]) for n in lean_weights)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
@@ -173,13 +174,14 @@ class HFBackend:
         sup = Support.of(batch) if support else None
         if sup is not None:
             sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
+        cu, T = batch.cu_seqlens.to(dev), batch.num_tokens
         with torch.set_grad_enabled(grad), self._autocast():
             out = packed_logprobs(
                 module,
                 input_ids=batch.input_ids.to(dev),
-                position_ids=batch.position_ids.to(dev),
+                position_ids=positions_from_cu_seqlens(cu, T),  # [T] derived on the device (store/packing.py)
                 loss_mask=batch.loss_mask.to(dev),
-                temperature=batch.temperature.to(dev),
+                temperature=token_temperatures(batch.temperatures.to(dev), cu, T),  # [T]
                 with_entropy=entropy,
                 support=sup,
             )

@@ -24,10 +24,12 @@ _BOUNDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("pack
 
 
 @contextlib.contextmanager
-def packed_sequences(position_ids: torch.Tensor):
-    """Within: the layers attend within each sequence of the micro-batch (a sequence starts at position id 0)."""
-    starts = torch.nonzero(position_ids == 0).flatten().tolist()
-    token = _BOUNDS.set(starts + [position_ids.numel()])
+def packed_sequences(cu_seqlens: torch.Tensor):
+    """Within: the layers attend within each sequence of the micro-batch (``cu_seqlens [S+1]``, its boundaries;
+    an empty sequence has nothing to attend and is skipped)."""
+    cu = cu_seqlens.tolist()
+    bounds = cu[:1] + [b for a, b in zip(cu[:-1], cu[1:]) if b != a]
+    token = _BOUNDS.set(bounds)
     try:
         yield
     finally:

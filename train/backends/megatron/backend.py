@@ -46,6 +46,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
 from rollshard.train.backends.megatron import weights as W
 from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
 from rollshard.train.backends.megatron.model import arch_of, build_model, check_layout, transformer_config
@@ -188,11 +189,12 @@ class MegatronBackend:
         if model is None:
             raise RuntimeError("no reference model: it is built only when kl_coef > 0")
         dev = self.device
-        ids, pos = batch.input_ids.to(dev), batch.position_ids.to(dev)
+        ids, cu, T = batch.input_ids.to(dev), batch.cu_seqlens.to(dev), batch.num_tokens
+        pos = positions_from_cu_seqlens(cu, T)  # [T] derived on the device (store/packing.py)
         mask = batch.loss_mask.to(dev)
         at = loss_positions(mask)  # [K]
-        temp = sampling_temperature(batch.temperature.to(dev).float()).index_select(0, at)  # [K]
-        T = ids.numel()
+        temp = token_temperatures(batch.temperatures.to(dev), cu, T)  # [T] derived on the device too
+        temp = sampling_temperature(temp.float()).index_select(0, at)  # [K]
         sup = Support.of(batch) if support else None
         rows_ids = ()
         if sup is not None:
@@ -206,7 +208,7 @@ class MegatronBackend:
                 self._p2p(inp, send=False, peer_stage=self.pp_rank - 1)
                 inp.requires_grad_(grad)
                 model.set_input_tensor(inp)
-            out = stage_hidden(model, ids, pos, self._freqs)  # [T, 1, H]
+            out = stage_hidden(model, ids, pos, batch.cu_seqlens, self._freqs)  # [T, 1, H]
             if not self.last:
                 self._p2p(out.detach().float().contiguous(), send=True, peer_stage=self.pp_rank + 1)
                 K = at.numel()

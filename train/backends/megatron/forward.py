@@ -34,7 +34,13 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:  # [1, 1, T,
     return masked[None, None]
 
 
-def stage_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def stage_hidden(
+    model,
+    input_ids: torch.Tensor,  # [T]
+    position_ids: torch.Tensor,  # [T] restarting at 0 per sequence
+    cu_seqlens: torch.Tensor,  # [S+1]
+    freqs: torch.Tensor,
+) -> torch.Tensor:
     """This stage's output ``[T, 1, H]``: embedding (first stage) or the tensor set by ``set_input_tensor``,
     then its decoder layers (and, on the last stage, the final norm)."""
     from rollshard.train.backends.megatron.attention import packed_sequences
@@ -43,7 +49,7 @@ def stage_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor, fre
     if model.pre_process:
         x = model.embedding(input_ids=input_ids[None], position_ids=position_ids[None])  # [T, 1, H]
     rope = freqs.index_select(0, position_ids)  # [T, 1, 1, D] each token at its own position
-    with packed_sequences(position_ids):  # the core attention takes the boundaries, not a mask
+    with packed_sequences(cu_seqlens):  # the core attention takes the boundaries, not a mask
         return model.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
 
 
