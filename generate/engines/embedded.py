@@ -35,6 +35,18 @@ exception is a draw that lands within float rounding (~1e-7) of a CDF interval o
 top-k/top-p boundary, where the batched forward's rounding can decide: about 1e-7 per
 token measured on the tiny models (:mod:`.sampler` gives the figures).
 
+Speed (measured on SmolLM2-135M, fp32, two cores; ``tests/bench/bench_decode.py``). Decode is a few
+hundred small operators around ~30 matrix products per step, so torch's intra-op threads meet at a barrier
+after every operator: where another process takes a core, each barrier waits for a descheduled thread, and
+a step at two threads took 0.8-2.4 s against 0.2 s at one (batch 32-64). The worker therefore runs with
+``threads`` torch threads, by default :func:`default_threads` (torch's count less one: one on two cores),
+set when it starts and restored when it ends. torch has one setting per process (MKL's is global), so the
+process's other threads run their torch work at that count meanwhile. Rows decoded together
+(``max_batch_size``): 64 by default, where one thread's matrix products run ~1.3x more tokens/s than at 32.
+The n samples of one prompt that arrive together are prefilled once (one row of the forward, its cache and
+last logits copied to each), so a GRPO group pays one prompt's prefill; each sample still draws from its own
+generator.
+
 Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
 ``/update_weights_from_disk``: requests already running finish on the old weights,
 new ones wait, and the swap happens when the batch is empty. Versions: a rollshard
@@ -72,6 +84,7 @@ from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
 from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 
+DEFAULT_MAX_BATCH_SIZE = 64  # rows decoded together; measured on SmolLM2-135M (fp32, one thread): 64 > 32 tokens/s
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
 IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
 # SGLang's finish reasons for an aborted request (tokenizer_manager / schedule_batch.FINISH_ABORT).
@@ -133,9 +146,15 @@ class EmbeddedEngine(Engine):
         device: str = "cpu",
         dtype: str = "float32",
         seed: int = 0,
-        max_batch_size: int = 32,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         weight_version: str | None = None,
+        threads: int | None = None,
     ) -> None:
+        """``threads``: torch's intra-op threads while the worker runs (see the module docstring); default
+        :func:`default_threads`."""
+        if threads is not None and threads < 1:
+            raise EngineError(f"threads must be >= 1 (or None for torch's own setting), got {threads}")
+        self.threads = default_threads() if threads is None else threads
         self.model_path = resolve_model_path(model_path)
         try:
             self.device = torch.device(device)
@@ -314,6 +333,14 @@ class EmbeddedEngine(Engine):
                 self._thread.start()
 
     def _run(self) -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self._serve()
+        finally:
+            torch.set_num_threads(previous)
+
+    def _serve(self) -> None:
         batch = Batch()
         waiting: list[_Request] = []
         while True:
@@ -401,16 +428,18 @@ class EmbeddedEngine(Engine):
         return batch
 
     def _prefill(self, rows: list[_Request]) -> Batch:
-        """One left-padded forward over ``rows``' prompts; their cache, sampling state and first tokens."""
-        length = max(len(r.input_ids) for r in rows)
+        """One left-padded forward over ``rows``' distinct prompts (n samples of one prompt are prefilled once, their
+        cache copied); their cache, sampling state and first tokens."""
+        distinct: dict[tuple[int, ...], int] = {}
+        of_row = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in rows]  # [n] -> distinct prompt
+        prompts = [list(p) for p in distinct]
+        length = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor(
-            [[pad] * (length - len(r.input_ids)) + r.input_ids for r in rows], device=self.device
-        )  # [n, L]
+        ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=self.device)  # [u, L]
         valid = torch.tensor(
-            [[False] * (length - len(r.input_ids)) + [True] * len(r.input_ids) for r in rows], device=self.device
-        )  # [n, L]
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [n, L]
+            [[False] * (length - len(p)) + [True] * len(p) for p in prompts], device=self.device
+        )  # [u, L]
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [u, L]
         out = self.model(
             input_ids=ids,
             attention_mask=valid.long(),
@@ -420,11 +449,14 @@ class EmbeddedEngine(Engine):
             **self._last_logit_kw,
         )
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
+        logits = out.logits[:, -1, :]  # [u, V]
+        if len(prompts) < len(rows):
+            index = torch.tensor(of_row, device=self.device)  # [n]
+            layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
+            valid, logits = valid.index_select(0, index), logits.index_select(0, index)  # [n, L], [n, V]
         kv = kv_cache.from_prefill(layers, valid, layers[0][0].dtype, _columns_wanted(rows))
-        sampling = SamplingRows.of(
-            [r.sampling for r in rows], [r.generator for r in rows], out.logits.shape[-1], self.device
-        )
-        first = sampling.sample_first(out.logits[:, -1, :])
+        sampling = SamplingRows.of([r.sampling for r in rows], [r.generator for r in rows], logits.shape[-1], self.device)
+        first = sampling.sample_first(logits)
         self._record(rows, *first)
         next_pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)  # [n]
         return Batch(list(rows), kv, sampling, next_pos, first[0])
@@ -518,6 +550,12 @@ class EmbeddedEngine(Engine):
             sampling_logprobs=list(req.out_sampling_lps) if asked else None,
             sampling_support=[list(x) for x in req.out_support] if asked else None,
         )
+
+
+def default_threads() -> int:
+    """torch's own thread count (the physical cores) less one, at least 1: the event loop, the tokenizer and the
+    writer of the engine's own process need a core (see the module docstring)."""
+    return max(1, torch.get_num_threads() - 1)
 
 
 def _columns_wanted(rows: list[_Request]) -> int:

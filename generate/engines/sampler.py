@@ -75,8 +75,11 @@ def sample_tokens_with_support(
 
 def _sample(logits, temperature, top_p, top_k, uniform, *, want_support):
     greedy = temperature < GREEDY_TEMPERATURE_EPS  # [B]
+    any_greedy = bool(greedy.any())
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # [B, V]
+    # Dividing by 1 is exact: a batch of temperature-1 rows skips a pass over [B, V] and gets the same bits.
+    tempered = logits if bool((scale == 1.0).all()) else logits / scale[:, None]  # [B, V]
+    logp = torch.log_softmax(tempered, dim=-1)  # [B, V]
     probs = logp.exp()  # [B, V]
 
     vocab = logits.shape[-1]
@@ -105,7 +108,7 @@ def _sample(logits, temperature, top_p, top_k, uniform, *, want_support):
     last = torch.searchsorted(kept_cum, kept_cum[:, -1:].contiguous(), right=False)  # [B, 1]
     sampled = torch.minimum(pos, last).squeeze(-1).to(logits.device)  # [B]
 
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled  # [B]
     token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
     supports = None
     if want_support is not None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
 from rollshard.generate.engines import SamplingParams
 from rollshard.generate.engines import kv_cache
-from rollshard.generate.engines.embedded import load_causal_lm
+from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm
 from rollshard.generate.engines.sampler import UNIFORM_WINDOW, SamplingRows
 
 from .gated_engine import GatedEngine, until
@@ -130,3 +131,78 @@ def test_sliding_window_layers_keep_their_window(tiny_qwen3, tmp_path, teacher_f
     for prompt, res in zip(prompts, run(go())):
         want = teacher_forced(reference, prompt, res.output_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+
+
+def test_n_samples_of_one_prompt_are_prefilled_once(tiny_qwen3, teacher_forced):
+    # 4 samples of one prompt and 1 of another arrive together: the prefill forward runs 2 rows, and every sample
+    # is the one it would be alone (same seeded tokens, logprobs equal to the teacher-forced ones).
+    reference = load_causal_lm(tiny_qwen3)
+    shared, other = [1, 5, 6, 7, 8], list(range(100, 120))
+    requests = [(shared, 10 + i) for i in range(4)] + [(other, 20)]
+    prefill_rows: list[int] = []
+
+    class Counting(GatedEngine):
+        def _prefill(self, rows):
+            forward = self.model.forward
+
+            def counted(*args, **kwargs):
+                prefill_rows.append(kwargs["input_ids"].shape[0])
+                return forward(*args, **kwargs)
+
+            self.model.forward = counted
+            try:
+                return super()._prefill(rows)
+            finally:
+                del self.model.forward  # the instance attribute: the class's forward again
+
+    def sp(seed):
+        return SamplingParams(max_new_tokens=12, sampling_seed=seed)
+
+    async def together():
+        async with Counting(tiny_qwen3) as eng:
+            eng.block_at_step(1)  # the five wait in the queue until the worker drains them at once
+            first = asyncio.ensure_future(eng.generate([3, 4], SamplingParams(max_new_tokens=2), ignore_eos=True))
+            await eng.wait_blocked()
+            prefill_rows.clear()
+            futs = [asyncio.ensure_future(eng.generate(p, sp(s), ignore_eos=True)) for p, s in requests]
+            await until(lambda: eng.num_in_flight == 6)
+            eng.release.set()
+            await first
+            return await asyncio.gather(*futs)
+
+    async def alone():
+        async with EmbeddedEngine(tiny_qwen3, max_batch_size=1) as eng:
+            return [await eng.generate(p, sp(s), ignore_eos=True) for p, s in requests]
+
+    batched = run(together())
+    assert prefill_rows == [2]
+    for (prompt, _), res, single in zip(requests, batched, run(alone())):
+        assert res.output_ids == single.output_ids and len(res.output_ids) == 12
+        want = teacher_forced(reference, prompt, res.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+    assert len({tuple(r.output_ids) for r in batched[:4]}) == 4  # the samples differ: their own seeds, not a copy
+
+
+def test_threads_sets_the_workers_torch_threads(tiny_gpt2):
+    seen: list[int] = []
+
+    class Recording(GatedEngine):
+        def _decode(self, batch) -> None:
+            seen.append(torch.get_num_threads())
+            super()._decode(batch)
+
+    async def go():
+        async with Recording(tiny_gpt2, threads=1) as eng:
+            await eng.generate([1, 2, 3], SamplingParams(max_new_tokens=3), ignore_eos=True)
+
+    def fresh_thread_count() -> int:  # what a new thread starts with: the process's setting
+        out = []
+        t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return out[0]
+
+    before = fresh_thread_count()
+    run(go())
+    assert seen and set(seen) == {1}
+    assert fresh_thread_count() == before  # restored when the worker ended

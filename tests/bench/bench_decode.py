@@ -1,0 +1,338 @@
+"""Decode benchmark of the embedded engine on a real model: where a decode step's time goes, and response tokens/s
+against transformers ``generate()`` on the same batches, side by side in one run.
+
+    .venv/bin/python tests/bench/bench_decode.py [--model smollm2|tiny|PATH] [--batches 1,8,32,64]
+        [--answers 48,256] [--rounds 3] [--threads 1] [--parts profile,speed] [--json]
+
+(a) profile: per batch size and answer length, one batch of requests (32-token chat prompts, temperature 1 over the
+    whole vocabulary, ``ignore_eos``) runs through the engine's own prefill, decode and bookkeeping methods, in this
+    thread (torch's profiler records only the thread that started it), under ``torch.profiler`` with the step's
+    parts labelled. Shares of the decode steps' time:
+    * ``kernels``: the model's aten operators (self time, outside the cache's writes);
+    * ``sampler``: the sampler, operators and Python (``SamplingRows.sample``);
+    * ``cache``: the KV buffers: the column writes inside the forward, growth, and the copies when rows finish;
+    * ``python``: the rest: the model's Python between its operators, the step's bookkeeping (tokens appended,
+      stop rules, finished rows answered).
+    The profiler adds a few microseconds per operator, so ``python`` is an upper bound; ``step_ms`` beside it is
+    timed without the profiler.
+(b) speed: per batch size and answer length, ``batch`` requests through the embedded engine (``max_batch_size`` =
+    batch) and through ``generate()`` (one static batch, left-padded, sampling at temperature 1 over the whole
+    vocabulary, eos off: it returns no logprobs), in turn, ``--rounds`` rounds in one process, so a busy machine
+    slows both alike. Figures: response tokens/s, the best round of each, and the median of the per-round ratios
+    embedded / generate(). Both run at the same torch thread count (``--threads``).
+
+``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
+``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The JSON records the load
+average before and after each part (the machine may be shared) and the thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PROMPT_TOKENS = 32
+SECTIONS = ("model", "sampler", "cache", "bookkeeping")
+
+
+def model_path(name: str, root: Path) -> Path:
+    from rollshard.generate.models import init_model
+
+    if name == "smollm2":
+        from rollshard.store.gguf import cache_dir
+
+        return init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2-135m-instruct")
+    if name == "tiny":
+        return init_model(root / "tiny-qwen3", preset="tiny-qwen3", seed=0)
+    return Path(name)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` chat prompts of exactly PROMPT_TOKENS tokens (a question, cut or padded with its own text)."""
+    out = []
+    for i in range(n):
+        text = f"Question {i}: what is {17 * i + 3} plus {29 * i + 11}? Think step by step, then answer. " * 4
+        ids = tokenizer(text)["input_ids"]
+        out.append(ids[:PROMPT_TOKENS])
+    return out
+
+
+# ---- (a) profile ---------------------------------------------------------------------------------------------
+
+
+def _label(owner, name: str, label: str) -> None:
+    """Wrap ``owner.name`` in a profiler range called ``label``."""
+    from torch.profiler import record_function
+
+    inner = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def _instrument(engine) -> None:
+    from rollshard.generate.engines import kv_cache
+    from rollshard.generate.engines.sampler import SamplingRows
+
+    for fn in ("reserve", "select", "merge"):
+        _label(kv_cache, fn, "cache")
+    _label(kv_cache._column_cache_class(), "update", "cache")
+    _label(SamplingRows, "sample", "sampler")
+    _label(engine.model, "forward", "model")
+    _label(engine, "_record", "bookkeeping")
+    _label(engine, "_finish_rows", "bookkeeping")
+
+
+def _requests(engine, ids: list[list[int]], new_tokens: int, loop):
+    """The engine's request records for ``ids`` (its worker's input), seeded."""
+    import torch
+
+    from rollshard.generate.engines import SamplingParams
+    from rollshard.generate.engines.embedded import _Request
+
+    out = []
+    for i, prompt in enumerate(ids):
+        sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=i)
+        out.append(
+            _Request(
+                rid=str(i), input_ids=prompt, sampling=sp, seed=i, loop=loop, future=loop.create_future(),
+                start=time.perf_counter(), stop_ids=frozenset(), max_new_tokens=new_tokens,
+                generator=torch.Generator().manual_seed(i),
+            )
+        )  # fmt: skip
+    return out
+
+
+def _run_steps(engine, reqs, profiler=None) -> list[float]:
+    """The worker's loop for one batch, in this thread: prefill, then decode steps until every row finished.
+    Returns each decode step's seconds (bookkeeping included)."""
+    import torch
+
+    from rollshard.generate.engines.batch import Batch
+
+    steps = []
+    with torch.inference_mode():
+        batch = engine._finish_rows(engine._admit(Batch(), reqs))
+        while batch.rows:
+            t0 = time.perf_counter()
+            if profiler is not None:
+                with torch.profiler.record_function("step"):
+                    engine._decode(batch)
+                    batch = engine._finish_rows(batch)
+            else:
+                engine._decode(batch)
+                batch = engine._finish_rows(batch)
+            steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def _shares(events) -> dict[str, float]:
+    """Per-share microseconds of the ``step`` ranges' time (see the module docstring); the prefill is outside."""
+    totals = dict.fromkeys(("kernels", "sampler", "cache", "python"), 0.0)
+    step_total = 0.0
+
+    def ranges(e) -> list[str]:  # the labelled ranges around e, innermost first
+        out = []
+        while e is not None:
+            if e.name in SECTIONS or e.name == "step":
+                out.append(e.name)
+            e = e.cpu_parent
+        return out
+
+    for e in events:
+        around = ranges(e.cpu_parent)
+        if "step" not in around:
+            continue
+        if e.name in ("sampler", "cache") and not {"sampler", "cache"} & set(around):
+            totals[e.name] += e.cpu_time_total  # a range inside another of these is counted once
+        elif e.name.startswith("aten::") and around[0] == "model":
+            totals["kernels"] += e.self_cpu_time_total
+        elif e.name == "step":
+            pass
+    step_total = sum(e.cpu_time_total for e in events if e.name == "step")
+    totals["python"] = step_total - totals["kernels"] - totals["sampler"] - totals["cache"]
+    return totals
+
+
+def bench_profile(engine, tokenizer, batches: list[int], answers: list[int]) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = asyncio.new_event_loop()
+    _instrument(engine)
+    figures = []
+    for batch in batches:
+        for new_tokens in answers:
+            engine.max_batch_size = batch
+            ids = prompts(tokenizer, batch)
+            _run_steps(engine, _requests(engine, ids, 4, loop))  # warm
+            steps = _run_steps(engine, _requests(engine, ids, new_tokens, loop))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                _run_steps(engine, _requests(engine, ids, new_tokens, loop), profiler=prof)
+            shares = _shares(prof.events())
+            total = sum(shares.values())
+            row = {
+                "batch": batch,
+                "new_tokens": new_tokens,
+                "step_ms": round(1000 * statistics.median(steps), 2),
+                "decode_tok_s": round(batch / statistics.median(steps), 1),
+                "shares": {k: round(v / total, 3) for k, v in shares.items()},
+                "profiled_step_ms": round(total / 1000 / max(len(steps), 1), 2),
+                "loadavg": os.getloadavg(),
+            }
+            figures.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    loop.close()
+    return figures
+
+
+# ---- (b) speed -----------------------------------------------------------------------------------------------
+
+
+def run_generate(model, ids: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """transformers generate(): one static batch, sampling at T = 1 over the whole vocabulary, eos off."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id, eos_token_id=None,
+        max_new_tokens=new_tokens,
+    )  # fmt: skip
+    length = max(len(p) for p in ids)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        x = torch.tensor([[pad_id] * (length - len(p)) + p for p in ids])
+        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in ids])
+        out = model.generate(input_ids=x, attention_mask=mask, generation_config=config)
+    assert out.shape[1] == length + new_tokens, (out.shape, length, new_tokens)
+    return time.perf_counter() - t0
+
+
+async def run_embedded(engine, ids: list[list[int]], new_tokens: int) -> float:
+    from rollshard.generate.engines import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(engine.generate(p, sp) for p in ids))
+    seconds = time.perf_counter() - t0
+    assert all(len(r.output_ids) == new_tokens for r in results)
+    return seconds
+
+
+def bench_speed(engine, model, tokenizer, batches: list[int], answers: list[int], rounds: int) -> list[dict]:
+    pad = tokenizer.pad_token_id or 0
+    figures = []
+
+    async def embedded(ids, new_tokens):
+        return await run_embedded(engine, ids, new_tokens)
+
+    for batch in batches:
+        for new_tokens in answers:
+            engine.max_batch_size = batch
+            ids = prompts(tokenizer, batch)
+            tokens = batch * new_tokens
+            run_generate(model, ids[:2], 2, pad)  # warm both
+            asyncio.run(embedded(ids[:2], 2))
+            load0 = os.getloadavg()
+            rates: dict[str, list[float]] = {"embedded": [], "generate": []}
+            for r in range(rounds):
+                # Alternate which goes first, so a load change within a round falls on both alike.
+                order = ("embedded", "generate") if r % 2 == 0 else ("generate", "embedded")
+                for key in order:
+                    if key == "embedded":
+                        seconds = asyncio.run(embedded(ids, new_tokens))
+                    else:
+                        seconds = run_generate(model, ids, new_tokens, pad)
+                    rates[key].append(tokens / seconds)
+            ratios = sorted(e / g for e, g in zip(rates["embedded"], rates["generate"]))
+            row = {
+                "batch": batch,
+                "new_tokens": new_tokens,
+                "embedded_tok_s_best": round(max(rates["embedded"]), 1),
+                "generate_tok_s_best": round(max(rates["generate"]), 1),
+                "embedded_tok_s": [round(x, 1) for x in rates["embedded"]],
+                "generate_tok_s": [round(x, 1) for x in rates["generate"]],
+                "ratio_median": round(statistics.median(ratios), 3),
+                "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+                "loadavg_before": load0,
+                "loadavg_after": os.getloadavg(),
+            }
+            figures.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return figures
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 (SmolLM2-135M-Instruct, fp32), tiny, or a folder")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes (default 1,8,32,64)")
+    ap.add_argument("--answers", type=_ints, default=[48, 256], help="new tokens per request (default 48,256)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed part (default 3)")
+    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed")
+    ap.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads of the engine and generate() (default: the engine's default)",
+    )  # fmt: skip
+    ap.add_argument("--engine-src", default=None, help="import rollshard from this folder (an older commit)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = ap.parse_args()
+    if args.engine_src:
+        sys.path.insert(0, str(Path(args.engine_src).resolve()))
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - {"profile", "speed"} or args.rounds < 1 or min(args.batches + args.answers) < 1:
+        ap.error("--parts takes profile and speed; --rounds, --batches and --answers must be >= 1")
+
+    import tempfile
+
+    import torch
+
+    from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm
+
+    path = model_path(args.model, Path(tempfile.mkdtemp(prefix="rollshard-bench-decode-")))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # this thread too: the profile part and generate() run here
+    options = {}
+    if "threads" in inspect.signature(EmbeddedEngine).parameters:  # an older engine has no such option
+        options["threads"] = args.threads
+    engine = EmbeddedEngine(path, max_batch_size=max(args.batches), **options)
+    if getattr(engine, "threads", None) is not None:
+        torch.set_num_threads(engine.threads)
+    reference = load_causal_lm(path)  # generate()'s own copy: the engine may lay its weights out differently
+    reference.generation_config.eos_token_id = None  # else generate() takes the model's eos for the unset one
+    figures: dict = {
+        "model": args.model,
+        "engine_src": args.engine_src or "working tree",
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+    if "profile" in parts:
+        figures["profile"] = bench_profile(engine, engine.tokenizer, args.batches, args.answers)
+    if "speed" in parts:
+        figures["speed"] = bench_speed(engine, reference, engine.tokenizer, args.batches, args.answers, args.rounds)
+    figures["loadavg_end"] = os.getloadavg()
+    asyncio.run(engine.close())
+    if args.json:
+        print(json.dumps(figures))
+        return
+    print(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
