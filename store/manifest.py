@@ -30,6 +30,16 @@ the bytes it reads, and the footer, instead of hashing whole shards (store/integ
 them at commit, from the bytes it writes (store/storage.py :class:`~rollshard.store.storage.HashingFile`);
 an entry without them (an older manifest, or a shard pyarrow laid out otherwise) has its whole file hashed.
 The whole-file ``sha256`` stays (``validate``, copying, the fingerprint).
+
+**Fast hashes** (manifest version 4). Beside each range's sha256 the writer records its XXH3-128
+(``RowGroupInfo.xxh3``, ``ShardInfo.footer_xxh3``, hex), hashed from the same bytes as they are written.
+The loader checks a block (and a footer) against it when the entry has it, against the sha256 otherwise
+(an older manifest reads and verifies as before): XXH3 is not a cryptographic hash, but the loader's
+check is against damage (a flipped bit, a cut or overwritten range), which a 128-bit checksum of the
+range catches, at ~10x the speed of sha256 here (measured: 11 GB/s against 1.2 GB/s on one busy core),
+so on a machine whose cores are busy decoding, it no longer competes with the decode for them.
+``rollshard-store validate`` still checks every sha256. A rollshard that reads only version 3 refuses a
+version 4 manifest by its version (its row groups carry a field it does not know).
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ from rollshard.store.storage import Storage
 MANIFEST_DIR = "_manifests"
 SHARD_DIR = "shards"
 MANIFEST_FORMAT = "rollshard-manifest"
-MANIFEST_VERSION = 3  # 2: ShardInfo.row_groups; 3: their byte ranges and sha256, ShardInfo.footer_sha256
+# 2: ShardInfo.row_groups; 3: their byte ranges and sha256, ShardInfo.footer_sha256; 4: the ranges' and the
+# footer's XXH3-128 (RowGroupInfo.xxh3, ShardInfo.footer_xxh3)
+MANIFEST_VERSION = 4
 WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -68,6 +80,7 @@ class RowGroupInfo:
     offset: int | None = None  # byte range of its column chunks in the file (module docstring; None: not recorded)
     length: int | None = None
     sha256: str | None = None  # of those bytes
+    xxh3: str | None = None  # XXH3-128 of those bytes, hex (module docstring; None: not recorded)
 
     def content(self) -> tuple[int, int, str]:
         """What the row group's rows determine (``validate`` compares these with the file's rows)."""
@@ -93,12 +106,18 @@ class ShardInfo:
     created_at: str
     row_groups: tuple[RowGroupInfo, ...] | None = None  # None: not recorded (module docstring)
     footer_sha256: str | None = None  # of the bytes after the last row group (module docstring; None: not recorded)
+    footer_xxh3: str | None = None  # XXH3-128 of the same bytes, hex (None: not recorded)
 
     @property
     def has_ranges(self) -> bool:
         """Whether the manifest records the byte ranges and hashes that let a reader verify one block at a time."""
         return (self.footer_sha256 is not None and self.row_groups is not None
                 and all(r.sha256 is not None for r in self.row_groups))
+
+    @property
+    def has_fast_hashes(self) -> bool:
+        """Whether every range (and the footer) also has its XXH3-128, which the loader then checks instead."""
+        return self.has_ranges and self.footer_xxh3 is not None and all(r.xxh3 is not None for r in self.row_groups)
 
     @property
     def tokens(self) -> int:

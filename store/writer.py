@@ -21,13 +21,15 @@ counting an all-null sampling column, so rows without supports are grouped as be
 
 Each manifest entry lists its shard's row groups (rows, tokens, group-id hashes;
 :class:`~rollshard.store.manifest.RowGroupInfo`), so that a loader opens the dataset without
-reading row group data.
+reading row group data, and each row group's byte range with its sha256 and its XXH3-128 (and the
+footer's two), hashed from the bytes as they are written, which the loader checks one block at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import io
 import os
 import re
 import socket
@@ -36,6 +38,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import xxhash
 
 from rollshard.store.integrity import MAGIC, file_digests, row_group_ranges
 from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
@@ -52,7 +55,7 @@ from rollshard.store.schema import (
     rows_to_table,
 )
 from rollshard.store.s3 import PreconditionFailed, S3Error
-from rollshard.store.storage import PendingFile, Storage, TMP_DIR
+from rollshard.store.storage import HashingFile, PendingFile, Storage, TMP_DIR
 
 DICTIONARY_COLUMNS = [n for n in ROW_SCHEMA.names if n not in LIST_COLUMNS]
 
@@ -115,6 +118,7 @@ class ShardWriter:
         self._buffer: list[pa.Table] = []
         self._buffer_bytes = 0
         self._pending: PendingFile | None = None
+        self._fast: _FastHashes | None = None  # the open shard's file as Parquet writes it, XXH3 per segment
         self._pq: pq.ParquetWriter | None = None
         self._shard_stats = _Counts()
         self._row_groups: list[RowGroupInfo] = []  # of the open shard
@@ -148,18 +152,19 @@ class ShardWriter:
         if self._pq is None:
             rel = f"{SHARD_DIR}/{self.writer_id}-{self._next_seq():05d}.parquet"
             self._pending = PendingFile(self.storage, rel)
+            self._fast = _FastHashes(self._pending.file)
             o = self.options
             self._pq = pq.ParquetWriter(
-                self._pending.file,
+                self._fast,
                 self._schema,
                 compression=o.compression,
                 compression_level=o.compression_level,
                 use_dictionary=True if o.dictionary_lists else DICTIONARY_COLUMNS,
                 write_statistics=["sample_id", "group_id", "agent", "round", "status", "reward", "weight_version"],
             )
-            self._pending.file.cut()  # the magic: the first row group starts here
+            self._fast.cut()  # the magic: the first row group starts here
         self._pq.write_table(table.replace_schema_metadata(self._schema.metadata), row_group_size=table.num_rows)
-        self._pending.file.cut()  # the row group's bytes are written: its range ends here
+        self._fast.cut()  # the row group's bytes are written: its range ends here
         self._row_groups.append(row_group_info(table))
         self._buffer, self._buffer_bytes = [], 0  # only once written: a failed write loses nothing
         if self.storage.local:
@@ -186,10 +191,11 @@ class ShardWriter:
             raise S3Error(f"{self.storage.uri}/{pending.rel} exists already: another process wrote it as writer "
                           f"{self.writer_id!r}; this writer stopped (what it committed stays); give each process its "
                           "own writer id (a rerun, once the other is gone, adopts that shard)") from e
-        footer_sha = None
+        footer_sha = footer_fast = None
         if row_groups is not None:
-            row_groups, footer_sha = with_ranges(row_groups, footer, pending.file.segments, size)
-        self._pq, self._pending, self._shard_stats = None, None, _Counts()
+            row_groups, footer_sha, footer_fast = with_ranges(row_groups, footer, pending.file.segments, size,
+                                                              self._fast.digests())
+        self._pq, self._pending, self._fast, self._shard_stats = None, None, None, _Counts()
         info = ShardInfo(
             path=pending.rel,
             rows=counts.rows,
@@ -202,6 +208,7 @@ class ShardWriter:
             created_at=_now(),
             row_groups=row_groups,
             footer_sha256=footer_sha,
+            footer_xxh3=footer_fast,
         )
         self.manifest.shards.append(info)
         self.save_manifest()
@@ -232,7 +239,7 @@ class ShardWriter:
                 finally:
                     self._pending.discard()
         finally:
-            self._pq, self._pending, self._row_groups = None, None, []
+            self._pq, self._pending, self._fast, self._row_groups = None, None, None, []
             self._release()
 
     @property
@@ -353,17 +360,53 @@ def row_group_info(table: pa.Table) -> RowGroupInfo:
 
 
 def with_ranges(row_groups: tuple[RowGroupInfo, ...], footer: pq.FileMetaData, segments: list[tuple[int, int, str]],
-                size: int) -> tuple[tuple[RowGroupInfo, ...], str | None]:
-    """The row groups with their byte ranges and sha256, and the footer's sha256, from the segments the writer cut
-    (the magic, one per row group, the footer); unchanged and None unless the footer's ranges are those segments
-    and they tile the file (then readers hash this shard whole)."""
+                size: int, fast: list[str]) -> tuple[tuple[RowGroupInfo, ...], str | None, str | None]:
+    """The row groups with their byte ranges, sha256 and XXH3-128, and the footer's sha256 and XXH3-128, from the
+    segments the writer cut (the magic, one per row group, the footer; ``fast``: their XXH3-128, in the same order);
+    unchanged and None unless the footer's ranges are those segments and they tile the file (then readers hash
+    this shard whole)."""
     ranges = row_group_ranges(footer)
     expect = [(0, len(MAGIC))] + [(o, o + n) for o, n in ranges or []]
-    if ranges is None or [s[:2] for s in segments[:-1]] != expect or segments[-1][:2] != (expect[-1][1], size):
-        return row_groups, None
-    out = tuple(dataclasses.replace(r, offset=o, length=n, sha256=seg[2])
-                for r, (o, n), seg in zip(row_groups, ranges, segments[1:-1]))
-    return out, segments[-1][2]
+    if (ranges is None or [s[:2] for s in segments[:-1]] != expect or segments[-1][:2] != (expect[-1][1], size)
+            or len(fast) != len(segments)):
+        return row_groups, None, None
+    out = tuple(dataclasses.replace(r, offset=o, length=n, sha256=seg[2], xxh3=x)
+                for r, (o, n), seg, x in zip(row_groups, ranges, segments[1:-1], fast[1:-1]))
+    return out, segments[-1][2], fast[-1]
+
+
+class _FastHashes(io.RawIOBase):
+    """The shard's :class:`HashingFile` as Parquet writes it, with the XXH3-128 of each segment (the bytes between
+    two :meth:`cut` calls, the same segments as the file's sha256 ones), hashed on the writer's thread as the bytes
+    go by: ~6 ms a 64 MiB row group, beside the sha256 the file computes on its I/O thread."""
+
+    def __init__(self, file: HashingFile):
+        self.file = file
+        self._done: list[str] = []
+        self._hash = xxhash.xxh3_128()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        n = self.file.write(data)
+        self._hash.update(data)
+        return n
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def cut(self) -> None:
+        self._done.append(self._hash.hexdigest())
+        self._hash.reset()
+        self.file.cut()
+
+    def digests(self) -> list[str]:
+        """Every segment's XXH3-128 (hex), the last one (the footer: the bytes since the last cut) included."""
+        return self._done + [self._hash.hexdigest()]
 
 
 def _total_len(col: pa.ChunkedArray) -> int:

@@ -31,8 +31,10 @@ instead: HF ``datasets`` streaming over the shards (``RolloutDataset.to_hf``) an
 64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask)
 (``--no-hf`` leaves it out). The rounds are interleaved with the order rotated each round. Beside the
 wall-clock figures: each path's process CPU seconds (every thread), which a busy machine disturbs less, the
-median of the rounds' ratios, what the data checks cost (best and median of the rounds), and the load
-average before and after. Then the batch as it was before it was made lean, measured here only: packing plus
+median of the rounds' ratios, what the data checks cost (best and median of the rounds, and in CPU seconds),
+and the load average before and after. The checks are measured both ways: each block read against its
+XXH3-128 (manifest version 4, the default) and against its sha256 (the same shards, hard-linked, under
+version-3 manifests: ``loader_sha256_checks``). Then the batch as it was before it was made lean, measured here only: packing plus
 ``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays per step instead of
 three), end to end in the loader and as packing alone on one thread.
 
@@ -199,8 +201,30 @@ def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
             "m_tokens_per_s": {k: tokens / t / 1e6 for k, t in best.items()}}
 
 
+def sha256_only(ds: RolloutDataset, dst: Path) -> RolloutDataset:
+    """The same shards (hard links: the same bytes, the same page cache) under version-3 manifests: every byte
+    range with its sha256 and no XXH3-128, so the loader checks each block read against its sha256."""
+    for path in (Path(ds.storage.root) / "shards").rglob("*.parquet"):
+        (dst / path.relative_to(ds.storage.root)).parent.mkdir(parents=True, exist_ok=True)
+        os.link(path, dst / path.relative_to(ds.storage.root))
+    (dst / "_manifests").mkdir()
+    for path in (Path(ds.storage.root) / "_manifests").glob("*.json"):
+        doc = json.loads(path.read_text())
+        for entry in doc["shards"]:
+            entry.pop("footer_xxh3")
+            for rg in entry["row_groups"]:
+                rg.pop("xxh3")
+        doc["manifest_version"] = 3
+        (dst / "_manifests" / path.name).write_text(json.dumps(doc))
+    out = RolloutDataset.open(dst)
+    assert not any(s.has_fast_hashes for s in out.shards) and all(s.has_ranges for s in out.shards)
+    return out
+
+
 def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
+    sha = sha256_only(ds, tmp / "sha256")
+    assert all(s.has_fast_hashes for s in ds.shards)
     scan_tokens(ds)  # warm the page cache for all
     full = LoaderConfig(tail="partial", shuffle_window=args.window)
     unchecked = dataclasses.replace(full, verify_data=False)
@@ -208,6 +232,7 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
         "bare_scan": lambda: scan_tokens(ds),
         "loader": lambda: loader_run(ds, full)["tokens"],
         "loader_unchecked": lambda: loader_run(ds, unchecked)["tokens"],
+        "loader_sha256_checks": lambda: loader_run(sha, full)["tokens"],
         "loader_per_token_arrays": lambda: loader_run_per_token(ds, full)["tokens"],
         "hf_streaming_collate": lambda: trl_path(ds),
     }
@@ -238,8 +263,12 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     out["vs_bare_scan_median"] = {k: float(np.median([r["bare_scan"] / r[k] for r in rounds])) for k in paths}
     out["vs_bare_scan_rounds"] = {k: [r["bare_scan"] / r[k] for r in rounds] for k in paths}
     # What the data checks cost: the share of the checked loader's time the unchecked one saves.
-    out["data_checks_cost"] = {"best": 1 - best["loader_unchecked"] / best["loader"],
-                               "median": float(np.median([1 - r["loader_unchecked"] / r["loader"] for r in rounds]))}
+    out["data_checks_cost"] = {  # checked against each range's XXH3-128 (the default), and against its sha256
+        name: {"best": 1 - best["loader_unchecked"] / best[k],
+               "median": float(np.median([1 - r["loader_unchecked"] / r[k] for r in rounds]))}
+        for name, k in (("xxh3", "loader"), ("sha256", "loader_sha256_checks"))}
+    out["data_checks_cost_cpu"] = {name: 1 - cpu["loader_unchecked"] / cpu[k]
+                                   for name, k in (("xxh3", "loader"), ("sha256", "loader_sha256_checks"))}
     out["lean_vs_per_token_arrays"] = {  # > 1: the lean batch is faster
         "best": best["loader_per_token_arrays"] / best["loader"],
         "median": float(np.median([r["loader_per_token_arrays"] / r["loader"] for r in rounds]))}
@@ -256,9 +285,10 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     for k in paths:
         say(f"| {k} | {out['m_tokens_per_s'][k]:.1f} | {out['vs_bare_scan'][k]:.2f} | "
             f"{out['vs_bare_scan_median'][k]:.2f} | {cpu[k]:.2f} | {out['cpu_vs_bare_scan'][k]:.2f} |")
-    c = out["data_checks_cost"]
-    say(f"\ndata checks: {100 * c['best']:.1f}% of the loader's time (best of {args.repeat}), "
-        f"{100 * c['median']:.1f}% (median of the rounds)")
+    for name, c in out["data_checks_cost"].items():
+        say(f"data checks, blocks against their {name}: {100 * c['best']:.1f}% of the loader's time (best of "
+            f"{args.repeat}), {100 * c['median']:.1f}% (median of the rounds), "
+            f"{100 * out['data_checks_cost_cpu'][name]:.1f}% of its CPU seconds")
     po = out["pack_only"]
     say(f"packing alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
         f"{po['m_tokens_per_s']['lean']:.0f} M tokens/s (lean batch), {po['m_tokens_per_s']['per_token_arrays']:.0f} "

@@ -361,7 +361,35 @@ def damaged_copy(src, dst, path: str, byte: int):
     return dst
 
 
-def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by_another(big, tmp_path):
+def strip_fast_hashes(root) -> None:
+    """Rewrite the manifests as a version-3 writer wrote them: byte ranges with their sha256, no XXH3."""
+    for path in (root / "_manifests").glob("*.json"):
+        doc = json.loads(path.read_text())
+        for entry in doc["shards"]:
+            assert entry.pop("footer_xxh3") is not None
+            for rg in entry["row_groups"]:
+                assert rg.pop("xxh3") is not None
+        doc["manifest_version"] = 3
+        path.write_text(json.dumps(doc))
+
+
+def test_the_writer_records_each_ranges_xxh3_beside_its_sha256(big):
+    import hashlib
+
+    import xxhash
+
+    info = RolloutDataset.open(big).shards[1]
+    data = (big / info.path).read_bytes()
+    assert info.has_fast_hashes
+    for rg in info.row_groups:
+        chunk = data[rg.offset : rg.offset + rg.length]
+        assert (rg.xxh3, rg.sha256) == (xxhash.xxh3_128(chunk).hexdigest(), hashlib.sha256(chunk).hexdigest())
+    tail = data[info.row_groups[-1].offset + info.row_groups[-1].length :]
+    assert (info.footer_xxh3, info.footer_sha256) == (xxhash.xxh3_128(tail).hexdigest(), hashlib.sha256(tail).hexdigest())
+
+
+@pytest.mark.parametrize("manifest", ["xxh3", "sha256"])  # version 4 (the XXH3 checked), version 3 (sha256 only)
+def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by_another(big, tmp_path, manifest):
     from rollshard.store.errors import DataError
 
     ds = RolloutDataset.open(big)
@@ -372,7 +400,10 @@ def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by
     rg = info.row_groups[b.row_groups[0]]
     byte = rg.offset + rg.length // 2
     root = damaged_copy(big, tmp_path / "d", info.path, byte)
+    if manifest == "sha256":
+        strip_fast_hashes(root)
     damaged, fs = open_counted(root)
+    assert damaged.shards[b.shard].has_fast_hashes == (manifest == "xxh3")
     with RolloutLoader(damaged, cfg(num_epochs=1), rank=0, world_size=2) as loader:
         assert len(list(loader)) > 0  # rank 0 does not own it: it trains on, and reads nothing of it
     assert fs.reads and not fs.touched(str(root / info.path), byte)
@@ -380,7 +411,7 @@ def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by
         with RolloutLoader(damaged, cfg(num_epochs=1), rank=1, world_size=2) as loader:
             list(loader)
     assert str(error.value).startswith(f"{info.path} (row group {b.row_groups[0]}, bytes {rg.offset}-"
-                                       f"{rg.offset + rg.length}): sha256 ")
+                                       f"{rg.offset + rg.length}): {manifest} ")
     assert "\n" not in str(error.value)
 
 
@@ -419,7 +450,8 @@ def test_a_rank_whose_loader_raises_releases_the_others_from_the_agreement(big, 
     assert steps[0] == steps[1] > 0
 
 
-def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path):
+@pytest.mark.parametrize("manifest", ["xxh3", "sha256"])
+def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path, manifest):
     from rollshard.store.errors import DataError
 
     ds = RolloutDataset.open(big)
@@ -428,7 +460,9 @@ def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path):
     at = data.rindex(b"parquet-cpp-arrow")  # created_by: the footer still parses, its bytes differ
     assert at > info.row_groups[-1].offset + info.row_groups[-1].length
     root = damaged_copy(big, tmp_path / "d", info.path, at)
-    with pytest.raises(DataError, match=rf"^{info.path} \(footer, bytes \d+-{info.bytes}\): sha256 "):
+    if manifest == "sha256":
+        strip_fast_hashes(root)
+    with pytest.raises(DataError, match=rf"^{info.path} \(footer, bytes \d+-{info.bytes}\): {manifest} "):
         with RolloutLoader(root, cfg(num_epochs=1)) as loader:
             list(loader)
     from rollshard.store.validate import validate_dataset
