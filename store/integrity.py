@@ -23,11 +23,11 @@ relative to the dataset), the row (sample id) where there is one, and the proble
   loader read to decode them, :func:`verify_footer` the bytes after the last row group, both on
   the :class:`Checksums` thread. Against their XXH3-128 where the manifest records it (version 4:
   ~10x cheaper than sha256, so the check no longer competes with the decode for the cores; it
-  detects damage as the sha256 does, see store/manifest.py), else against their sha256. With the 4-byte magic (checked as it is) they tile the file
-  (:func:`row_group_ranges`), so a rank verifies exactly the blocks it reads and every footer it
-  opens; a damaged byte in a row group another rank owns is that rank's to find. The union of
-  the ranks verifies every byte of the dataset each epoch; ``rollshard-store validate`` checks
-  whole files (:func:`file_digests`).
+  detects damage as the sha256 does, see store/manifest.py), else against their sha256. With the
+  4-byte magic (checked as it is) they tile the file (:func:`row_group_ranges`), so a rank
+  verifies exactly the blocks it reads and every footer it opens; a damaged byte in a row group
+  another rank owns is that rank's to find. The union of the ranks verifies every byte of the
+  dataset each epoch; ``rollshard-store validate`` checks whole files (:func:`file_digests`).
 """
 
 from __future__ import annotations
@@ -171,8 +171,9 @@ def verify_footer(
     storage: Storage, shard: ShardInfo, stop: threading.Event | None = None, parsed: pq.FileMetaData | None = None
 ) -> bool:
     """The magic at the start and the bytes after the last row group against the manifest's ``footer_xxh3``
-    (``footer_sha256`` without it; two small ranged reads); raise :class:`DataError` when they differ. ``parsed``: the footer a reader decodes
-    with (read when the dataset was opened), which must be the one those verified bytes hold."""
+    (``footer_sha256`` without it; two small ranged reads); raise :class:`DataError` when they differ.
+    ``parsed``: the footer a reader decodes with (read when the dataset was opened), which must be the one those
+    verified bytes hold."""
     start = footer_start(shard)
     try:
         with storage.fs.open_input_file(storage.path(shard.path)) as f:

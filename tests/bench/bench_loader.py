@@ -34,9 +34,9 @@ wall-clock figures: each path's process CPU seconds (every thread), which a busy
 median of the rounds' ratios, what the data checks cost (best and median of the rounds, and in CPU seconds),
 and the load average before and after. The checks are measured both ways: each block read against its
 XXH3-128 (manifest version 4, the default) and against its sha256 (the same shards, hard-linked, under
-version-3 manifests: ``loader_sha256_checks``). Then the batch as it was before it was made lean, measured here only: packing plus
-``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays per step instead of
-three), end to end in the loader and as packing alone on one thread.
+version-3 manifests: ``loader_sha256_checks``). Then the batch as it was before it was made lean, measured
+here only: packing plus ``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays
+per step instead of three), end to end in the loader and as packing alone on one thread.
 
 ``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
 epoch, opening included, data checks on and off) over the same rows with a top-k support
