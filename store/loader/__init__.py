@@ -66,15 +66,16 @@ before its rows are used, and a break raises :class:`~rollshard.store.errors.Dat
 here) out of iteration, one line naming the shard, the row (sample id) and the problem: when the
 loader opens the dataset, every shard's footer, schema version, size, row groups and the exact types of
 the columns read (no cast: int64 ids or float64 logprobs are refused); at every open of a file, its
-size; for every block read, the row invariants on the columns read (read.py); and its bytes' sha256,
-hashed on a third thread before any step drawn from it is handed on (stream.py). With manifest version 3
-(store/manifest.py) that sha256 is per block: a rank reads a block's row groups in one ranged read,
-hashes exactly those bytes and decodes the block from them, and checks each shard's footer once per
-loader, so the checks read nothing beyond the rank's own blocks and footers. A damaged byte in a row group
-another rank owns is that rank's to find; the union of the ranks verifies every byte each epoch (every
-block is some rank's), and ``rollshard-store validate`` checks whole files. A shard whose manifest entry
-lacks the ranges (an older manifest) is hashed whole, once per loader, so with ``verify_data`` a rank then
-reads the whole of every such shard one of its blocks is in.
+size; for every block read, the row invariants on the columns read (read.py); and its bytes' hash,
+checked on a third thread before any step drawn from it is handed on (stream.py). With manifest version 3
+(store/manifest.py) that hash is per block (its XXH3-128 from version 4 on, its sha256 before): a rank
+reads a block's row groups in one ranged read, hashes exactly those bytes and decodes the block from them,
+and checks each shard's footer once per loader, so the checks read nothing beyond the rank's own blocks
+and footers. A damaged byte in a row group another rank owns is that rank's to find; the union of the
+ranks verifies every byte each epoch (every block is some rank's), and ``rollshard-store validate``
+checks whole files. A shard whose manifest entry lacks the ranges (an older manifest) is hashed whole,
+once per loader, so with ``verify_data`` a rank then reads the whole of every such shard one of its
+blocks is in.
 ``LoaderConfig.verify_data=False`` turns the checks off, for measuring what they cost only.
 
 **Sampling supports** (schema 1.1): read with the token columns from shards that have them (pack.py).

@@ -70,9 +70,12 @@ def _source_metrics(batches: list[PackedBatch], group_sources: list[str], source
         out[f"source/{name}/groups"] += 1
     for b in batches:
         cu = b.cu_seqlens.numpy().astype(np.int64)  # [S+1]
-        mask = np.concatenate([[0.0], np.cumsum(b.loss_mask.numpy(), dtype=np.float64)])  # [T+1]
-        loss = mask[cu[1:]] - mask[cu[:-1]]  # [S] loss tokens per sequence
-        for g, n_tok, n_loss in zip(b.seq_group.tolist(), np.diff(cu).tolist(), loss.tolist()):
+        lengths = np.diff(cu)  # [S]
+        loss = np.zeros(len(lengths), np.float32)  # [S] loss tokens per sequence
+        nonempty = lengths > 0
+        if nonempty.any():  # one read of the mask (0/1: float32 sums are exact), no [T] array written
+            loss[nonempty] = np.add.reduceat(b.loss_mask.numpy(), cu[:-1][nonempty])
+        for g, n_tok, n_loss in zip(b.seq_group.tolist(), lengths.tolist(), loss.tolist()):
             name = group_sources[g]
             out[f"source/{name}/sequences"] += 1
             out[f"source/{name}/tokens"] += n_tok

@@ -17,7 +17,8 @@ duplicated: over the ranks, ``groups_examined + left_groups`` is the dataset's g
 once every block it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread), so
 a shard whose bytes changed can cost a planned step, never a delivered one. When the manifest records the
 byte ranges (manifest version 3) the reader reads each block's row groups as one ranged read, queues the
-sha256 of exactly those bytes, and decodes the block from them (:func:`_held`), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
+hash of exactly those bytes (XXH3-128 from manifest version 4 on, else sha256), and decodes the block from
+them (:func:`_held`), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
 per loader, queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard. A rank thus verifies
 only the blocks it reads (every read of them), and the ranks together every byte each epoch. A shard
 whose entry lacks the ranges (an older manifest) is hashed whole, once per loader, as before.
@@ -324,7 +325,7 @@ class _Stream:
 
 
 class _RangeCheck:
-    """A block's bytes against the manifest's sha256 of its row groups (a :class:`Job`'s run)."""
+    """A block's bytes against the manifest's hashes of its row groups, XXH3-128 or sha256 (a :class:`Job`'s run)."""
 
     def __init__(self, info, row_groups: tuple[int, ...], offset: int, data: bytes):
         self.info, self.row_groups, self.offset, self.data = info, row_groups, offset, data
