@@ -18,11 +18,17 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct as an fp32 folder (``init-model --preset smollm2-135m-instruct``), kept in
-    rollshard's cache folder so later test runs on this machine reuse it (tests only read it)."""
+    rollshard's cache folder so later test runs on this machine reuse it (tests only read it). Built under a file
+    lock: the test workers (``-n 2``) and concurrent runs on the machine build it once and never see half of it."""
+    from filelock import FileLock
+
     from rollshard.generate.models import init_model
     from rollshard.store.gguf import cache_dir
 
-    return init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2-135m-instruct")
+    folder = cache_dir() / "models" / "smollm2-135m-instruct"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.parent / ".smollm2-135m-instruct.lock"):
+        return init_model(folder, preset="smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
