@@ -478,7 +478,7 @@ def main() -> None:
             mix_bench(tmp, base, args)
             return
         say = functools.partial(print, file=sys.stderr) if args.json else print  # --json: figures on stdout
-        figures: dict = {}
+        figures: dict = {"loadavg_before": os.getloadavg()}
         ds = make_dataset(tmp / "main", args.groups, base, WriterOptions())
         say(f"dataset: {ds.num_rows} rows, {ds.num_tokens:,} tokens, {ds.num_bytes / 1e6:.0f} MB on disk\n")
 
@@ -564,6 +564,7 @@ def main() -> None:
             say(f"| {mult}x window ({mult * w} groups) | {r['bytes'] / 1e6:.0f} MB | "
                   f"{r['before_mb']:.0f} MB | {r['peak_mb']:.0f} MB |")
             shutil.rmtree(path)
+        figures["loadavg_after"] = os.getloadavg()
         if args.json:
             print(json.dumps(figures, indent=1))
     finally:
