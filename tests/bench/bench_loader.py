@@ -8,7 +8,7 @@
 
 1. Throughput: RolloutLoader (world size 1, one epoch, opening included) into packed
    micro-batches vs a bare ``pyarrow.dataset`` scan of the same columns; the same loader
-   with its data checks off (``verify_data=False``: no sha256, no exact-type and row
+   with its data checks off (``verify_data=False``: no block hash, no exact-type and row
    invariant checks), to show what the checks cost (one epoch is their worst case: each
    shard is hashed once per loader); and rank 0 of 2 (which reads every block and packs
    half). The dataset spans many shuffle windows (``--window``) and row groups, as a real
@@ -511,10 +511,10 @@ def main() -> None:
                                        "loader_unchecked": n_load(run_off, t_off),
                                        "loader_rank0_of_2_delivered": n_load(run2, t_rank)},
                        data_checks_cost=1 - t_off / t_load)
-        say(f"data checks (sha256, exact types, row invariants): {100 * (1 - t_off / t_load):.1f}% of the "
+        say(f"data checks (block hashes, exact types, row invariants): {100 * (1 - t_off / t_load):.1f}% of the "
               f"loader's throughput ({t_load:.3f} s with, {t_off:.3f} s without, best of {args.repeat}); one shard: "
-              "no step can leave before its whole sha256 is done\n")
-        # The same rows in 32 MB shards: the sha256 of the next shard runs while this one is read.
+              "no step leaves before the hashes of the blocks it draws from are checked\n")
+        # The same rows in 32 MB shards (more, smaller blocks and footers to check).
         multi = make_dataset(tmp / "multi", args.groups, base, WriterOptions(shard_bytes=32 << 20))
         scan_tokens(multi)
         t_mon = t_moff = float("inf")
