@@ -35,17 +35,17 @@ exception is a draw that lands within float rounding (~1e-7) of a CDF interval o
 top-k/top-p boundary, where the batched forward's rounding can decide: about 1e-7 per
 token measured on the tiny models (:mod:`.sampler` gives the figures).
 
-Speed (measured on SmolLM2-135M, fp32, two cores; ``tests/bench/bench_decode.py``). Decode is a few
-hundred small operators around ~30 matrix products per step, so torch's intra-op threads meet at a barrier
-after every operator: where another process takes a core, each barrier waits for a descheduled thread, and
-a step at two threads took 0.8-2.4 s against 0.2 s at one (batch 32-64). The worker therefore runs with
-``threads`` torch threads, by default :func:`default_threads` (torch's count less one: one on two cores),
+Speed (measured on SmolLM2-135M, fp32, two cores; ``tests/bench/bench_decode.py``). A decode step is about a
+thousand operators (211 of them matrix products), and torch's intra-op threads meet at a barrier after each:
+where other processes take the cores, each barrier waits for a descheduled thread, and a step at two threads
+took 0.13-2.4 s against a steady 0.18-0.27 s at one (batch 32-64, a shared machine). The worker therefore runs
+with ``threads`` torch threads, by default :func:`default_threads` (torch's count less one: one on two cores),
 set when it starts and restored when it ends. torch has one setting per process (MKL's is global), so the
 process's other threads run their torch work at that count meanwhile. Rows decoded together
-(``max_batch_size``): 64 by default, where one thread's matrix products run ~1.3x more tokens/s than at 32.
-The n samples of one prompt that arrive together are prefilled once (one row of the forward, its cache and
-last logits copied to each), so a GRPO group pays one prompt's prefill; each sample still draws from its own
-generator.
+(``max_batch_size``): 64 by default; one thread's fp32 matrix products of this model ran at 1.3-1.5x the
+FLOP/s of batch 32 there (decode reads every weight once a step, whatever the batch). The n samples of one
+prompt that arrive together are prefilled once (one row of the forward, its cache and last logits copied to
+each), so a GRPO group pays one prompt's prefill; each sample still draws from its own generator.
 
 Weight updates (:meth:`EmbeddedEngine.load_weights`) behave like SGLang's
 ``/update_weights_from_disk``: requests already running finish on the old weights,
@@ -84,7 +84,7 @@ from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
 from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
 
-DEFAULT_MAX_BATCH_SIZE = 64  # rows decoded together; measured on SmolLM2-135M (fp32, one thread): 64 > 32 tokens/s
+DEFAULT_MAX_BATCH_SIZE = 64  # rows decoded together (see the module docstring: measured against 32)
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
 IDLE_POLL_S = 0.05  # how often an idle worker checks for a pending weight swap or close
 # SGLang's finish reasons for an aborted request (tokenizer_manager / schedule_batch.FINISH_ABORT).
@@ -455,7 +455,9 @@ class EmbeddedEngine(Engine):
             layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
             valid, logits = valid.index_select(0, index), logits.index_select(0, index)  # [n, L], [n, V]
         kv = kv_cache.from_prefill(layers, valid, layers[0][0].dtype, _columns_wanted(rows))
-        sampling = SamplingRows.of([r.sampling for r in rows], [r.generator for r in rows], logits.shape[-1], self.device)
+        sampling = SamplingRows.of(
+            [r.sampling for r in rows], [r.generator for r in rows], logits.shape[-1], self.device
+        )
         first = sampling.sample_first(logits)
         self._record(rows, *first)
         next_pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)  # [n]

@@ -21,6 +21,10 @@ against transformers ``generate()`` on the same batches, side by side in one run
     slows both alike. Figures: response tokens/s, the best round of each, and the median of the per-round ratios
     embedded / generate(). Both run at the same torch thread count (``--threads``).
 
+(c) groups (``--parts groups``): GRPO-shaped, ``--groups P,S,N``: P prompts x S samples of N new tokens, all
+    submitted at once to the engine at its own ``max_batch_size`` (``--max-batch-size`` to set it);
+    ``generate()`` on the same requests in static batches of that size, in order. Same rounds and ratios.
+
 ``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
 ``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The JSON records the load
 average before and after each part (the machine may be shared) and the thread count.
@@ -271,6 +275,39 @@ def bench_speed(engine, model, tokenizer, batches: list[int], answers: list[int]
     return figures
 
 
+def bench_groups(engine, model, tokenizer, n_prompts: int, samples: int, new_tokens: int, rounds: int) -> dict:
+    """GRPO-shaped: ``n_prompts`` prompts x ``samples`` samples, all submitted at once to the engine (its own
+    ``max_batch_size``, continuous batching); ``generate()`` on the same requests in static batches of that size."""
+    pad = tokenizer.pad_token_id or 0
+    ids = [p for p in prompts(tokenizer, n_prompts) for _ in range(samples)]  # the samples of a prompt together
+    batch = engine.max_batch_size
+    tokens = len(ids) * new_tokens
+
+    def generate_all() -> float:
+        return sum(run_generate(model, ids[i : i + batch], new_tokens, pad) for i in range(0, len(ids), batch))
+
+    load0 = os.getloadavg()
+    rates: dict[str, list[float]] = {"embedded": [], "generate": []}
+    for r in range(rounds):
+        order = ("embedded", "generate") if r % 2 == 0 else ("generate", "embedded")
+        for key in order:
+            seconds = asyncio.run(run_embedded(engine, ids, new_tokens)) if key == "embedded" else generate_all()
+            rates[key].append(tokens / seconds)
+    ratios = sorted(e / g for e, g in zip(rates["embedded"], rates["generate"]))
+    row = {
+        "prompts": n_prompts, "samples": samples, "new_tokens": new_tokens, "batch": batch,
+        "embedded_tok_s_best": round(max(rates["embedded"]), 1),
+        "generate_tok_s_best": round(max(rates["generate"]), 1),
+        "embedded_tok_s": [round(x, 1) for x in rates["embedded"]],
+        "generate_tok_s": [round(x, 1) for x in rates["generate"]],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+    }  # fmt: skip
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -284,7 +321,9 @@ def main() -> None:
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes (default 1,8,32,64)")
     ap.add_argument("--answers", type=_ints, default=[48, 256], help="new tokens per request (default 48,256)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed part (default 3)")
-    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed")
+    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups")
+    ap.add_argument("--groups", type=_ints, default=[32, 8, 48], help="groups part: prompts, samples, new tokens")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="groups part: the engine's (default its own)")
     ap.add_argument(
         "--threads", type=int, default=None,
         help="torch threads of the engine and generate() (default: the engine's default)",
@@ -295,8 +334,8 @@ def main() -> None:
     if args.engine_src:
         sys.path.insert(0, str(Path(args.engine_src).resolve()))
     parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - {"profile", "speed"} or args.rounds < 1 or min(args.batches + args.answers) < 1:
-        ap.error("--parts takes profile and speed; --rounds, --batches and --answers must be >= 1")
+    if set(parts) - {"profile", "speed", "groups"} or args.rounds < 1 or min(args.batches + args.answers) < 1:
+        ap.error("--parts takes profile, speed and groups; --rounds, --batches and --answers must be >= 1")
 
     import tempfile
 
@@ -310,7 +349,10 @@ def main() -> None:
     options = {}
     if "threads" in inspect.signature(EmbeddedEngine).parameters:  # an older engine has no such option
         options["threads"] = args.threads
-    engine = EmbeddedEngine(path, max_batch_size=max(args.batches), **options)
+    if args.max_batch_size is not None:
+        options["max_batch_size"] = args.max_batch_size
+    engine = EmbeddedEngine(path, **options)
+    own_batch = engine.max_batch_size
     if getattr(engine, "threads", None) is not None:
         torch.set_num_threads(engine.threads)
     reference = load_causal_lm(path)  # generate()'s own copy: the engine may lay its weights out differently
@@ -319,6 +361,8 @@ def main() -> None:
         "model": args.model,
         "engine_src": args.engine_src or "working tree",
         "torch_threads": torch.get_num_threads(),
+        "engine_threads": getattr(engine, "threads", None),  # None: an older engine, at torch's own count
+        "engine_max_batch_size": own_batch,
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
     }
@@ -326,6 +370,9 @@ def main() -> None:
         figures["profile"] = bench_profile(engine, engine.tokenizer, args.batches, args.answers)
     if "speed" in parts:
         figures["speed"] = bench_speed(engine, reference, engine.tokenizer, args.batches, args.answers, args.rounds)
+    if "groups" in parts:
+        engine.max_batch_size = own_batch
+        figures["groups"] = bench_groups(engine, reference, engine.tokenizer, *args.groups, args.rounds)
     figures["loadavg_end"] = os.getloadavg()
     asyncio.run(engine.close())
     if args.json:

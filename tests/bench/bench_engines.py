@@ -26,8 +26,11 @@
     process, so a busy machine slows them alike; ratios are per round, the median given with the range.
     While one engine runs, the servers of the others are paused (SIGSTOP: SGLang's scheduler polls a core
     even when idle).
-    Models: ``tiny`` (the test GPT-2, 64 hidden x 2 layers) and ``26m`` (GPT-2, 512 x 8 layers, 26.3M
-    parameters, the same tokenizer, random weights).
+    Models: ``tiny`` (the test GPT-2, 64 hidden x 2 layers), ``26m`` (GPT-2, 512 x 8 layers, 26.3M
+    parameters, the same tokenizer, random weights) and ``smollm2`` (SmolLM2-135M-Instruct, fp32, from
+    ``init-model --preset smollm2-135m-instruct``; SGLang's CPU server is not tried on it). Without
+    ``--threads`` the embedded engine runs at its own default thread count (see generate/engines/embedded.py)
+    and the rest at torch's. For the decode step alone, profiled, see tests/bench/bench_decode.py.
 Prints markdown tables, or with ``--json`` one JSON object.
 """
 
@@ -214,7 +217,7 @@ def client_table(figures: list[dict]) -> list[str]:
 
 # ---- (b) engines: embedded, serve and SGLang against transformers generate() ------------------------------
 
-MODELS = {"tiny": None, "26m": {"n_embd": 512, "n_layer": 8, "n_head": 8}}
+MODELS = {"tiny": None, "26m": {"n_embd": 512, "n_layer": 8, "n_head": 8}, "smollm2": "smollm2-135m-instruct"}
 
 
 def build_model(root: Path, name: str) -> Path:
@@ -224,6 +227,10 @@ def build_model(root: Path, name: str) -> Path:
 
     from rollshard.generate.models import init_model
 
+    if isinstance(MODELS[name], str):  # a real model, kept in rollshard's cache folder
+        from rollshard.store.gguf import cache_dir
+
+        return init_model(cache_dir() / "models" / MODELS[name], preset=MODELS[name])
     tiny = init_model(root / "tiny", preset="tiny-gpt2", seed=0)
     if MODELS[name] is None:
         return tiny
@@ -399,7 +406,8 @@ def bench_models(args) -> dict:
         if args.sglang:
             servers["sglang"] = start_sglang(model_path, args.batch, root / f"sglang-{name}.log")
         try:
-            engine = EmbeddedEngine(model_path, max_batch_size=args.batch)
+            threads = {} if args.threads is None else {"threads": args.threads}  # else the engine's default
+            engine = EmbeddedEngine(model_path, max_batch_size=args.batch, **threads)
 
             async def warm() -> None:
                 await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), ignore_eos=True)
