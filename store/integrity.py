@@ -38,7 +38,7 @@ import hashlib
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,7 +49,7 @@ from rollshard.store.manifest import ShardInfo
 from rollshard.store.schema import OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
 from rollshard.store.storage import Storage
 
-__all__ = ["Checksums", "DataError", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
+__all__ = ["Checksums", "DataError", "FileDigests", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
            "row_group_ranges", "sampling_columns", "verify_footer", "verify_ranges", "verify_sha256"]
 
 READ_CHUNK = 8 << 20  # bytes hashed per read: large enough that hashlib releases the GIL and reads stream
@@ -122,24 +122,42 @@ def footer_start(shard: ShardInfo) -> int:
     return rgs[-1].offset + rgs[-1].length if rgs else len(MAGIC)
 
 
-def file_digests(storage: Storage, rel: str, ranges: list[tuple[int, int]] | None) -> tuple[str, list[str], str]:
+class FileDigests(NamedTuple):
+    """One shard file's digests, as hex: the whole file's sha256; each row group range's and the footer's sha256; and,
+    when asked for, their XXH3-128 (None otherwise)."""
+
+    sha256: str
+    ranges: list[str]  # [row group ranges]; empty without ranges
+    footer: str
+    ranges_xxh3: list[str] | None = None
+    footer_xxh3: str | None = None
+
+
+def file_digests(
+    storage: Storage, rel: str, ranges: list[tuple[int, int]] | None, *, xxh3: bool = False
+) -> FileDigests:
     """One sequential read of the file: its sha256, each range's (``ranges`` from :func:`row_group_ranges`; none
-    when None), and the footer's (everything after the last range), as hex."""
+    when None), and the footer's (everything after the last range); with ``xxh3``, each range's and the footer's
+    XXH3-128 too."""
     whole = hashlib.sha256()
     cuts = [(o, o + n) for o, n in ranges or []] + [(ranges[-1][0] + ranges[-1][1] if ranges else len(MAGIC), None)]
-    parts = [hashlib.sha256() for _ in cuts]
+    parts = [[hashlib.sha256()] + ([xxhash.xxh3_128()] if xxh3 else []) for _ in cuts]
     pos = 0
     with storage.fs.open_input_stream(storage.path(rel)) as f:
         while (chunk := f.read_buffer(READ_CHUNK)).size:
             view = memoryview(chunk)
             whole.update(view)
-            for (lo, hi), h in zip(cuts, parts):
+            for (lo, hi), hashes in zip(cuts, parts):
                 a, b = max(lo, pos), len(view) + pos if hi is None else min(hi, pos + len(view))
                 if a < b:
-                    h.update(view[a - pos : b - pos])
+                    for h in hashes:
+                        h.update(view[a - pos : b - pos])
             pos += len(view)
-    digests = [h.hexdigest() for h in parts]
-    return whole.hexdigest(), digests[:-1] if ranges is not None else [], digests[-1]
+    sha = [h[0].hexdigest() for h in parts]
+    xx = [h[1].hexdigest() for h in parts] if xxh3 else None
+    if ranges is None:
+        return FileDigests(whole.hexdigest(), [], sha[-1], [] if xx else None, xx[-1] if xx else None)
+    return FileDigests(whole.hexdigest(), sha[:-1], sha[-1], xx[:-1] if xx else None, xx[-1] if xx else None)
 
 
 def verify_ranges(shard: ShardInfo, row_groups: tuple[int, ...], offset: int, data) -> None:

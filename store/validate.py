@@ -5,7 +5,8 @@ shard it checks, in order of cost:
 
 * the file exists, and its size and sha256 equal the manifest entry, and (manifest version 3)
   each row group's byte range and the footer hash as the manifest records (what the loader checks
-  block by block), all in one read of the file;
+  block by block), and (version 4) their XXH3-128 too, which the loader checks instead, all in one
+  read of the file;
 * the file is readable Parquet of a schema major this rollshard reads (a newer major
   is refused with the version it needs) whose columns and types are those of schema v1
   (a 1.0 shard lacks the two sampling columns of 1.1: read as nulls; one of them alone is a
@@ -163,16 +164,24 @@ class Validator:
         if size != shard.bytes:
             problem("size", f"{size} bytes on disk, the manifest says {shard.bytes}")
         ranges = [(r.offset, r.length) for r in shard.row_groups] if shard.has_ranges else None
-        sha, digests, footer_sha = file_digests(self.storage, shard.path, ranges)
-        if sha != shard.sha256:
-            problem("sha256", f"checksum {sha[:16]}... differs from the manifest's {shard.sha256[:16]}...")
+        got = file_digests(self.storage, shard.path, ranges, xxh3=shard.has_fast_hashes)
+        if got.sha256 != shard.sha256:
+            problem("sha256", f"checksum {got.sha256[:16]}... differs from the manifest's {shard.sha256[:16]}...")
         if ranges is not None:  # what the loader checks block by block: the manifest's ranges must hash as recorded
-            bad = [i for i, (d, r) in enumerate(zip(digests, shard.row_groups)) if d != r.sha256]
+            bad = [i for i, (d, r) in enumerate(zip(got.ranges, shard.row_groups)) if d != r.sha256]
             if bad:
                 problem("ranges", f"row group {bad[0]} (bytes {ranges[bad[0]][0]}-{sum(ranges[bad[0]])}): sha256 differs "
                                   f"from the manifest's ({len(bad)} row groups differ)")
-            if footer_sha != shard.footer_sha256:
+            if got.footer != shard.footer_sha256:
                 problem("ranges", "footer: sha256 differs from the manifest's footer_sha256")
+        if got.ranges_xxh3 is not None:  # the loader checks these instead: bytes that pass the sha256 must pass them
+            bad = [i for i, (d, r, x) in enumerate(zip(got.ranges, shard.row_groups, got.ranges_xxh3))
+                   if d == r.sha256 and x != r.xxh3]
+            if bad:
+                problem("ranges", f"row group {bad[0]}: the manifest's xxh3 differs from the bytes its sha256 matches "
+                                  f"({len(bad)} row groups); the loader would refuse them")
+            if got.footer == shard.footer_sha256 and got.footer_xxh3 != shard.footer_xxh3:
+                problem("ranges", "footer: the manifest's footer_xxh3 differs from the bytes its footer_sha256 matches")
         try:
             with self.storage.fs.open_input_file(self.storage.path(shard.path)) as f:
                 self._check_content(pq.ParquetFile(f), shard, problem)

@@ -299,7 +299,7 @@ class ShardWriter:
                     counts.add(table, None)
                     row_groups.append(row_group_info(table))
                 ranges = row_group_ranges(pf.metadata)
-            sha, digests, footer_sha = file_digests(self.storage, rel, ranges)
+            sha, digests, footer_sha, *_ = file_digests(self.storage, rel, ranges)
             if ranges is not None:
                 row_groups = [dataclasses.replace(r, offset=o, length=n, sha256=d)
                               for r, (o, n), d in zip(row_groups, ranges, digests)]

@@ -163,3 +163,23 @@ def test_progress_callback_and_reader_errors(clean, broken, tmp_path, capsys):
     assert "upgrade rollshard" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "nowhere")]) == 2
     assert "no rollshard dataset here" in capsys.readouterr().err
+
+
+def test_a_manifest_xxh3_the_loader_would_refuse_is_found(clean, tmp_path):
+    # The loader checks each block against the manifest's XXH3-128 where recorded: validate checks those hashes too,
+    # so bytes that match their sha256 under an XXH3 that does not match them are reported, not passed.
+    root = tmp_path / "ds"
+    shutil.copytree(clean, root)
+    doc = json.loads((root / "_manifests/b.json").read_text())
+    (shard,) = doc["shards"]
+    assert shard["footer_xxh3"] and all(rg["xxh3"] for rg in shard["row_groups"])  # recorded by the writer
+    assert validate_dataset(root).ok
+    shard["row_groups"][0]["xxh3"] = "0" * 32
+    shard["footer_xxh3"] = "f" * 32
+    (root / "_manifests/b.json").write_text(json.dumps(doc))
+    (report,) = [s for s in validate_dataset(root).shards if s.path == "shards/b-00000.parquet"]
+    assert [(p.check, p.detail) for p in report.problems] == [
+        ("ranges", "row group 0: the manifest's xxh3 differs from the bytes its sha256 matches (1 row groups); "
+                   "the loader would refuse them"),
+        ("ranges", "footer: the manifest's footer_xxh3 differs from the bytes its footer_sha256 matches"),
+    ]
