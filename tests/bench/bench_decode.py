@@ -2,7 +2,8 @@
 against transformers ``generate()`` on the same batches, side by side in one run.
 
     .venv/bin/python tests/bench/bench_decode.py [--model smollm2|tiny|PATH] [--batches 1,8,32,64]
-        [--answers 48,256] [--rounds 3] [--threads 1] [--parts profile,speed] [--json]
+        [--answers 48,192] [--rounds 3] [--threads N] [--parts profile,speed,groups,threads]
+        [--groups 32,8,48] [--compare-threads 1,2] [--max-batch-size N] [--engine-src DIR] [--json]
 
 (a) profile: per batch size and answer length, one batch of requests (32-token chat prompts, temperature 1 over the
     whole vocabulary, ``ignore_eos``) runs through the engine's own prefill, decode and bookkeeping methods, in this
@@ -20,10 +21,11 @@ against transformers ``generate()`` on the same batches, side by side in one run
     vocabulary, eos off: it returns no logprobs), in turn, ``--rounds`` rounds in one process, so a busy machine
     slows both alike. Figures: response tokens/s, the best round of each, and the median of the per-round ratios
     embedded / generate(). Both run at the same torch thread count (``--threads``).
-
 (c) groups (``--parts groups``): GRPO-shaped, ``--groups P,S,N``: P prompts x S samples of N new tokens, all
     submitted at once to the engine at its own ``max_batch_size`` (``--max-batch-size`` to set it);
     ``generate()`` on the same requests in static batches of that size, in order. Same rounds and ratios.
+(d) threads (``--parts threads``): the groups workload at each of ``--compare-threads`` (default 1,2): per
+    round and count, ``generate()`` and a fresh engine at that count, in turn.
 
 ``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
 ``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The JSON records the load
@@ -143,7 +145,6 @@ def _run_steps(engine, reqs, profiler=None) -> list[float]:
 def _shares(events) -> dict[str, float]:
     """Per-share microseconds of the ``step`` ranges' time (see the module docstring); the prefill is outside."""
     totals = dict.fromkeys(("kernels", "sampler", "cache", "python"), 0.0)
-    step_total = 0.0
 
     def ranges(e) -> list[str]:  # the labelled ranges around e, innermost first
         out = []
@@ -161,8 +162,6 @@ def _shares(events) -> dict[str, float]:
             totals[e.name] += e.cpu_time_total  # a range inside another of these is counted once
         elif e.name.startswith("aten::") and around[0] == "model":
             totals["kernels"] += e.self_cpu_time_total
-        elif e.name == "step":
-            pass
     step_total = sum(e.cpu_time_total for e in events if e.name == "step")
     totals["python"] = step_total - totals["kernels"] - totals["sampler"] - totals["cache"]
     return totals
@@ -308,6 +307,41 @@ def bench_groups(engine, model, tokenizer, n_prompts: int, samples: int, new_tok
     return row
 
 
+def bench_thread_counts(path, model, tokenizer, n_prompts, samples, new_tokens, rounds, counts, batch) -> dict:
+    """The groups workload at each torch thread count in ``counts``: per round and count, a fresh engine with
+    ``threads`` = count (its worker sets the count when it starts) and ``generate()`` at that count, in turn."""
+    import torch
+
+    from rollshard.generate.engines.embedded import EmbeddedEngine
+
+    pad = tokenizer.pad_token_id or 0
+    ids = [p for p in prompts(tokenizer, n_prompts) for _ in range(samples)]
+    tokens = len(ids) * new_tokens
+    rates: dict[str, list[float]] = {}
+    load0 = os.getloadavg()
+    for _ in range(rounds):
+        for n in counts:
+            torch.set_num_threads(n)
+            seconds = sum(run_generate(model, ids[i : i + batch], new_tokens, pad) for i in range(0, len(ids), batch))
+            rates.setdefault(f"generate@{n}", []).append(tokens / seconds)
+            engine = EmbeddedEngine(path, threads=n, max_batch_size=batch)
+            rates.setdefault(f"embedded@{n}", []).append(tokens / asyncio.run(run_embedded(engine, ids, new_tokens)))
+            asyncio.run(engine.close())
+    row: dict = {"prompts": n_prompts, "samples": samples, "new_tokens": new_tokens, "batch": batch}
+    for key, values in rates.items():
+        row[f"{key}_tok_s"] = [round(x, 1) for x in values]
+    for n in counts:
+        ratios = [e / g for e, g in zip(rates[f"embedded@{n}"], rates[f"generate@{n}"])]
+        row[f"embedded_vs_generate@{n}"] = round(statistics.median(ratios), 3)
+    base = counts[0]
+    for n in counts[1:]:
+        ratios = [a / b for a, b in zip(rates[f"embedded@{base}"], rates[f"embedded@{n}"])]
+        row[f"embedded@{base}_vs_embedded@{n}"] = round(statistics.median(ratios), 3)
+    row["loadavg_before"], row["loadavg_after"] = load0, os.getloadavg()
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -319,10 +353,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (SmolLM2-135M-Instruct, fp32), tiny, or a folder")
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes (default 1,8,32,64)")
-    ap.add_argument("--answers", type=_ints, default=[48, 256], help="new tokens per request (default 48,256)")
+    ap.add_argument("--answers", type=_ints, default=[48, 192], help="new tokens per request (default 48,192)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed part (default 3)")
-    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups")
+    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups, threads")
     ap.add_argument("--groups", type=_ints, default=[32, 8, 48], help="groups part: prompts, samples, new tokens")
+    ap.add_argument(
+        "--compare-threads", type=_ints, default=None,
+        help="threads part: the groups workload at each of these torch thread counts, fresh engines, in turn",
+    )  # fmt: skip
     ap.add_argument("--max-batch-size", type=int, default=None, help="groups part: the engine's (default its own)")
     ap.add_argument(
         "--threads", type=int, default=None,
@@ -334,8 +372,9 @@ def main() -> None:
     if args.engine_src:
         sys.path.insert(0, str(Path(args.engine_src).resolve()))
     parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - {"profile", "speed", "groups"} or args.rounds < 1 or min(args.batches + args.answers) < 1:
-        ap.error("--parts takes profile, speed and groups; --rounds, --batches and --answers must be >= 1")
+    unknown = set(parts) - {"profile", "speed", "groups", "threads"}
+    if unknown or args.rounds < 1 or min(args.batches + args.answers) < 1:
+        ap.error("--parts takes profile, speed, groups and threads; --rounds, --batches and --answers must be >= 1")
 
     import tempfile
 
@@ -373,6 +412,11 @@ def main() -> None:
     if "groups" in parts:
         engine.max_batch_size = own_batch
         figures["groups"] = bench_groups(engine, reference, engine.tokenizer, *args.groups, args.rounds)
+    if "threads" in parts:
+        counts = args.compare_threads or [1, 2]
+        figures["threads"] = bench_thread_counts(
+            path, reference, engine.tokenizer, *args.groups, args.rounds, counts, own_batch
+        )
     figures["loadavg_end"] = os.getloadavg()
     asyncio.run(engine.close())
     if args.json:
