@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         "trainer's (default: %(default)s)",
     )
     s.add_argument(
+        "--threads", type=int, default=None, metavar="N",
+        help="embedded engine: torch threads of its decode (default: the machine's cores less one, at least 1: the "
+        "process's event loop and writer keep a core)",
+    )
+    s.add_argument(
         "--weight-version", metavar="V",
         help="policy version stored in the rows (default: the checkpoint's own, from its trainer_state.json, else "
         "0); with SGLang servers, checked against the version they serve",
@@ -334,6 +339,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.update_weights is not None and args.engine.strip().startswith("embedded:"):
         raise UsageError(f"--update-weights is for SGLang servers; the embedded engine loads its model from the "
                          f"spec: --engine embedded:{args.update_weights}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1 (torch threads of the embedded engine's decode); got {args.threads}")
+    if not args.engine.strip().startswith("embedded:") and args.threads is not None:
+        raise UsageError("--threads is for the embedded engine; an SGLang server sets its own")
     if not args.engine.strip().startswith("embedded:") and (args.device is not None or args.dtype != "float32"):
         raise UsageError("--device and --dtype are for the embedded engine; an SGLang server has its own "
                          "(its --device and --dtype)")
@@ -571,6 +580,7 @@ async def _connect(args: argparse.Namespace) -> Engine:
     if args.engine.strip().startswith("embedded:"):
         options["weight_version"] = args.weight_version  # None: the checkpoint folder's own, else "0"
         options["dtype"] = args.dtype
+        options["threads"] = args.threads
         if args.device is not None:
             options["device"] = args.device
     else:

@@ -45,7 +45,7 @@ from typing import Any
 from aiohttp import web
 
 from rollshard.generate.engines.base import EngineError
-from rollshard.generate.engines.embedded import EmbeddedEngine
+from rollshard.generate.engines.embedded import DEFAULT_MAX_BATCH_SIZE, EmbeddedEngine
 from rollshard.generate.serve_requests import SAMPLING_MASK_MAX_TOKENS, RequestError, parse_abort, parse_generate
 from rollshard.store.tokenizer import TokenizerError, encode
 
@@ -224,6 +224,7 @@ async def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
+        threads=args.threads,
     )
     server = Server(engine)
     runner = web.AppRunner(server.app, access_log=None)
@@ -257,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weights and compute dtype (default float32: logprobs within ~1e-6 of the fp32 trainer's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for requests without sampling_seed")
-    parser.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together (default 32)")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help="rows decoded together (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch threads of the decode (default: the machine's cores less one, at least 1)")
     parser.add_argument(
         "--weight-version", default=None,
         help="weight_version reported (default: the checkpoint's own, from its trainer_state.json; else 0)",

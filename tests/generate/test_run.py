@@ -783,6 +783,25 @@ def test_embedded_device_and_dtype_flags(tiny_gpt2, tmp_path, capsys):
     assert "--device and --dtype are for the embedded engine" in capsys.readouterr().err
 
 
+def test_embedded_threads_flag_reaches_the_engine(tiny_gpt2, tmp_path, capsys, monkeypatch):
+    from rollshard.generate.engines import embedded
+
+    seen = []
+    run = embedded.EmbeddedEngine._run
+    monkeypatch.setattr(embedded.EmbeddedEngine, "_run", lambda self: (seen.append(self.threads), run(self))[1])
+    args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--n-samples", "1", "--max-new-tokens", "2",
+            "--limit", "1", "--no-progress"]
+    assert main([*args, "--threads", "1", "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert seen == [1, embedded.default_threads()]
+    capsys.readouterr()
+    for bad, message in ((["--threads", "0"], "--threads must be >= 1"),
+                         (["--engine", "http://127.0.0.1:9", "--threads", "2"], "--threads is for the embedded engine")):
+        assert main([*args, *bad, "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and not (tmp_path / "c").exists()
+
+
 def test_failed_prompts_within_max_failed_prompts_exit_0(tiny_gpt2, tmp_path, capsys):
     plugin = tmp_path / "flaky.py"
     plugin.write_text(
