@@ -256,22 +256,26 @@ def bench_speed(engine, model, tokenizer, batches: list[int], answers: list[int]
                     else:
                         seconds = run_generate(model, ids, new_tokens, pad)
                     rates[key].append(tokens / seconds)
-            ratios = sorted(e / g for e, g in zip(rates["embedded"], rates["generate"]))
-            row = {
-                "batch": batch,
-                "new_tokens": new_tokens,
-                "embedded_tok_s_best": round(max(rates["embedded"]), 1),
-                "generate_tok_s_best": round(max(rates["generate"]), 1),
-                "embedded_tok_s": [round(x, 1) for x in rates["embedded"]],
-                "generate_tok_s": [round(x, 1) for x in rates["generate"]],
-                "ratio_median": round(statistics.median(ratios), 3),
-                "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
-                "loadavg_before": load0,
-                "loadavg_after": os.getloadavg(),
-            }
+            row = {"batch": batch, "new_tokens": new_tokens, **rate_figures(rates, load0)}
             figures.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return figures
+
+
+def rate_figures(rates: dict[str, list[float]], load0) -> dict:
+    """Per-round tokens/s of the embedded engine and generate(): the best of each, the rounds, and the median and
+    range of the per-round ratios; the load average before and now."""
+    ratios = sorted(e / g for e, g in zip(rates["embedded"], rates["generate"]))
+    return {
+        "embedded_tok_s_best": round(max(rates["embedded"]), 1),
+        "generate_tok_s_best": round(max(rates["generate"]), 1),
+        "embedded_tok_s": [round(x, 1) for x in rates["embedded"]],
+        "generate_tok_s": [round(x, 1) for x in rates["generate"]],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
+    }
 
 
 def bench_groups(engine, model, tokenizer, n_prompts: int, samples: int, new_tokens: int, rounds: int) -> dict:
@@ -292,17 +296,8 @@ def bench_groups(engine, model, tokenizer, n_prompts: int, samples: int, new_tok
         for key in order:
             seconds = asyncio.run(run_embedded(engine, ids, new_tokens)) if key == "embedded" else generate_all()
             rates[key].append(tokens / seconds)
-    ratios = sorted(e / g for e, g in zip(rates["embedded"], rates["generate"]))
-    row = {
-        "prompts": n_prompts, "samples": samples, "new_tokens": new_tokens, "batch": batch,
-        "embedded_tok_s_best": round(max(rates["embedded"]), 1),
-        "generate_tok_s_best": round(max(rates["generate"]), 1),
-        "embedded_tok_s": [round(x, 1) for x in rates["embedded"]],
-        "generate_tok_s": [round(x, 1) for x in rates["generate"]],
-        "ratio_median": round(statistics.median(ratios), 3),
-        "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
-        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-    }  # fmt: skip
+    row = {"prompts": n_prompts, "samples": samples, "new_tokens": new_tokens, "batch": batch,
+           **rate_figures(rates, load0)}  # fmt: skip
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
