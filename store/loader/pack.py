@@ -50,7 +50,7 @@ def make_step(
     group_sources = None
     if sources is not None:
         group_sources = [sources[i] for i in owners]  # [G]
-        metrics.update(_source_metrics(batches, group_sources, sources))
+        metrics.update(source_metrics(batches, group_sources, sources))
     if cfg.pin_memory and torch.cuda.is_available():
         batches = [b.pin_memory() for b in batches]
     return Step(
@@ -63,7 +63,7 @@ def make_step(
     )
 
 
-def _source_metrics(batches: list[PackedBatch], group_sources: list[str], sources: tuple[str, ...]) -> dict[str, float]:
+def source_metrics(batches: list[PackedBatch], group_sources: list[str], sources: tuple[str, ...]) -> dict[str, float]:
     """``source/<name>/{groups,sequences,tokens,loss_tokens}`` of this rank's step, 0 for a source without any."""
     out = {f"source/{name}/{k}": 0.0 for name in sources for k in SOURCE_KEYS}
     for name in group_sources:

@@ -307,7 +307,7 @@ def test_one_source_is_the_single_dataset_loader(two):
 def test_source_figures_of_a_micro_batch_worked_example():
     import torch
 
-    from rollshard.store.loader.pack import _source_metrics
+    from rollshard.store.loader.pack import source_metrics
     from rollshard.store.packing import PackedBatch
 
     # Four sequences of 3, 0 (empty), 4 and 2 tokens, of groups 0, 1, 1, 0 (sources x, y); loss masks
@@ -319,7 +319,7 @@ def test_source_figures_of_a_micro_batch_worked_example():
         rewards=torch.zeros(4), agents=["a"] * 4, sample_ids=list("abcd"), weight_versions=[None] * 4, num_tokens=9,
         num_loss_tokens=5,
     )
-    assert _source_metrics([b], ["x", "y"], ("x", "y", "z")) == {
+    assert source_metrics([b], ["x", "y"], ("x", "y", "z")) == {
         "source/x/groups": 1.0, "source/x/sequences": 2.0, "source/x/tokens": 5.0, "source/x/loss_tokens": 3.0,
         "source/y/groups": 1.0, "source/y/sequences": 2.0, "source/y/tokens": 4.0, "source/y/loss_tokens": 2.0,
         "source/z/groups": 0.0, "source/z/sequences": 0.0, "source/z/tokens": 0.0, "source/z/loss_tokens": 0.0,
