@@ -27,6 +27,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
 ISCorrection = Literal["tis", "mis", "none"]
 ISLevel = Literal["token", "sequence", "geometric"]
 KLType = Literal["k1", "k2", "k3"]
+PGLoss = Literal["ppo", "cispo", "sapo", "dppo"]
 LRDecay = Literal["constant", "linear", "cosine"]
 DType = Literal["auto", "float32", "bfloat16"]
 
@@ -34,6 +35,10 @@ DType = Literal["auto", "float32", "bfloat16"]
 # 0.2 / 0.28. Sequence ratios (GSPO) are geometric means over a whole response and sit much
 # closer to 1, so GSPO clips at 3e-4 / 4e-4 (Zheng et al. 2025); token-level eps would almost never clip.
 CLIP_EPS_DEFAULTS: dict[str, tuple[float, float]] = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
+# CISPO clips the weight of its gradient, not the gradient itself: MiniMax-M1 bounds it from above only (eps_low 1
+# puts the lower bound at 0, which no ratio crosses) at 1 + 4 = 5 (TRL's documented epsilon_high=5.0, slime's
+# recommended --eps-clip 1.0 --eps-clip-high 4.0), whatever the ratio level.
+CISPO_EPS_DEFAULTS: tuple[float, float] = (1.0, 4.0)
 
 
 # --attn-implementation auto. rollshard_varlen is registered with transformers by rollshard.train.attention
@@ -164,18 +169,27 @@ class AdvantageConfig:
 class LossConfig:
     """Policy loss (rollshard.train.losses)."""
 
+    pg_loss: PGLoss = _f(
+        "ppo",
+        "policy surrogate: ppo (clipped ratio), cispo (MiniMax-M1: -sg(clip(r)) A log pi, clipped tokens keep their "
+        "gradient; default clip 1 - 1 / 1 + 4), sapo (sigmoid gate instead of the clip, --sapo-tau-pos / -neg) or "
+        "dppo (prime-rl's default: -A r unclipped, tokens dropped by the binary TV mask --dppo-mask-low / -high, "
+        "plus --dppo-kl-tau (log pi - log mu)^2)",
+    )
     mode: LossMode = _f(
         "bypass",
         "bypass: ratio against the stored rollout logprobs; decoupled: ratio against a proximal policy "
         "recomputed once per step, times an importance weight pi_prox/pi_rollout",
     )
     eps_low: float | None = _f(
-        None, "PPO clip: ratio lower bound 1 - eps_low; default 0.2 with --ratio-level token, 3e-4 with sequence (GSPO)"
+        None,
+        "PPO / CISPO clip: ratio lower bound 1 - eps_low; default 0.2 with --ratio-level token, 3e-4 with sequence "
+        "(GSPO), 1 (no lower bound) with --pg-loss cispo",
     )
     eps_high: float | None = _f(
         None,
-        "PPO clip: ratio upper bound 1 + eps_high (clip-higher); default 0.28 with --ratio-level token, "
-        "4e-4 with sequence (GSPO)",
+        "PPO / CISPO clip: ratio upper bound 1 + eps_high (clip-higher); default 0.28 with --ratio-level token, "
+        "4e-4 with sequence (GSPO), 4 with --pg-loss cispo",
     )
     dual_clip_c: float | None = _f(3.0, "dual clip for negative advantages: loss <= c * |A| ('none': off)")
     ratio_level: RatioLevel = _f(
@@ -195,6 +209,32 @@ class LossConfig:
     tis_c: float = _f(2.0, "TIS: weight truncated at C")
     mis_low: float = _f(0.5, "MIS: weight kept only when mis_low <= w")
     mis_high: float = _f(2.0, "MIS: weight kept only when w <= mis_high")
+    sapo_tau_pos: float = _f(1.0, "SAPO: gate temperature where A > 0 (AReaL, TRL, verl: 1.0)")
+    sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature where A <= 0 (AReaL, TRL, verl: 1.05)")
+    dppo_mask_low: float = _f(0.2, "DPPO: drop a token with A <= 0 when p_theta - p_mu < -low (prime-rl dppo_mask_low)")
+    dppo_mask_high: float = _f(0.2, "DPPO: drop a token with A > 0 when p_theta - p_mu > high (prime-rl dppo_mask_high)")
+    dppo_kl_tau: float = _f(1e-3, "DPPO: coefficient of (log pi - log mu)^2 on every loss token (prime-rl kl_tau)")
+    opsm_delta: float | None = _f(
+        None,
+        "OPSM (DeepSeek-V3.2): drop a sequence with A < 0 whose mean log(mu / pi) over its tokens exceeds delta "
+        "(slime --use-opsm --opsm-delta, default there 1e-4; TRL off_policy_mask_threshold); default off",
+    )
+    m2po_tau: float | None = _f(
+        None,
+        "M2PO: drop a micro-batch's tokens of largest (log pi_prox - log mu)^2 until their mean is below tau "
+        "(AReaL actor.m2_threshold, 0.04 in its example); default off",
+    )
+    geo_rs: tuple[float, ...] | None = _f(
+        None,
+        "Geo-RS: keep a sequence only when the geometric mean of pi_prox / mu over its tokens is in [LO,HI] "
+        "(verl rollout_rs=seq_mean_k1, preset 0.999,1.001); default off",
+    )
+    k3_rs: float | None = _f(
+        None,
+        "K3-RS: keep a sequence only when the mean (--k3-rs-reduce) of rho - 1 - log rho, rho = pi_prox / mu, over "
+        "its tokens is at most this (verl rollout_rs=seq_mean_k3, preset 0.01); default off",
+    )
+    k3_rs_reduce: Literal["mean", "sum"] = _f("mean", "K3-RS over a sequence's tokens: mean (seq_mean_k3) or sum")
     kl_coef: float = _f(0.0, "coefficient of the KL to the frozen reference model (the --model weights)")
     kl_type: KLType = _f("k3", "KL estimator: k1, k2 or k3")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient")
@@ -206,8 +246,12 @@ class LossConfig:
     )
 
     def clip_range(self) -> tuple[float, float]:
-        """``(eps_low, eps_high)``: the values set, else the default of the ratio level (:data:`CLIP_EPS_DEFAULTS`)."""
-        low, high = CLIP_EPS_DEFAULTS.get(self.ratio_level, CLIP_EPS_DEFAULTS["token"])
+        """``(eps_low, eps_high)``: the values set, else the default of the surrogate (:data:`CISPO_EPS_DEFAULTS`) or
+        of the ratio level (:data:`CLIP_EPS_DEFAULTS`)."""
+        if self.pg_loss == "cispo":
+            low, high = CISPO_EPS_DEFAULTS
+        else:
+            low, high = CLIP_EPS_DEFAULTS.get(self.ratio_level, CLIP_EPS_DEFAULTS["token"])
         return (
             float(self.eps_low) if self.eps_low is not None else low,
             float(self.eps_high) if self.eps_high is not None else high,
@@ -362,12 +406,24 @@ class TrainConfig:
                 "--ratio-level sequence (GSPO, clip 3e-4 / 4e-4) with --mode bypass clips on the inference "
                 "noise of the stored rollout logprobs; use --mode decoupled",
             ),
-            (0 <= loss.eps_low < 1, f"--eps-low {loss.eps_low} must be in [0, 1)"),
+            (0 <= loss.eps_low <= 1, f"--eps-low {loss.eps_low} must be in [0, 1] (1: no lower bound)"),
             (loss.eps_high >= 0, f"--eps-high {loss.eps_high} must be >= 0"),
             (loss.dual_clip_c is None or loss.dual_clip_c > 1, f"--dual-clip-c {loss.dual_clip_c} must be > 1"),
             (loss.tis_c > 0, f"--tis-c {loss.tis_c} must be > 0"),
             (0 <= loss.mis_low < loss.mis_high, "MIS bounds need 0 <= --mis-low < --mis-high"),
             (loss.kl_coef >= 0 and loss.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0"),
+            (min(loss.sapo_tau_pos, loss.sapo_tau_neg) > 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+            (
+                min(loss.dppo_mask_low, loss.dppo_mask_high, loss.dppo_kl_tau) >= 0,
+                "--dppo-mask-low, --dppo-mask-high and --dppo-kl-tau must be >= 0",
+            ),
+            (loss.opsm_delta is None or loss.opsm_delta >= 0, f"--opsm-delta {loss.opsm_delta} must be >= 0"),
+            (loss.m2po_tau is None or loss.m2po_tau > 0, f"--m2po-tau {loss.m2po_tau} must be > 0"),
+            (
+                loss.geo_rs is None or (len(loss.geo_rs) == 2 and 0 < loss.geo_rs[0] <= 1 <= loss.geo_rs[1]),
+                f"--geo-rs takes two numbers LO,HI with 0 < LO <= 1 <= HI (e.g. 0.999,1.001), got {loss.geo_rs}",
+            ),
+            (loss.k3_rs is None or loss.k3_rs >= 0, f"--k3-rs {loss.k3_rs} must be >= 0"),
             (loss.norm_len is None or loss.norm_len > 0, "--norm-len must be > 0"),
             (opt.lr >= 0 and opt.warmup_steps >= 0, "--lr and --warmup-steps must be >= 0"),
             (len(opt.betas) == 2, f"--betas takes two numbers, got {opt.betas}"),

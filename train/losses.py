@@ -30,6 +30,10 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   model turns per row), so the loss scale does not move from step to step, as in
   Dr. GRPO and verl. Called without one, :class:`LossNorm` falls back to the most loss
   tokens (``sum_t m``) of any sequence of the batch it is given.
+* Other surrogates (``--pg-loss cispo | sapo | dppo``) replace the clipped one, and masks (OPSM, M2PO, Geo-RS,
+  K3-RS, DPPO's TV mask) zero the policy loss of the tokens or sequences they drop, before the importance weight;
+  a dropped token still counts in the normalizer (TRL, slime, prime-rl). Their formulas, the policies each
+  compares and the peers' code each follows: :mod:`rollshard.train.corrections`.
 * Optional KL to a frozen reference, ``lr = logp - logp_ref``: k1 ``lr``,
   k2 ``lr^2 / 2``, k3 ``min(exp(-lr) - 1 + lr, KL_K3_CLAMP)`` (verl's clamp at 10); and an
   entropy bonus.
@@ -38,7 +42,7 @@ Token ``t`` of sequence ``i``, mask ``m``, advantage ``A`` (REFERENCE.md "Loss f
   support where a token has one, and the full-softmax policy logprob as ``kl_logp``, which
   the KL term uses (the KL is on the full distributions).
 
-Metrics are local to the micro-batch; means are over its valid tokens (combine them
+Metrics are local to the micro-batch (``mask/<name>``: the share of valid tokens a correction dropped); means are over its valid tokens (combine them
 weighted by ``tokens``), ``*_min`` / ``*_max`` by min / max, ``loss/*`` by sum.
 The importance-weight statistics (``is/*``) describe ``pi_prox / pi_rollout`` in
 decoupled mode and ``pi / pi_rollout`` (the ratio itself) in bypass mode.
@@ -50,7 +54,9 @@ import dataclasses
 
 import torch
 
+from rollshard.train import corrections
 from rollshard.train.config import LossConfig
+from rollshard.train.segments import segment_mean, segment_sum, sequence_ids  # noqa: F401  (re-exported)
 
 # Log-ratios are clamped to +-20 before exp: exp(20) ~ 4.9e8 stays finite in fp32 (and
 # so does its square in the metrics), while a real mismatch that large is clipped by
@@ -96,18 +102,6 @@ class LossNorm:
             sequences=sum(p.sequences for p in parts),
             norm_len=float(norm_len if norm_len is not None else max((p.norm_len for p in parts), default=0.0)),
         )
-
-
-def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:  # [T]
-    """Index of the sequence each packed token belongs to."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-
-
-def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:  # [S]
-    """Per-sequence sum of a packed ``[T]`` tensor (differentiable)."""
-    S = cu_seqlens.numel() - 1
-    return torch.zeros(S, dtype=values.dtype, device=values.device).index_add(0, sequence_ids(cu_seqlens), values)
 
 
 def aggregate(
@@ -203,11 +197,7 @@ def policy_loss(
 
     A = advantages.float()  # [T]
     eps_low, eps_high = cfg.clip_range()
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [T]
-    neg_A = -A  # [T]
-    pg = torch.maximum(neg_A * ratio, neg_A * clipped)  # [T]
-    if cfg.dual_clip_c is not None:
-        pg = torch.where(A < 0, torch.minimum(pg, neg_A * cfg.dual_clip_c), pg)
+    pg, extra = surrogate(logp, ratio, A, rollout_logp=rollout_logp, mask=mask, config=cfg)  # [T]
 
     if cfg.mode == "decoupled":
         ratio_seen = ratio.detach()
@@ -227,6 +217,20 @@ def policy_loss(
     else:
         w_used = ratio_seen = ratio.detach()  # the same tensor: token_metrics reads its figures once
         dropped = None  # bypass drops no token
+
+    # The trained policy's own logprobs stand in for the proximal policy's in bypass mode (module docstring of
+    # rollshard.train.corrections); a mask is a constant of the step, so neither carries a gradient.
+    log_w = ((prox_logp if cfg.mode == "decoupled" else logp).detach() - rollout_logp).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )  # [T] log pi_prox / mu
+    masks = correction_masks(
+        logp, rollout_logp=rollout_logp, log_w=log_w, advantages=A, mask=mask, cu_seqlens=cu_seqlens, config=cfg
+    )
+    if masks:
+        keep = torch.stack(list(masks.values())).all(dim=0)  # [T]
+        pg = torch.where(keep, pg, torch.zeros_like(pg))
+    if cfg.pg_loss == "dppo" and cfg.dppo_kl_tau > 0:  # prime-rl: on every loss token, masked or not
+        pg = pg + cfg.dppo_kl_tau * (logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).square()
 
     pg_loss = aggregate(pg, mask, cu_seqlens, agg=cfg.agg, norm=norm)
     loss = pg_loss
@@ -251,7 +255,88 @@ def policy_loss(
             is_weight=w_used, is_dropped=dropped, config=cfg, entropy=entropy,
         )
     )
+    metrics.update(correction_metrics(masks, extra, mask=mask))
     return loss, metrics
+
+
+def surrogate(
+    logp: torch.Tensor,  # [T] requires grad
+    ratio: torch.Tensor,  # [T] pi_theta / pi_old (token or sequence level), requires grad
+    advantages: torch.Tensor,  # [T]
+    *,
+    rollout_logp: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T]
+    config: LossConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # [T] per-token loss, named per-token figures for the metrics
+    """The per-token policy loss of ``config.pg_loss`` before masks, weights and aggregation."""
+    cfg, A = config, advantages
+    if cfg.pg_loss == "ppo":
+        eps_low, eps_high = cfg.clip_range()
+        clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [T]
+        pg = torch.maximum(-A * ratio, -A * clipped)  # [T]
+        if cfg.dual_clip_c is not None:
+            pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip_c), pg)
+        return pg, {}
+    if cfg.pg_loss == "cispo":
+        eps_low, eps_high = cfg.clip_range()
+        return corrections.cispo_loss(logp, ratio, A, eps_low=eps_low, eps_high=eps_high), {}
+    if cfg.pg_loss == "sapo":
+        pg, gate = corrections.sapo_loss(ratio, A, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
+        return pg, {"sapo/soft_gate": gate}
+    if cfg.pg_loss == "dppo":
+        return -A * ratio, {}  # the TV mask is one of correction_masks; the KL term is added after the masks
+    raise ValueError(f"unknown policy loss {cfg.pg_loss!r}; use ppo, cispo, sapo or dppo")
+
+
+def correction_masks(
+    logp: torch.Tensor,  # [T]
+    *,
+    rollout_logp: torch.Tensor,  # [T] mu
+    log_w: torch.Tensor,  # [T] log pi_prox - log mu, clamped, no grad
+    advantages: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    config: LossConfig,
+) -> dict[str, torch.Tensor]:  # name -> [T] bool keep
+    """The keep-masks of the corrections ``config`` turns on (:mod:`rollshard.train.corrections`), by name."""
+    cfg, out = config, {}
+    if cfg.pg_loss == "dppo":
+        high, low = corrections.dppo_masks(
+            logp, rollout_logp, advantages, low=cfg.dppo_mask_low, high=cfg.dppo_mask_high
+        )
+        out["dppo_high"], out["dppo_low"] = ~high, ~low
+    if cfg.opsm_delta is not None:
+        out["opsm"] = corrections.opsm_keep(logp, rollout_logp, advantages, mask, cu_seqlens, delta=cfg.opsm_delta)
+    if cfg.m2po_tau is not None:
+        out["m2po"] = corrections.m2po_keep(log_w, mask, tau=cfg.m2po_tau)
+    if cfg.geo_rs is not None:
+        low, high = cfg.geo_rs
+        out["geo_rs"] = corrections.geo_rs_keep(log_w, mask, cu_seqlens, low=low, high=high)
+    if cfg.k3_rs is not None:
+        out["k3_rs"] = corrections.k3_rs_keep(log_w, mask, cu_seqlens, threshold=cfg.k3_rs, reduce=cfg.k3_rs_reduce)
+    return out
+
+
+def correction_metrics(
+    masks: dict[str, torch.Tensor],  # name -> [T] bool keep
+    extra: dict[str, torch.Tensor],  # name -> [T] per-token figure of the surrogate
+    *,
+    mask: torch.Tensor,  # [T] float
+) -> dict[str, torch.Tensor]:
+    """Each mask's dropped share of the valid tokens (``mask/<name>``), ``mask/any`` for all of them together, and
+    the surrogate's per-token figures as mean / min / max (SAPO's gate, as AReaL logs ``sapo_soft_gate``)."""
+    on = mask > 0  # [T]
+    if not bool(on.any()):
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    if masks:
+        for name, keep in masks.items():
+            out[f"mask/{name}"] = (~keep[on]).float().mean()
+        out["mask/any"] = (~torch.stack([k[on] for k in masks.values()]).all(dim=0)).float().mean()
+    for name, values in extra.items():
+        v = values[on]
+        out[f"{name}_mean"], (out[f"{name}_min"], out[f"{name}_max"]) = v.mean(), torch.aminmax(v)
+    return out
 
 
 def token_metrics(
@@ -288,8 +373,6 @@ def token_metrics(
         "ratio/mean": r_mean,
         "ratio/min": r_min,
         "ratio/max": r_max,
-        "clip/frac_low": ((A < 0) & (r < 1.0 - eps_low)).float().mean(),
-        "clip/frac_high": ((A > 0) & (r > 1.0 + eps_high)).float().mean(),
         "mismatch/abs_diff_mean": abs_diff.mean(),
         "mismatch/abs_diff_max": abs_diff.max(),
         # k3 estimate of KL(pi_rollout || pi) from the rollout's own samples: u - 1 - log u, u = pi / pi_rollout.
@@ -302,7 +385,11 @@ def token_metrics(
             is_dropped.index_select(0, at).float().mean() if is_dropped is not None else r_mean.new_zeros(())
         ),
     }
-    if config.dual_clip_c is not None:
+    if config.pg_loss in ("ppo", "cispo"):  # SAPO and DPPO do not clip
+        # CISPO's frac_high is TRL's cispo_clip_ratio: (r > 1 + eps_high) & (A > 0).
+        out["clip/frac_low"] = ((A < 0) & (r < 1.0 - eps_low)).float().mean()
+        out["clip/frac_high"] = ((A > 0) & (r > 1.0 + eps_high)).float().mean()
+    if config.dual_clip_c is not None and config.pg_loss == "ppo":
         out["clip/frac_dual"] = ((A < 0) & (r > config.dual_clip_c)).float().mean()
     if entropy is not None:
         out["entropy/mean"] = entropy.detach().index_select(0, at).mean()

@@ -1,0 +1,178 @@
+"""Off-policy corrections beyond PPO's clip: other surrogates (CISPO, SAPO, DPPO) and masks that drop tokens or
+whole sequences too far off the policy that sampled them (OPSM, M2PO, Geo-RS, K3-RS, DPPO's binary TV mask).
+Pure functions of packed ``[T]`` tensors (shapes as in :mod:`rollshard.train.losses`, which applies them).
+
+Three policies appear (REFERENCE.md "Loss formulas"): ``pi_theta`` the policy being trained (``logp``, the only
+input with a graph), ``mu`` the engine that sampled the tokens (the stored ``rollout_logprobs``), and ``pi_prox``
+the trainer's policy before this step's updates (decoupled mode's proximal policy; in bypass mode the policy
+being trained, detached, stands in for it: with one mini-batch it is the same tensor). Each correction says which
+two it compares; each follows one peer's code, named beside it with the file and lines read.
+
+Surrogates (per-token loss before aggregation, ``r`` the loss's ratio, ``A`` the advantage):
+
+* CISPO (MiniMax-M1; slime ``ppo_utils.compute_cispo_loss``, verl ``compute_policy_loss_cispo``, TRL
+  ``loss_type="cispo"``): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta``: a clipped token keeps its
+  gradient, scaled by the clipped ratio. The paper clips only from above; slime and verl clip both sides by
+  default, TRL caps at ``epsilon_high`` itself. rollshard's defaults are the paper's: ``eps_low`` 1 (the lower bound
+  is 0, which a ratio never crosses) and ``eps_high`` 4 (cap 5, TRL's documented ``epsilon_high=5.0`` and slime's
+  recommended ``--eps-clip-high 4``).
+* SAPO (arXiv 2511.20347; AReaL ``sapo_loss_fn``, TRL ``loss_type="sapo"``, verl ``compute_policy_loss_sapo``):
+  ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau = tau_pos`` where ``A > 0`` else ``tau_neg``: a soft trust region
+  whose gradient is the plain policy gradient at ``r = 1`` and fades smoothly away from it; no clip.
+* DPPO (prime-rl's default loss, ``trainer/rl/loss.py default_loss_fn``): ``-keep A r`` with no clip, ``keep`` the
+  binary total-variation mask below, plus ``kl_tau (log pi_theta - log mu)^2`` on every loss token.
+
+Masks (``keep [T]`` bool; a dropped token's policy loss is 0, and it still counts in the aggregation's
+normalizer, as in TRL, slime and prime-rl):
+
+* OPSM (DeepSeek-V3.2; slime ``--use-opsm``, TRL ``off_policy_mask_threshold``): drop sequence ``i`` when
+  ``A_i < 0`` and ``mean_t (log mu - log pi_theta) > delta``. ``mu`` is the stored engine logprob, as the paper and
+  TRL say (slime compares with its recomputed old logprob unless ``--use-rollout-logprobs``).
+* M2PO (AReaL ``actor.m2_threshold``, ``actor.py _apply_m2po_masking``): over a micro-batch's loss tokens, drop
+  the largest ``(log pi_prox - log mu)^2`` until the mean of the rest is below ``tau`` (strictly; if no such
+  point exists, only the smallest is kept). AReaL pools the tokens of one micro-batch, and so does rollshard.
+* Geo-RS (verl ``rollout_rs="seq_mean_k1"``): keep sequence ``i`` when the geometric mean over its loss tokens of
+  ``pi_prox / mu`` lies in ``[lo, hi]``. verl's code tests ``k1 = -log(pi_prox / mu)`` against
+  ``[log lo, log hi]``, the geometric mean of ``mu / pi_prox``; its documentation states ``pi_prox / mu``.
+  rollshard follows the documentation (every ratio here has the trained policy on top); verl's threshold
+  ``"lo_hi"`` is rollshard's ``1/hi, 1/lo``. The two agree for ``lo = 1 / hi``.
+* K3-RS (verl ``rollout_rs="seq_mean_k3"`` / ``"seq_sum_k3"``): keep sequence ``i`` when the mean (or sum) over
+  its loss tokens of ``rho - 1 - log rho``, ``rho = pi_prox / mu``, is at most ``threshold``.
+* DPPO's binary TV mask: drop a token when ``A > 0`` and ``p_theta - p_mu > high``, or ``A <= 0`` and
+  ``p_theta - p_mu < -low`` (probabilities, not logs; strict comparisons).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rollshard.train.segments import segment_mean, segment_sum, sequence_ids
+
+
+def cispo_loss(
+    logp: torch.Tensor,  # [T] pi_theta, requires grad
+    ratio: torch.Tensor,  # [T] the loss's ratio
+    advantages: torch.Tensor,  # [T]
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> torch.Tensor:  # [T]
+    """CISPO's per-token loss ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta``."""
+    weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)  # [T] no gradient through the weight
+    return -weight * advantages * logp
+
+
+def sapo_gate(
+    ratio: torch.Tensor,  # [T]
+    advantages: torch.Tensor,  # [T]
+    *,
+    tau_pos: float,
+    tau_neg: float,
+) -> torch.Tensor:  # [T]
+    """SAPO's scaled soft gate ``(4 / tau) sigmoid(tau (r - 1))``, ``tau`` by the advantage's sign (AReaL's
+    ``sapo_soft_gate``)."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)  # [T]
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+def sapo_loss(
+    ratio: torch.Tensor,  # [T] requires grad
+    advantages: torch.Tensor,  # [T]
+    *,
+    tau_pos: float,
+    tau_neg: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T] loss, [T] gate (detached)
+    """SAPO's per-token loss ``-gate A`` and its gate."""
+    gate = sapo_gate(ratio, advantages, tau_pos=tau_pos, tau_neg=tau_neg)  # [T]
+    return -gate * advantages, gate.detach()
+
+
+def dppo_masks(
+    logp: torch.Tensor,  # [T] pi_theta
+    rollout_logp: torch.Tensor,  # [T] mu
+    advantages: torch.Tensor,  # [T]
+    *,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T] bool each: dropped for A > 0 (high), dropped for A < 0 (low)
+    """DPPO's binary total-variation mask, its two sides apart (prime-rl's ``is_masked_high`` / ``_low``). A token
+    whose advantage is exactly 0 falls on the low side (prime-rl's ``where(A > 0, high, low)``), where its loss is
+    0 anyway."""
+    diff = torch.exp(logp.detach()) - torch.exp(rollout_logp)  # [T] p_theta - p_mu
+    positive = advantages > 0  # [T]
+    return positive & (diff > high), ~positive & (diff < -low)
+
+
+def opsm_keep(
+    logp: torch.Tensor,  # [T] pi_theta
+    rollout_logp: torch.Tensor,  # [T] mu
+    advantages: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    *,
+    delta: float,
+) -> torch.Tensor:  # [T] bool
+    """OPSM: False on every token of a sequence with a negative advantage whose mean ``log mu - log pi_theta``
+    over its loss tokens exceeds ``delta``."""
+    gap = segment_mean(rollout_logp - logp.detach(), mask, cu_seqlens)  # [S]
+    return ~((advantages < 0) & (gap > delta)[sequence_ids(cu_seqlens)])
+
+
+def m2po_keep(
+    log_w: torch.Tensor,  # [T] log pi_prox - log mu
+    mask: torch.Tensor,  # [T] float
+    *,
+    tau: float,
+) -> torch.Tensor:  # [T] bool
+    """M2PO: the loss tokens kept once the largest ``log_w^2`` are dropped so that the second moment of the rest
+    is below ``tau`` (tokens off the mask are kept: they carry no loss)."""
+    on = torch.nonzero(mask > 0).flatten()  # [K]
+    keep = torch.ones_like(log_w, dtype=torch.bool)  # [T]
+    if on.numel() == 0:
+        return keep
+    m2 = log_w.detach().index_select(0, on).square()  # [K]
+    order = torch.argsort(m2, descending=True, stable=True)  # [K]
+    sorted_m2 = m2[order]  # [K] largest first
+    counts = torch.arange(m2.numel(), 0, -1, device=m2.device, dtype=m2.dtype)  # [K] tokens left from i on
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / counts  # [K] mean of sorted_m2[i:]
+    below = torch.nonzero(suffix_mean < tau).flatten()
+    dropped = int(below[0]) if below.numel() else m2.numel() - 1  # never every token: the smallest stays
+    keep[on[order[:dropped]]] = False
+    return keep
+
+
+def geo_rs_keep(
+    log_w: torch.Tensor,  # [T] log pi_prox - log mu
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    *,
+    low: float,
+    high: float,
+) -> torch.Tensor:  # [T] bool
+    """Geo-RS: keep a sequence whose geometric-mean ratio ``exp(mean_t log_w)`` lies in ``[low, high]``."""
+    log_geo = segment_mean(log_w.detach(), mask, cu_seqlens)  # [S]
+    kept = (log_geo >= math.log(low)) & (log_geo <= math.log(high))  # [S]
+    return kept[sequence_ids(cu_seqlens)]
+
+
+def k3_rs_keep(
+    log_w: torch.Tensor,  # [T] log pi_prox - log mu, clamped
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    *,
+    threshold: float,
+    reduce: str = "mean",
+) -> torch.Tensor:  # [T] bool
+    """K3-RS: keep a sequence whose mean (or sum) of ``rho - 1 - log rho`` over its loss tokens is at most
+    ``threshold``."""
+    lw = log_w.detach()
+    k3 = torch.expm1(lw) - lw  # [T] rho - 1 - log rho >= 0
+    if reduce == "mean":
+        stat = segment_mean(k3, mask, cu_seqlens)  # [S]
+    elif reduce == "sum":
+        stat = segment_sum(k3 * mask, cu_seqlens)  # [S]
+    else:
+        raise ValueError(f"unknown K3-RS reduction {reduce!r}; use mean or sum")
+    return (stat <= threshold)[sequence_ids(cu_seqlens)]
