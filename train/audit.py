@@ -42,7 +42,10 @@ import torch
 from rollshard.store.audit import AUDIT_SCHEMA
 from rollshard.store.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
-from rollshard.train.config import ATTN_AUTO, DataConfig, ModelConfig, TrainConfig
+from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
+from rollshard.train.corrections import AUDIT_DEFAULTS, counterfactual
+from rollshard.train.losses import LOG_RATIO_CLAMP
+from rollshard.train.segments import segment_sum
 
 PROG = "rollshard-train audit"
 EXIT_OK, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -56,6 +59,11 @@ DEFAULT_TOP = 10
 # one group, so the audit stops at the first whole group that reaches N rows.
 GROUPS_PER_STEP = 16
 LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
+# The trainer's loss flags the audit takes: the parameters of the corrections it counts.
+CORRECTION_FLAGS = (
+    "eps_low", "eps_high", "dual_clip_c", "tis_c", "sapo_tau_pos", "sapo_tau_neg", "dppo_mask_low", "dppo_mask_high",
+    "opsm_delta", "m2po_tau", "geo_rs", "k3_rs", "k3_rs_reduce",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_help(ModelConfig, "logprob_chunk_mib"))
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="progress bar on stderr (default: on)")
+    group = p.add_argument_group(
+        "off-policy corrections",
+        "the table of what each correction would mask, clip or damp if this policy trained on these rows now; "
+        "the trainer's flags, its defaults, and for a correction the trainer leaves off the peers' defaults: "
+        + ", ".join(f"--{k.replace('_', '-')} {v[0]:g},{v[1]:g}" if isinstance(v, tuple) else f"--{k.replace('_', '-')} {v:g}"
+                    for k, v in AUDIT_DEFAULTS.items()),
+    )
+    for name in CORRECTION_FLAGS:
+        f = _field(LossConfig, name)
+        group.add_argument(flag_of(f), dest=f"loss.{name}", default=argparse.SUPPRESS, metavar=name.upper(),
+                           help=f.metadata["help"])
     return p
 
 
@@ -161,6 +180,7 @@ class AuditResult:
     worst: list[dict]  # rollshard.store.audit.token_contexts of the --top worst tokens
     report: str | None  # where the report was written
     info: dict  # what was audited: data, model, device, dtype, seconds, rows
+    corrections: list[dict] = dataclasses.field(default_factory=list)  # CorrectionTally.summary()
 
 
 def run_audit(args: argparse.Namespace) -> AuditResult:
@@ -171,6 +191,7 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     from rollshard.train.setup import check_model_path
 
     _check_numbers(args)
+    loss = _loss_config(args)
     device = _device(args.device)
     sources = parse_sources(args.data)
     model = check_model_path(args.model)
@@ -189,7 +210,8 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
 
     started = time.perf_counter()
     backend = build_backend(TrainConfig(model=model_cfg), env=OneDevice(where=str(device)), total_updates=None)
-    batches, rows = _stream(backend, datasets, args, model=model)
+    tally = CorrectionTally(loss)
+    batches, rows = _stream(backend, datasets, args, model=model, tally=tally)
     table = pa.Table.from_batches(batches, schema=AUDIT_SCHEMA)
     if table.num_rows == 0:
         raise ValueError(
@@ -210,7 +232,41 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
             raise ValueError(f"cannot write --out {args.out} ({e}); choose another path") from e
     worst = worst_tokens(table, args.top)
     worst = worst_with_context(worst, datasets, model)
-    return AuditResult(summary=summarize(table), worst=worst, report=report, info=info)
+    return AuditResult(summary=summarize(table), worst=worst, report=report, info=info, corrections=tally.summary())
+
+
+def _loss_config(args: argparse.Namespace) -> LossConfig:
+    """The corrections' parameters given on the command line, checked as the trainer checks them."""
+    given = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("loss.")}
+    return TrainConfig.from_dict({"loss": given}, where="command line").validate(require_paths=False).loss
+
+
+class CorrectionTally:
+    """Loss tokens and rows each off-policy correction would change (rollshard.train.corrections.counterfactual),
+    summed over the audited micro-batches."""
+
+    def __init__(self, config: LossConfig):
+        self.config = config
+        self.tokens = self.rows = 0
+        self.hits: dict[str, list] = {}  # name -> [parameters in words, tokens, rows]
+
+    def add(self, logp: torch.Tensor, mb, advantages: torch.Tensor) -> None:
+        mask, cu = mb.loss_mask.float(), mb.cu_seqlens.long()  # [T], [S+1]
+        out = counterfactual(logp, rollout_logp=mb.rollout_logprobs.float(), advantages=advantages, mask=mask,
+                             cu_seqlens=cu, config=self.config, log_ratio_clamp=LOG_RATIO_CLAMP)
+        self.tokens += int(mask.sum())
+        self.rows += int((segment_sum(mask, cu) > 0).sum())
+        for name, (words, hit) in out.items():
+            entry = self.hits.setdefault(name, [words, 0, 0])
+            entry[1] += int(hit.sum())
+            entry[2] += int((segment_sum(hit.float(), cu) > 0).sum())
+
+    def summary(self) -> list[dict]:
+        return [
+            {"correction": name, "parameters": words, "tokens": tokens, "token_share": tokens / max(self.tokens, 1),
+             "rows": rows, "row_share": rows / max(self.rows, 1)}
+            for name, (words, tokens, rows) in self.hits.items()
+        ]
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -262,7 +318,8 @@ def _loader_config(args: argparse.Namespace):
     )
 
 
-def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str) -> tuple[list[pa.RecordBatch], int]:
+def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str,
+            tally: CorrectionTally) -> tuple[list[pa.RecordBatch], int]:
     """Every row of every source through the backend: the report's batches and the rows audited."""
     from tqdm import tqdm
 
@@ -282,9 +339,9 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str) ->
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=LOADER_NO_STEP)  # nothing passes: said below
                     for step in loader:
-                        for mb in step.micro_batches:
+                        for mb, adv in zip(step.micro_batches, _advantages(step)):
                             batches.append(audit_batch(backend, mb, step.group_ids, source=name, vocab=vocab,
-                                                       model=model))
+                                                       model=model, advantages=adv, tally=tally))
                             rows += mb.num_sequences
                             bar.update(mb.num_sequences)
                         if args.max_rows is not None and rows >= args.max_rows:
@@ -296,9 +353,23 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str) ->
     return batches, rows
 
 
+def _advantages(step) -> list[torch.Tensor]:
+    """Per-token GRPO advantages of each micro-batch of a loader step (whole groups), as the trainer's defaults
+    compute them."""
+    from rollshard.train.advantages import grpo_advantages, token_advantages
+
+    mbs = step.micro_batches
+    rewards, groups = torch.cat([mb.rewards for mb in mbs]), torch.cat([mb.seq_group for mb in mbs])  # [N]
+    adv = grpo_advantages(rewards, groups, num_groups=len(step.group_ids)).advantages  # [N]
+    per_mb = adv.split([mb.num_sequences for mb in mbs])
+    return [token_advantages(a, mb.cu_seqlens, mb.loss_mask) for a, mb in zip(per_mb, mbs)]
+
+
 @torch.no_grad()
-def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, model: str) -> pa.RecordBatch:
-    """The report rows of one packed micro-batch: each trained token's stored and recomputed logprob."""
+def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, model: str,
+                advantages: torch.Tensor | None = None, tally: "CorrectionTally | None" = None) -> pa.RecordBatch:
+    """The report rows of one packed micro-batch: each trained token's stored and recomputed logprob; with a
+    ``tally``, what each off-policy correction would do to its tokens (``advantages [T]``, the step's GRPO ones)."""
     cu = mb.cu_seqlens.long()  # [S+1]
     top = int(mb.input_ids.max())
     if top >= vocab:
@@ -309,6 +380,8 @@ def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, m
         )
     logp, _ = backend.logprobs(mb.to(backend.device), grad=False)  # [T] 0 off the loss mask
     logp = logp.float().cpu()  # [T]
+    if tally is not None:
+        tally.add(logp, mb, advantages)
     at = torch.nonzero(mb.loss_mask > 0).flatten()  # [K] trained positions
     seq = torch.searchsorted(cu[1:], at, right=True)  # [K] the sequence of each: cu[s] <= at < cu[s+1]
     position = at - mb.response_start.long()[seq]  # [K] index into that row's response_tokens

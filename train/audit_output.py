@@ -41,7 +41,8 @@ def exceeded(summary: dict, *, max_abs_diff: float, max_mean_abs_diff: float | N
 
 def print_json(result, file=None) -> None:
     """One JSON object: what was audited, the report's path, the summary and the worst tokens."""
-    obj: dict[str, Any] = {**result.info, "report": result.report, **result.summary, "worst": result.worst}
+    obj: dict[str, Any] = {**result.info, "report": result.report, **result.summary, "worst": result.worst,
+                           "corrections": result.corrections}
     print(json.dumps(_finite(obj), allow_nan=False, default=str), file=file or sys.stdout)
 
 
@@ -69,6 +70,8 @@ def print_tables(result, file=None) -> None:
         f"of {o['sequences']:,} rows in {i['seconds']:.1f} s; {where}", soft_wrap=True,
     )
     console.print(_stats_table(result.summary))
+    if result.corrections:
+        console.print(_corrections_table(result.corrections))
     if result.worst:
         console.print(_worst_table(result.worst))
 
@@ -96,6 +99,19 @@ def _stats_table(summary: dict):
             continue  # one dataset: the same row as overall
         for n, (value, s) in enumerate(entries.items()):
             add(title if n == 0 else "", value, s, end=n == len(entries) - 1)
+    return t
+
+
+def _corrections_table(corrections: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="off-policy corrections: what each would mask, clip or damp if this policy trained on these rows "
+              "now (rollshard.train.corrections)", title_justify="left")
+    for name in ("correction", "parameters", "tokens", "share", "rows", "share of rows"):
+        t.add_column(name, justify="left" if name in ("correction", "parameters") else "right")
+    for c in corrections:
+        t.add_row(c["correction"], c["parameters"], f"{c['tokens']:,}", f"{c['token_share']:.2%}", f"{c['rows']:,}",
+                  f"{c['row_share']:.2%}")
     return t
 
 

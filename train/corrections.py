@@ -48,6 +48,7 @@ import math
 
 import torch
 
+from rollshard.train.config import CISPO_EPS_DEFAULTS, LossConfig
 from rollshard.train.segments import segment_mean, segment_sum, sequence_ids
 
 
@@ -176,3 +177,60 @@ def k3_rs_keep(
     else:
         raise ValueError(f"unknown K3-RS reduction {reduce!r}; use mean or sum")
     return (stat <= threshold)[sequence_ids(cu_seqlens)]
+
+
+# -- the audit's counterfactual ----------------------------------------------------------------------------------
+
+# What `rollshard-train audit` counts for a correction that is off in the config it is given: the peers' defaults
+# (slime --opsm-delta, AReaL's M2PO example, verl's Geo-RS and K3-RS presets; IcePop's token band as TRL documents
+# it, token_mask with clip 0.5 / 5; TRL's default vLLM correction, sequence_mask capped at 3).
+AUDIT_DEFAULTS: dict[str, object] = {"opsm_delta": 1e-4, "m2po_tau": 0.04, "geo_rs": (0.999, 1.001), "k3_rs": 0.01}
+ICEPOP_BAND = (0.5, 5.0)
+SEQUENCE_MASK_CAP = 3.0
+# SAPO has no mask: the audit counts the tokens whose gradient its gate scales below this share of the plain
+# policy gradient's (d/dlogp of the gated loss is 4 s (1 - s) r A against r A, s = sigmoid(tau (r - 1))).
+SAPO_DAMPED_BELOW = 0.5
+
+
+def counterfactual(
+    logp: torch.Tensor,  # [T] the audited policy, no grad
+    *,
+    rollout_logp: torch.Tensor,  # [T] mu
+    advantages: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T] float
+    cu_seqlens: torch.Tensor,  # [S+1]
+    config: LossConfig,  # the parameters of each correction (AUDIT_DEFAULTS for those it leaves off)
+    log_ratio_clamp: float,
+) -> dict[str, tuple[str, torch.Tensor]]:  # name -> (its parameters in words, [T] bool: tokens it would change)
+    """Per correction, the loss tokens it would mask, clip or damp if the audited policy took its first step on
+    these rows now: every ratio is ``pi / mu`` (at the first step the proximal policy is the audited one)."""
+    A, on = advantages, mask > 0  # [T]
+    lw = (logp - rollout_logp).clamp(-log_ratio_clamp, log_ratio_clamp)  # [T] log pi / mu
+    r = torch.exp(lw)  # [T]
+    cfg = {k: getattr(config, k) if getattr(config, k) is not None else v for k, v in AUDIT_DEFAULTS.items()}
+    eps_low, eps_high = config.clip_range()
+    c_low, c_high = CISPO_EPS_DEFAULTS
+    seq = sequence_ids(cu_seqlens)  # [T]
+    seq_w = torch.exp(segment_sum(lw * mask, cu_seqlens).clamp(-log_ratio_clamp, log_ratio_clamp))[seq]  # [T]
+    s = torch.sigmoid(torch.where(A > 0, config.sapo_tau_pos, config.sapo_tau_neg) * (r - 1.0))  # [T]
+    dppo_high, dppo_low = dppo_masks(logp, rollout_logp, A, low=config.dppo_mask_low, high=config.dppo_mask_high)
+    lo, hi = cfg["geo_rs"]
+    out: dict[str, tuple[str, torch.Tensor]] = {
+        "ppo clip": (f"eps {eps_low:g} / {eps_high:g}", ((A > 0) & (r > 1 + eps_high)) | ((A < 0) & (r < 1 - eps_low))),
+        **({"dual clip": (f"c {config.dual_clip_c:g}", (A < 0) & (r > config.dual_clip_c))}
+           if config.dual_clip_c is not None else {}),
+        "cispo": (f"cap {1 + c_high:g}", (r > 1 + c_high) | (r < 1 - c_low)),
+        "sapo": (f"tau {config.sapo_tau_pos:g} / {config.sapo_tau_neg:g}, gradient < {SAPO_DAMPED_BELOW:g}x",
+                 (A != 0) & (4 * s * (1 - s) < SAPO_DAMPED_BELOW)),
+        "dppo": (f"|p - p_mu| {config.dppo_mask_low:g} / {config.dppo_mask_high:g}", dppo_high | dppo_low),
+        "tis": (f"C {config.tis_c:g}", r > config.tis_c),
+        "icepop": (f"token [{ICEPOP_BAND[0]:g}, {ICEPOP_BAND[1]:g}]", (r < ICEPOP_BAND[0]) | (r > ICEPOP_BAND[1])),
+        "sequence mask": (f"sequence > {SEQUENCE_MASK_CAP:g}", seq_w > SEQUENCE_MASK_CAP),
+        "opsm": (f"delta {cfg['opsm_delta']:g}",
+                 ~opsm_keep(logp, rollout_logp, A, mask, cu_seqlens, delta=cfg["opsm_delta"])),
+        "m2po": (f"tau {cfg['m2po_tau']:g}", ~m2po_keep(lw, mask, tau=cfg["m2po_tau"])),
+        "geo-rs": (f"[{lo:g}, {hi:g}]", ~geo_rs_keep(lw, mask, cu_seqlens, low=lo, high=hi)),
+        "k3-rs": (f"{config.k3_rs_reduce} {cfg['k3_rs']:g}",
+                  ~k3_rs_keep(lw, mask, cu_seqlens, threshold=cfg["k3_rs"], reduce=config.k3_rs_reduce)),
+    }
+    return {name: (words, hit & on) for name, (words, hit) in out.items()}

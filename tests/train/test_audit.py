@@ -335,3 +335,81 @@ def test_help_and_the_plain_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "rollshard-train audit" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def rewarded(embedded_data, tmp_path_factory):
+    """The embedded rows (the tiny model earns no reward) with rewards 0, 1 or 2 by a hash of their sample id, so
+    that groups have advantages of both signs (the store's derive, nothing else changed)."""
+    import zlib
+
+    from rollshard.store.derive import derive_dataset
+
+    out = tmp_path_factory.mktemp("audit") / "rewarded"
+
+    def reward(t: pa.Table) -> pa.Table:
+        values = [float(zlib.crc32(s.encode()) % 3) for s in t["sample_id"].to_pylist()]
+        return t.set_column(t.schema.get_field_index("reward"), "reward", pa.array(values, pa.float32()))
+
+    derive_dataset(embedded_data, out, reward, operation="set-reward", details={"reward": "crc32(sample_id) % 3"},
+                   mutable_columns=("reward",), progress=False)
+    return out
+
+
+def test_the_corrections_table_is_the_trainers_step_zero(rewarded, other_model, tmp_path, capsys):
+    """What the audit says each off-policy correction would do to the rows under another checkpoint is what the
+    trainer's first step with that checkpoint does: its mask/* shares, clip fractions and dropped IS weights."""
+    from rollshard.train.metrics import read_metrics
+
+    embedded_data = rewarded
+    # The tiny model spreads its probability over 1,000 ids: a TV band of 0.2 holds every token, 1e-5 does not.
+    # Another seed is far off these rows: wider Geo-RS / K3-RS bands than verl's presets keep some of them.
+    tv = ["--dppo-mask-low", "1e-5", "--dppo-mask-high", "1e-5"]
+    masks = ["--opsm-delta", "1e-4", "--m2po-tau", "0.04", "--geo-rs", "0.95,1.5", "--k3-rs", "0.05"]
+    rc, out, _ = audit(capsys, "--data", embedded_data, "--model", other_model, "--json", *tv, *masks)
+    assert rc == 1  # another checkpoint: flagged, and the table is printed all the same
+    table = {c["correction"]: c for c in json.loads(out)["corrections"]}
+    assert list(table) == ["ppo clip", "dual clip", "cispo", "sapo", "dppo", "tis", "icepop", "sequence mask", "opsm",
+                           "m2po", "geo-rs", "k3-rs"]
+    share = {name: c["token_share"] for name, c in table.items()}
+    tokens = trained_tokens(embedded_data)
+    assert all(c["tokens"] == round(c["token_share"] * tokens) for c in table.values())
+    groups = RolloutDataset.open(embedded_data).num_groups
+
+    def step_zero(name: str, *flags) -> dict:
+        run = tmp_path / name
+        argv = ["--data", embedded_data, "--model", other_model, "--out", run, "--groups-per-step", groups,
+                "--max-steps", 1, "--lr", 0, "--no-progress", "--no-tensorboard", *flags]
+        assert main(list(map(str, argv))) == 0
+        capsys.readouterr()
+        return read_metrics(run)[0]
+
+    ppo = step_zero("ppo", *masks)
+    dppo = step_zero("dppo", "--pg-loss", "dppo", *tv)
+    tis = step_zero("tis", "--mode", "decoupled", "--is-correction", "tis")
+    icepop = step_zero("icepop", "--mode", "decoupled", "--is-correction", "mis", "--mis-low", 0.5, "--mis-high", 5)
+    trainer = {
+        "ppo clip": ppo["clip/frac_low"] + ppo["clip/frac_high"],
+        "dual clip": ppo["clip/frac_dual"],
+        "dppo": dppo["mask/dppo_low"] + dppo["mask/dppo_high"],
+        "tis": tis["is/frac_dropped"],
+        "icepop": icepop["is/frac_dropped"],
+        "opsm": ppo["mask/opsm"],
+        "m2po": ppo["mask/m2po"],
+        "geo-rs": ppo["mask/geo_rs"],
+        "k3-rs": ppo["mask/k3_rs"],
+    }
+    print({name: f"{share[name]:.4f} / {value:.4f}" for name, value in trainer.items()})
+    for name, value in trainer.items():
+        assert share[name] == pytest.approx(value, abs=1e-6), name
+    # each count is neither none nor all of the tokens: the comparison can fail
+    assert all(0 < share[n] < 1 for n in ("ppo clip", "dppo", "tis", "icepop", "opsm", "m2po", "geo-rs", "k3-rs"))
+
+
+def test_a_bad_correction_parameter_is_one_line_and_exit_2(embedded_data, tiny_gpt2, capsys):
+    rc, out, err = audit(capsys, "--data", embedded_data, "--model", tiny_gpt2, "--geo-rs", "1.1,1.2")
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "rollshard-train audit: error: --geo-rs takes two numbers LO,HI with 0 < LO <= 1 <= HI (e.g. 0.999,1.001), "
+        "got (1.1, 1.2)"
+    ]
