@@ -96,7 +96,7 @@ def test_clip_eps_resolve_by_ratio_level(tmp_path, capsys):
     assert (printed["eps_low"], printed["eps_high"]) == (3e-4, 4e-4)
     help_text = " ".join(build_parser().format_help().split())
     assert "default 0.2 with --ratio-level token, 3e-4 with sequence (GSPO)" in help_text
-    eps_low_help = help_text.split("PPO clip: ratio lower bound", 1)[1].split("--eps-high", 1)[0]
+    eps_low_help = help_text.split("PPO / CISPO clip: ratio lower bound", 1)[1].split("--eps-high", 1)[0]
     assert "(default: None)" not in eps_low_help
 
 
