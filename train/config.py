@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -412,10 +413,14 @@ class TrainConfig:
             (loss.tis_c > 0, f"--tis-c {loss.tis_c} must be > 0"),
             (0 <= loss.mis_low < loss.mis_high, "MIS bounds need 0 <= --mis-low < --mis-high"),
             (loss.kl_coef >= 0 and loss.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0"),
-            (min(loss.sapo_tau_pos, loss.sapo_tau_neg) > 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+            # each value compared on its own: min() passes a NaN that is not its first argument
             (
-                min(loss.dppo_mask_low, loss.dppo_mask_high, loss.dppo_kl_tau) >= 0,
-                "--dppo-mask-low, --dppo-mask-high and --dppo-kl-tau must be >= 0",
+                all(0 < t < math.inf for t in (loss.sapo_tau_pos, loss.sapo_tau_neg)),
+                "--sapo-tau-pos and --sapo-tau-neg must be finite and > 0",
+            ),
+            (
+                all(0 <= v < math.inf for v in (loss.dppo_mask_low, loss.dppo_mask_high, loss.dppo_kl_tau)),
+                "--dppo-mask-low, --dppo-mask-high and --dppo-kl-tau must be finite and >= 0",
             ),
             (loss.opsm_delta is None or loss.opsm_delta >= 0, f"--opsm-delta {loss.opsm_delta} must be >= 0"),
             (loss.m2po_tau is None or loss.m2po_tau > 0, f"--m2po-tau {loss.m2po_tau} must be > 0"),

@@ -92,15 +92,15 @@ def sapo_loss(
 
 def dppo_masks(
     logp: torch.Tensor,  # [T] pi_theta
+    *,
     rollout_logp: torch.Tensor,  # [T] mu
     advantages: torch.Tensor,  # [T]
-    *,
     low: float,
     high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] bool each: dropped for A > 0 (high), dropped for A < 0 (low)
-    """DPPO's binary total-variation mask, its two sides apart (prime-rl's ``is_masked_high`` / ``_low``). A token
-    whose advantage is exactly 0 falls on the low side (prime-rl's ``where(A > 0, high, low)``), where its loss is
-    0 anyway."""
+    """DPPO's binary total-variation mask, its two sides apart. A token whose advantage is exactly 0 falls on the
+    low side, as in prime-rl's mask ``where(A > 0, high, low)`` (its loss is 0 anyway); prime-rl's metric
+    ``is_masked_low`` counts only ``A < 0`` tokens, so rollshard's ``mask/dppo_low`` also counts those."""
     diff = torch.exp(logp.detach()) - torch.exp(rollout_logp)  # [T] p_theta - p_mu
     positive = advantages > 0  # [T]
     return positive & (diff > high), ~positive & (diff < -low)
@@ -108,11 +108,11 @@ def dppo_masks(
 
 def opsm_keep(
     logp: torch.Tensor,  # [T] pi_theta
+    *,
     rollout_logp: torch.Tensor,  # [T] mu
     advantages: torch.Tensor,  # [T]
     mask: torch.Tensor,  # [T] float
     cu_seqlens: torch.Tensor,  # [S+1]
-    *,
     delta: float,
 ) -> torch.Tensor:  # [T] bool
     """OPSM: False on every token of a sequence with a negative advantage whose mean ``log mu - log pi_theta``
@@ -213,7 +213,7 @@ def counterfactual(
     seq = sequence_ids(cu_seqlens)  # [T]
     seq_w = torch.exp(segment_sum(lw * mask, cu_seqlens).clamp(-log_ratio_clamp, log_ratio_clamp))[seq]  # [T]
     s = torch.sigmoid(torch.where(A > 0, config.sapo_tau_pos, config.sapo_tau_neg) * (r - 1.0))  # [T]
-    dppo_high, dppo_low = dppo_masks(logp, rollout_logp, A, low=config.dppo_mask_low, high=config.dppo_mask_high)
+    dppo_high, dppo_low = dppo_masks(logp, rollout_logp=rollout_logp, advantages=A, low=config.dppo_mask_low, high=config.dppo_mask_high)
     lo, hi = cfg["geo_rs"]
     out: dict[str, tuple[str, torch.Tensor]] = {
         "ppo clip": (f"eps {eps_low:g} / {eps_high:g}", ((A > 0) & (r > 1 + eps_high)) | ((A < 0) & (r < 1 - eps_low))),
@@ -227,7 +227,8 @@ def counterfactual(
         "icepop": (f"token [{ICEPOP_BAND[0]:g}, {ICEPOP_BAND[1]:g}]", (r < ICEPOP_BAND[0]) | (r > ICEPOP_BAND[1])),
         "sequence mask": (f"sequence > {SEQUENCE_MASK_CAP:g}", seq_w > SEQUENCE_MASK_CAP),
         "opsm": (f"delta {cfg['opsm_delta']:g}",
-                 ~opsm_keep(logp, rollout_logp, A, mask, cu_seqlens, delta=cfg["opsm_delta"])),
+                 ~opsm_keep(logp, rollout_logp=rollout_logp, advantages=A, mask=mask, cu_seqlens=cu_seqlens,
+                            delta=cfg["opsm_delta"])),
         "m2po": (f"tau {cfg['m2po_tau']:g}", ~m2po_keep(lw, mask, tau=cfg["m2po_tau"])),
         "geo-rs": (f"[{lo:g}, {hi:g}]", ~geo_rs_keep(lw, mask, cu_seqlens, low=lo, high=hi)),
         "k3-rs": (f"{config.k3_rs_reduce} {cfg['k3_rs']:g}",

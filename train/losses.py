@@ -302,11 +302,13 @@ def correction_masks(
     cfg, out = config, {}
     if cfg.pg_loss == "dppo":
         high, low = corrections.dppo_masks(
-            logp, rollout_logp, advantages, low=cfg.dppo_mask_low, high=cfg.dppo_mask_high
+            logp, rollout_logp=rollout_logp, advantages=advantages, low=cfg.dppo_mask_low, high=cfg.dppo_mask_high
         )
         out["dppo_high"], out["dppo_low"] = ~high, ~low
     if cfg.opsm_delta is not None:
-        out["opsm"] = corrections.opsm_keep(logp, rollout_logp, advantages, mask, cu_seqlens, delta=cfg.opsm_delta)
+        out["opsm"] = corrections.opsm_keep(
+            logp, rollout_logp=rollout_logp, advantages=advantages, mask=mask, cu_seqlens=cu_seqlens, delta=cfg.opsm_delta
+        )
     if cfg.m2po_tau is not None:
         out["m2po"] = corrections.m2po_keep(log_w, mask, tau=cfg.m2po_tau)
     if cfg.geo_rs is not None:
