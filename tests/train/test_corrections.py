@@ -630,3 +630,42 @@ def test_rollshard_train_step_logs_the_mask_shares(tiny_gpt2, tmp_path):
     saved = yaml.safe_load((latest_checkpoint(out).path / CONFIG_FILE).read_text())["loss"]
     assert (saved["pg_loss"], saved["eps_low"], saved["eps_high"]) == ("cispo", 1.0, 4.0)
     assert (saved["opsm_delta"], saved["geo_rs"]) == (1.0, [1e-6, 1.0])
+
+
+# -- the audit's counterfactual --------------------------------------------------------------------------------------
+
+
+def test_counterfactual_worked_example():
+    """rollshard.train.corrections.counterfactual, the audit's table, on six tokens of two sequences.
+
+    mu = 0.1 everywhere; pi / mu = r = [6, 1.5, 0.4 | 0.5, 1, 100], A = [1, 1, 1 | -1, -1, 0], the last token off
+    the loss mask (counted by nothing, and out of every per-sequence figure).
+    - ppo clip 0.2 / 0.28: t0 (A > 0, 6 > 1.28), t1 (1.5 > 1.28), t3 (A < 0, 0.5 < 0.8)
+    - dual clip 3: A < 0 and r > 3: none; cispo cap 5: t0; tis C 2: t0
+    - sapo: 4 s (1 - s) with s = sigmoid(tau (r - 1)): t0 0.0266 < 0.5; t1 0.940, t2 0.915, t3 0.934, t4 1
+    - dppo 0.2: p - p_mu = [0.5, 0.05, -0.06, -0.05, 0]: t0 only (A > 0, 0.5 > 0.2)
+    - icepop [0.5, 5]: t0 (6 > 5), t2 (0.4 < 0.5); t3 sits on the bound 0.5 and stays
+    - sequence mask 3: products 6 x 1.5 x 0.4 = 3.6 (over) and 0.5: t0-t2
+    - opsm 1e-4: sequence 1 has A < 0 and mean log(mu / pi) = log(2) / 2 = 0.347 > 1e-4: t3, t4
+    - m2po 0.04: (log r)^2 = [3.210, 0.164, 0.840, 0.480, 0]; suffix means of the sorted values 0.939, 0.371, 0.215,
+      0.082, 0: the first below 0.04 is the last, so every token but t4 is dropped
+    - geo-rs [0.7, 1.25]: geometric means 3.6^(1/3) = 1.533 (out) and 0.5^(1/2) = 0.707 (in): t0-t2
+    - k3-rs mean 0.1: r - 1 - log r = [3.208, 0.0945, 0.316 | 0.193, 0]: means 1.206 (out), 0.0966 (in): t0-t2
+    """
+    from rollshard.train.corrections import counterfactual
+    from rollshard.train.losses import LOG_RATIO_CLAMP
+
+    r = t([6.0, 1.5, 0.4, 0.5, 1.0, 100.0])
+    mu = torch.full((6,), math.log(0.1))
+    config = LossConfig(geo_rs=(0.7, 1.25), k3_rs=0.1)
+    out = counterfactual(mu + torch.log(r), rollout_logp=mu, advantages=t([1.0, 1.0, 1.0, -1.0, -1.0, 0.0]),
+                         mask=t([1.0, 1, 1, 1, 1, 0]), cu_seqlens=torch.tensor([0, 3, 6]), config=config,
+                         log_ratio_clamp=LOG_RATIO_CLAMP)
+    hit = {name: torch.nonzero(h).flatten().tolist() for name, (_, h) in out.items()}
+    assert hit == {
+        "ppo clip": [0, 1, 3], "dual clip": [], "cispo": [0], "sapo": [0], "dppo": [0], "tis": [0],
+        "icepop": [0, 2], "sequence mask": [0, 1, 2], "opsm": [3, 4], "m2po": [0, 1, 2, 3],
+        "geo-rs": [0, 1, 2], "k3-rs": [0, 1, 2],
+    }
+    words = {name: w for name, (w, _) in out.items()}
+    assert words["opsm"] == "delta 0.0001" and words["geo-rs"] == "[0.7, 1.25]" and words["k3-rs"] == "mean 0.1"
