@@ -116,3 +116,20 @@ def token_advantages(
         raise ValueError(f"cu_seqlens covers {int(lengths.sum())} tokens but loss_mask has {loss_mask.numel()}")
     per_token = torch.repeat_interleave(seq_advantages.float(), lengths)  # [T]
     return per_token * loss_mask.float()
+
+
+def step_advantages(
+    micro_batches: list,  # rollshard.store.loader PackedBatch: rewards [S], seq_group [S], cu_seqlens, loss_mask
+    *,
+    num_groups: int,
+    normalize_std: bool = True,
+    eps: float = ADV_EPS,
+    single_member: SingleMember = "reward",
+) -> tuple[GroupAdvantages, list[torch.Tensor]]:  # the step's groups, and each micro-batch's [T] advantages
+    """GRPO advantages of a loader step's whole groups, and each micro-batch's per-token advantages."""
+    rewards = torch.cat([mb.rewards for mb in micro_batches])  # [N]
+    groups = torch.cat([mb.seq_group for mb in micro_batches])  # [N]
+    out = grpo_advantages(rewards.cpu(), groups.cpu(), num_groups=num_groups, normalize_std=normalize_std, eps=eps,
+                          single_member=single_member)
+    per_mb = out.advantages.split([mb.num_sequences for mb in micro_batches])
+    return out, [token_advantages(a, mb.cu_seqlens, mb.loss_mask) for a, mb in zip(per_mb, micro_batches)]

@@ -130,14 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_argument_group(
         "off-policy corrections",
         "the table of what each correction would mask, clip or damp if this policy trained on these rows now; "
-        "the trainer's flags, its defaults, and for a correction the trainer leaves off the peers' defaults: "
-        + ", ".join(f"--{k.replace('_', '-')} {v[0]:g},{v[1]:g}" if isinstance(v, tuple) else f"--{k.replace('_', '-')} {v:g}"
-                    for k, v in AUDIT_DEFAULTS.items()),
+        "the trainer's flags and defaults, except that a correction the trainer leaves off is counted at the "
+        "peers' default",
     )
     for name in CORRECTION_FLAGS:
         f = _field(LossConfig, name)
-        group.add_argument(flag_of(f), dest=f"loss.{name}", default=argparse.SUPPRESS, metavar=name.upper(),
-                           help=f.metadata["help"])
+        help = f.metadata["help"]
+        if name in AUDIT_DEFAULTS:  # off in the trainer, counted here at the peers' default
+            value = AUDIT_DEFAULTS[name]
+            shown = ",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
+            help = help.removesuffix("; default off") + f" (audit default: {shown})"
+        group.add_argument(flag_of(f), dest=f"loss.{name}", default=argparse.SUPPRESS, metavar=name.upper(), help=help)
     return p
 
 
@@ -356,13 +359,9 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str,
 def _advantages(step) -> list[torch.Tensor]:
     """Per-token GRPO advantages of each micro-batch of a loader step (whole groups), as the trainer's defaults
     compute them."""
-    from rollshard.train.advantages import grpo_advantages, token_advantages
+    from rollshard.train.advantages import step_advantages
 
-    mbs = step.micro_batches
-    rewards, groups = torch.cat([mb.rewards for mb in mbs]), torch.cat([mb.seq_group for mb in mbs])  # [N]
-    adv = grpo_advantages(rewards, groups, num_groups=len(step.group_ids)).advantages  # [N]
-    per_mb = adv.split([mb.num_sequences for mb in mbs])
-    return [token_advantages(a, mb.cu_seqlens, mb.loss_mask) for a, mb in zip(per_mb, mbs)]
+    return step_advantages(step.micro_batches, num_groups=len(step.group_ids))[1]
 
 
 @torch.no_grad()

@@ -210,10 +210,12 @@ def counterfactual(
     cfg = {k: getattr(config, k) if getattr(config, k) is not None else v for k, v in AUDIT_DEFAULTS.items()}
     eps_low, eps_high = config.clip_range()
     c_low, c_high = CISPO_EPS_DEFAULTS
-    seq = sequence_ids(cu_seqlens)  # [T]
-    seq_w = torch.exp(segment_sum(lw * mask, cu_seqlens).clamp(-log_ratio_clamp, log_ratio_clamp))[seq]  # [T]
+    seq_lw = segment_sum(lw * mask, cu_seqlens).clamp(-log_ratio_clamp, log_ratio_clamp)  # [S] log of the product
+    seq_w = torch.exp(seq_lw)[sequence_ids(cu_seqlens)]  # [T]
     s = torch.sigmoid(torch.where(A > 0, config.sapo_tau_pos, config.sapo_tau_neg) * (r - 1.0))  # [T]
-    dppo_high, dppo_low = dppo_masks(logp, rollout_logp=rollout_logp, advantages=A, low=config.dppo_mask_low, high=config.dppo_mask_high)
+    dppo_high, dppo_low = dppo_masks(
+        logp, rollout_logp=rollout_logp, advantages=A, low=config.dppo_mask_low, high=config.dppo_mask_high
+    )
     lo, hi = cfg["geo_rs"]
     out: dict[str, tuple[str, torch.Tensor]] = {
         "ppo clip": (f"eps {eps_low:g} / {eps_high:g}", ((A > 0) & (r > 1 + eps_high)) | ((A < 0) & (r < 1 - eps_low))),

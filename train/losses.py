@@ -56,7 +56,7 @@ import torch
 
 from rollshard.train import corrections
 from rollshard.train.config import LossConfig
-from rollshard.train.segments import segment_mean, segment_sum, sequence_ids  # noqa: F401  (re-exported)
+from rollshard.train.segments import segment_sum, sequence_ids
 
 # Log-ratios are clamped to +-20 before exp: exp(20) ~ 4.9e8 stays finite in fp32 (and
 # so does its square in the metrics), while a real mismatch that large is clipped by
@@ -196,8 +196,7 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # [T]
 
     A = advantages.float()  # [T]
-    eps_low, eps_high = cfg.clip_range()
-    pg, extra = surrogate(logp, ratio, A, rollout_logp=rollout_logp, mask=mask, config=cfg)  # [T]
+    pg, extra = surrogate(logp, ratio, A, config=cfg)  # [T]
 
     if cfg.mode == "decoupled":
         ratio_seen = ratio.detach()
@@ -219,12 +218,10 @@ def policy_loss(
         dropped = None  # bypass drops no token
 
     # The trained policy's own logprobs stand in for the proximal policy's in bypass mode (module docstring of
-    # rollshard.train.corrections); a mask is a constant of the step, so neither carries a gradient.
-    log_w = ((prox_logp if cfg.mode == "decoupled" else logp).detach() - rollout_logp).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
-    )  # [T] log pi_prox / mu
+    # rollshard.train.corrections).
     masks = correction_masks(
-        logp, rollout_logp=rollout_logp, log_w=log_w, advantages=A, mask=mask, cu_seqlens=cu_seqlens, config=cfg
+        logp, rollout_logp=rollout_logp, prox_logp=prox_logp if cfg.mode == "decoupled" else logp, advantages=A,
+        mask=mask, cu_seqlens=cu_seqlens, config=cfg,
     )
     if masks:
         keep = torch.stack(list(masks.values())).all(dim=0)  # [T]
@@ -264,8 +261,6 @@ def surrogate(
     ratio: torch.Tensor,  # [T] pi_theta / pi_old (token or sequence level), requires grad
     advantages: torch.Tensor,  # [T]
     *,
-    rollout_logp: torch.Tensor,  # [T]
-    mask: torch.Tensor,  # [T]
     config: LossConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # [T] per-token loss, named per-token figures for the metrics
     """The per-token policy loss of ``config.pg_loss`` before masks, weights and aggregation."""
@@ -292,14 +287,17 @@ def correction_masks(
     logp: torch.Tensor,  # [T]
     *,
     rollout_logp: torch.Tensor,  # [T] mu
-    log_w: torch.Tensor,  # [T] log pi_prox - log mu, clamped, no grad
+    prox_logp: torch.Tensor,  # [T] pi_prox
     advantages: torch.Tensor,  # [T]
     mask: torch.Tensor,  # [T] float
     cu_seqlens: torch.Tensor,  # [S+1]
     config: LossConfig,
 ) -> dict[str, torch.Tensor]:  # name -> [T] bool keep
-    """The keep-masks of the corrections ``config`` turns on (:mod:`rollshard.train.corrections`), by name."""
+    """The keep-masks of the corrections ``config`` turns on (:mod:`rollshard.train.corrections`), by name. A mask
+    is a constant of the step: no gradient flows through it."""
     cfg, out = config, {}
+    if cfg.m2po_tau is not None or cfg.geo_rs is not None or cfg.k3_rs is not None:
+        log_w = (prox_logp.detach() - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [T] log pi_prox / mu
     if cfg.pg_loss == "dppo":
         high, low = corrections.dppo_masks(
             logp, rollout_logp=rollout_logp, advantages=advantages, low=cfg.dppo_mask_low, high=cfg.dppo_mask_high

@@ -53,7 +53,7 @@ import torch
 
 from rollshard.store.loader import FILTER_KEYS
 from rollshard.store.packing import PackedBatch
-from rollshard.train.advantages import grpo_advantages, token_advantages
+from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.checks import mismatch_line, mismatch_warning, no_signal_warning, recorded_models
@@ -615,12 +615,8 @@ class Trainer:
         if not host:
             return []
         a = self.cfg.advantage
-        rewards = torch.cat([mb.rewards for mb in host])  # [N]
-        groups = torch.cat([mb.seq_group for mb in host])  # [N]
-        out = grpo_advantages(
-            rewards.cpu(), groups.cpu(), num_groups=len(step.group_ids), normalize_std=a.normalize_std,
-            eps=a.adv_eps, single_member=a.single_member,
-        )
+        out, per_mb = step_advantages(host, num_groups=len(step.group_ids), normalize_std=a.normalize_std,
+                                      eps=a.adv_eps, single_member=a.single_member)
         adv = out.advantages  # [N]
         total, total_sq, low, high = torch.stack([adv.sum(), (adv * adv).sum(), adv.min(), adv.max()]).tolist()
         acc.add_sum("adv/_sum", total)
@@ -631,8 +627,7 @@ class Trainer:
         acc.add_sum("groups/zero_variance", float(out.zero_variance.sum()))  # >= 2 rows, equal: the loader's count
         acc.add_sum("groups/single", float((out.size == 1).sum()))
         acc.add_sum("data/groups", float(len(step.group_ids)))
-        per_mb = adv.split([mb.num_sequences for mb in host])
-        return [token_advantages(a_mb, mb.cu_seqlens, mb.loss_mask).to(device) for a_mb, mb in zip(per_mb, host)]
+        return [a_tok.to(device) for a_tok in per_mb]
 
     @torch.no_grad()
     def _frozen_logprobs(self, mbs: list[PackedBatch], n_passes: int, *, reference: bool) -> list[torch.Tensor]:

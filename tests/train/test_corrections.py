@@ -5,7 +5,6 @@ flags and YAML keys that turn them on, and one rollshard-train step whose mask m
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import yaml
 from rollshard.store.schema import Row, Status
 from rollshard.store.writer import ShardWriter
 from rollshard.train.advantages import grpo_advantages, token_advantages
-from rollshard.train.config import LossConfig, TrainConfig, add_config_flags, resolve
+from rollshard.train.config import LossConfig, TrainConfig
 from rollshard.train.corrections import (
     cispo_loss,
     dppo_masks,
@@ -28,6 +27,7 @@ from rollshard.train.corrections import (
     sapo_loss,
 )
 from rollshard.train.losses import LossNorm, policy_loss
+from tests.train.test_config import parse
 
 L = math.log
 
@@ -471,13 +471,6 @@ def test_sequence_masks_split_into_micro_batches_equal_one_batch(config, name):
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
-
-
-def parse(*argv: str) -> TrainConfig:
-    p = argparse.ArgumentParser()
-    p.add_argument("--config")
-    add_config_flags(p)
-    return resolve(p.parse_args(["--data", "d", "--model", "m", "--out", "o", *argv]))
 
 
 def test_correction_defaults():

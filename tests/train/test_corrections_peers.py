@@ -133,7 +133,7 @@ def grad(loss: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 def per_token(b: Batch, logp: torch.Tensor, config: LossConfig, old: torch.Tensor) -> torch.Tensor:  # [T]
     """rollshard's surrogate per token (before masks, weights and aggregation) at token ratio pi_theta / old."""
-    pg, _ = surrogate(logp, torch.exp(logp - old), b.adv, rollout_logp=b.rollout, mask=b.mask, config=config)
+    pg, _ = surrogate(logp, torch.exp(logp - old), b.adv, config=config)
     return pg
 
 
