@@ -93,7 +93,8 @@ class DataConfig:
     statuses: tuple[str, ...] = _f(("completed", "truncated"), "row statuses to train on (comma-separated)")
     agents: tuple[str, ...] | None = _f(None, "train only rows of these agents (comma-separated); default all")
     max_staleness: int | None = _f(
-        None, "skip rows whose weight_version is more than this many versions behind the policy"
+        None, "skip rows whose oldest token's policy version (the rows' weight_versions spans) is more than this many "
+        "versions behind the policy"
     )
     drop_zero_variance: bool = _f(
         False,
@@ -103,6 +104,12 @@ class DataConfig:
     num_epochs: int | None = _f(1, "passes over the dataset; 'none' repeats forever (bound it with --max-steps)")
     prefetch: int = _f(4, "steps the loader prepares ahead on its background thread")
     tail: Literal["drop", "partial"] = _f("drop", "last incomplete step of an epoch: drop it or train on it")
+    follow: bool = _f(
+        False,
+        "train on a dataset while it is written: groups in commit order as their shards land, each once (no "
+        "shuffle, no epochs); ends at --max-steps or when every writer of the dataset marked its run complete",
+    )
+    follow_wait: float = _f(600.0, "with --follow: give up after this many seconds without a new commit")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -437,6 +444,11 @@ class TrainConfig:
             (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
             (tr.max_steps is None or tr.max_steps >= 1, "--max-steps must be >= 1 (or 'none': until the data ends)"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
+            (data.follow_wait > 0, f"--follow-wait {data.follow_wait} must be > 0 (seconds)"),
+            (
+                not data.follow or "," not in data.path,
+                "--follow reads one dataset as it is written: pass one --data path, not a mixture",
+            ),
             (self.model.logprob_chunk_mib > 0, "--logprob-chunk-mib must be > 0"),
             (min(self.model.tp, self.model.pp, self.model.ep) >= 1, "--tp, --pp and --ep must be >= 1"),
             (

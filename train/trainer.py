@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -86,6 +86,7 @@ def build_loader(config: TrainConfig, env: DistEnv):
     """The store's streaming loader for this rank, from the data section of the config: one dataset, or a
     weighted mixture of several (``--data a:0.7,b:0.3``, rollshard.store.mixture)."""
     from rollshard.store.loader import LoaderConfig
+    from rollshard.store.loader.follow import FollowLoader
     from rollshard.store.mixture import open_loader
 
     d = config.data
@@ -106,6 +107,8 @@ def build_loader(config: TrainConfig, env: DistEnv):
         tail=d.tail,
         pin_memory=torch.cuda.is_available(),
     )
+    if d.follow:
+        return FollowLoader(d.path, loader_cfg, wait_s=d.follow_wait, world_size=env.world_size)
     return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size, sync=_agreement(env))
 
 
@@ -179,20 +182,23 @@ class _StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
-        self.name: str | None = None
-        self._previous: dict[int, Any] = {}
-
     def __enter__(self) -> "_StopSignals":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def __init__(self, on_stop: Callable[[], None] | None = None) -> None:
+        self.name: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._on_stop = on_stop  # told at the first signal (a loader waiting for data stops waiting)
+
     def _handle(self, signum, frame) -> None:
         if self.name is not None:
             raise KeyboardInterrupt
         self.name = signal.Signals(signum).name
+        if self._on_stop is not None:
+            self._on_stop()
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -379,7 +385,7 @@ class Trainer:
         started = time.perf_counter()
         signal_checked = False  # after the first step's rows were read: a damaged shard is said alone, first
         try:
-            with _StopSignals() as stop, warnings.catch_warnings():
+            with _StopSignals(self.loader.stop_waiting) as stop, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=LOADER_NO_STEP)
                 it = iter(self.loader)
                 while tr.max_steps is None or self.step < tr.max_steps:
@@ -392,6 +398,7 @@ class Trainer:
                     step = self._next_step(it)
                     waited = time.perf_counter() - t0
                     if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
+                        self.stopped_by = stop.name  # a signal that ended a wait for data (--follow), or None
                         break  # the data ended (on some rank: all stop together)
                     if not signal_checked:
                         self._check_signal()

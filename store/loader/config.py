@@ -16,6 +16,7 @@ MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/mixture.py
 # state resumes a world size of 1 only, where the two are the same stream)
 STATE_VERSION = 2
 SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
+SPAN_COLUMNS = ["weight_versions"]  # read with the small ones when the staleness filter is on (filters.py)
 TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]
 SAMPLING_COLUMNS = list(OPTIONAL_COLUMNS)  # schema 1.1, read with the token columns when a shard has them
 NO_VERSION = np.iinfo(np.int64).min  # a row without weight_version: its staleness is unknown

@@ -2,8 +2,9 @@
 
 In this order, each counted by reason in ``Step.metrics``: row status (``statuses``), agent
 (``agents``), a missing reward (a failed row may have none; one NaN would turn its whole group's
-advantages to NaN), staleness (rows whose integer ``weight_version`` is more than ``max_staleness``
-behind the current policy version are skipped; rows without a version too, counted apart), then
+advantages to NaN), staleness (rows whose oldest token's integer policy version, from the
+``weight_versions`` spans, else the row's ``weight_version``, is more than ``max_staleness`` behind the
+current policy version are skipped; rows without a version too, counted apart), then
 groups left empty, then (optionally) groups whose remaining rewards are all equal (zero variance:
 no GRPO signal; a group of one row is one). The counts are of the groups this rank examined.
 
@@ -48,12 +49,32 @@ class _Filters:
 
 
 
-def _versions(col: pa.ChunkedArray) -> np.ndarray:
-    enc = pc.dictionary_encode(col.combine_chunks())
+def _versions(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
     idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
     parsed = [_parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()]
     values = np.array(parsed + [NO_VERSION], np.int64)
     return values[idx]  # index -1 (null) picks NO_VERSION
+
+
+def _oldest_versions(small: pa.Table) -> np.ndarray:
+    """[rows] each row's oldest policy version: its ``weight_version``, or the least of its tokens' spans
+    (``weight_versions``: a request continued across a weight update has several) when older; NO_VERSION when
+    the row has no version."""
+    versions = _versions(small.column("weight_version"))
+    if "weight_versions" not in small.column_names:
+        return versions
+    spans = small.column("weight_versions").combine_chunks()
+    lengths = spans.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    if not lengths.any():
+        return versions
+    span_versions = _versions(pc.struct_field(pc.list_flatten(spans), "version"))  # [spans]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    has = lengths > 0
+    oldest = versions.copy()
+    oldest[has] = np.minimum(versions[has], np.minimum.reduceat(span_versions, starts[has]))
+    # NO_VERSION is the least int64: a row without a weight_version, or with a span without one, stays unknown
+    return oldest
 
 
 def _parse_version(version: Any, what: str) -> int:

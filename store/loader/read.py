@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from rollshard.store.errors import DataError
 from rollshard.store.integrity import check_rows, sampling_columns
 from rollshard.store.loader.blocks import _Block, _one_line
-from rollshard.store.loader.config import SMALL_COLUMNS, TOKEN_COLUMNS
-from rollshard.store.loader.filters import _Filters, _versions
+from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
+from rollshard.store.loader.filters import _Filters, _oldest_versions
 
 
 def _single(col: pa.ChunkedArray) -> pa.Array:
@@ -47,7 +47,7 @@ class _BlockData:
         self.pass_agent = None
         if filters.agents is not None:
             self.pass_agent = _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
-        self.version = _versions(small.column("weight_version")) if filters.staleness else None
+        self.version = _oldest_versions(small) if filters.staleness else None
         self.reward = small.column("reward").to_numpy().astype(np.float32)  # null (failed rows) -> NaN
         self.temperature = small.column("temperature").to_numpy().astype(np.float32)  # null -> NaN
         self.sample_id: list[str] = small.column("sample_id").to_pylist()
@@ -102,7 +102,7 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
     rgs = list(block.row_groups)
     where = f"{shard} (row group{'s' * (len(rgs) > 1)} {', '.join(map(str, rgs))})"
     try:
-        small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS))
+        small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS + (SPAN_COLUMNS if filters.staleness else [])))
         tokens = None
         if _passes(small, filters).any():  # the sampling columns only from a shard that has them (not a 1.0 one)
             token_columns = TOKEN_COLUMNS + sampling_columns(pf.schema_arrow, shard)

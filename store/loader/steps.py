@@ -85,6 +85,9 @@ class _StepLoader:
     def current_version(self) -> str | None:
         return self._version.current.text
 
+    def stop_waiting(self) -> None:
+        """Nothing to do: this loader never waits for data to be written (store/loader/follow.py does)."""
+
     def close(self) -> None:
         """Stop the background threads (iteration can start again later from the cursor)."""
         self._stop_producer()
