@@ -122,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-report", action="store_true",
         help="skip RUN/report.html (rollshard-store report of every round's rows and the last training's metrics)",
     )
+    g = p.add_argument_group(
+        "asynchronous (--async)",
+        "generate and train at once through one dataset: the engine keeps generating while the trainer follows "
+        "the dataset (rollshard-train --follow); each checkpoint is pushed to the engine; generation waits when it "
+        "runs more than --max-staleness versions ahead of the trainer (train/async_loop.py)",
+    )
+    g.add_argument("--async", dest="async_mode", action="store_true", help="run generation and training at once")
+    g.add_argument("--steps", type=int, metavar="N", help="optimizer steps of the whole run (a rerun may raise it)")
+    g.add_argument(
+        "--max-staleness", type=int, metavar="ETA",
+        help="versions a trained row may lag the policy: generation pauses beyond it, and the trainer drops rows "
+        "whose oldest token is older (default: 1)%(default).0s",
+    )
+    g.add_argument("--update-every", type=int, default=1, metavar="K", help="push the trainer's weights every K steps")
+    g.add_argument(
+        "--serve-threads", type=int, metavar="N",
+        help="torch threads of the embedded engine's process (0: its default, the cores less one) (default: 1)%(default).0s",
+    )
     p.add_argument("--dry-run", action="store_true", help="print each stage's command and exit")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="pass --no-progress to every stage")
@@ -130,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.async_mode:
+        return _main_async(args)
     try:
         loop = Loop.from_args(args)
         loop.check_stage_args()
@@ -159,6 +179,31 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _main_async(args: argparse.Namespace) -> int:
+    from rollshard.train.async_loop import AsyncLoop, print_figures
+
+    try:
+        model = _model_folder(args)
+        _check_engine_and_out(args)
+        loop = AsyncLoop.from_args(args, model)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        print(shlex.join([sys.executable, "-m", "rollshard.generate", *loop.generate_args("<engine>", 0)]))
+        print(shlex.join([sys.executable, "-m", "rollshard.train", *loop.train_args()]))
+        return EXIT_OK
+    code = loop.run()
+    state = _read_state(loop.out) or {}
+    figures = (state.get("async_runs") or [None])[-1]
+    if code == EXIT_OK and figures is not None:
+        if args.json:
+            print(json.dumps({"run": str(loop.out), "async": figures}, indent=2))
+        else:
+            print_figures(figures)
+    return code
+
+
 class Loop:
     def __init__(self, out: Path, settings: dict[str, Any], rounds: list[dict[str, Any]], *, progress: bool):
         self.out, self.settings, self.rounds, self.progress = out, settings, rounds, progress
@@ -170,24 +215,13 @@ class Loop:
     def from_args(cls, args: argparse.Namespace) -> Loop:
         if args.rounds < 1 or args.window < 1:
             raise UsageError("--rounds and --window must be >= 1")
-        model = Path(args.model)
-        if model.is_file() and is_gguf(model):
-            try:
-                model = Path(resolve_model_path(model))  # converted once, cached; every round reads the folder
-            except ValueError as e:
-                raise UsageError(f"--model {args.model}: {e}") from e
-        if not model.is_dir():
-            raise UsageError(f"--model {args.model}: no such model folder (or .gguf file)")
-        try:
-            folder_weight_version(model)
-        except VersionError as e:
-            raise UsageError(f"--model {args.model}: {e}") from e
-        if args.engine != "embedded" and not args.engine.startswith(("http://", "https://")):
-            raise UsageError(f"--engine {args.engine!r}: 'embedded' (each round's policy in process) or SGLang "
-                             "URL[,URL...]; the model is --model")
-        if "://" in args.out:
-            raise UsageError(f"--out {args.out}: the loop runs in a local folder (its datasets and checkpoints live "
-                             "there); copy a finished round's data to S3 with any tool")
+        for flag, given in (("--steps", args.steps is not None), ("--update-every", args.update_every != 1),
+                            ("--max-staleness", args.max_staleness is not None),
+                            ("--serve-threads", args.serve_threads is not None)):
+            if given:
+                raise UsageError(f"{flag} is for --async runs; rounds run --rounds, each on its own dataset")
+        model = Path(_model_folder(args))
+        _check_engine_and_out(args)
         generate_args = _split("--generate", args.generate, GENERATE_OWNED)
         train_args = _split("--train", args.train, TRAIN_OWNED, known=_train_flags())
         _check_train_config(train_args)
@@ -213,6 +247,8 @@ class Loop:
         """The rounds of a run's state, checked against this command's settings. A round whose generation
         committed rows, finished or not, freezes the policy it was given (``FROZEN_BY_ROWS``). A round not yet
         trained whose data folder was deleted (to regenerate it, after a flagged audit) starts over."""
+        if state is not None and state["settings"].get("mode") == "async":
+            raise UsageError(f"{self.out} is an --async run; rerun it with --async, or choose a new --out")
         rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
         for r in rounds:
             if not r.get("trained") and r.get("generated") and self._committed_rows(r["round"]) is None:
@@ -560,6 +596,35 @@ class Loop:
                 "seconds": state.get("seconds", {}),
             })  # fmt: skip
         return rows
+
+
+def _model_folder(args: argparse.Namespace) -> str:
+    """--model as a folder (a GGUF file converted once, cached), checked for a readable version."""
+    model = Path(args.model)
+    if model.is_file() and is_gguf(model):
+        try:
+            model = Path(resolve_model_path(model))  # converted once, cached; every stage reads the folder
+        except ValueError as e:
+            raise UsageError(f"--model {args.model}: {e}") from e
+    if not model.is_dir():
+        raise UsageError(f"--model {args.model}: no such model folder (or .gguf file)")
+    try:
+        folder_weight_version(model)
+    except VersionError as e:
+        raise UsageError(f"--model {args.model}: {e}") from e
+    return resolve_model_path(model)
+
+
+def _check_engine_and_out(args: argparse.Namespace) -> None:
+    if args.engine != "embedded" and not args.engine.startswith(("http://", "https://")):
+        raise UsageError(f"--engine {args.engine!r}: 'embedded' (the policy served by this machine) or SGLang "
+                         "URL[,URL...]; the model is --model")
+    if "://" in args.out:
+        raise UsageError(f"--out {args.out}: the loop runs in a local folder (its datasets and checkpoints live "
+                         "there); copy a finished round's data to S3 with any tool")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out} is a file; the loop needs a folder (a new one, or an earlier run's)")
 
 
 def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[str] | None = None) -> list[str]:

@@ -94,7 +94,7 @@ class FollowLoader:
         self._stop = False
         self.epoch_stats: dict[str, float] = {}
         self.polls = 0  # reads of the manifests that found nothing new (each followed by a wait of poll_s)
-        self.dataset: RolloutDataset | None = None  # the last snapshot read
+        self._dataset: RolloutDataset | None = None  # the last snapshot read
         if config.current_version is not None:
             self.set_current_version(config.current_version)
 
@@ -102,7 +102,8 @@ class FollowLoader:
 
     @property
     def datasets(self) -> list[RolloutDataset]:
-        return [self._snapshot()] if self.dataset is None else [self.dataset]
+        """The dataset as last read (its manifests; the shards committed so far)."""
+        return [self._snapshot() if self._dataset is None else self._dataset]
 
     def set_current_version(self, version: str | int) -> None:
         threshold = None
@@ -199,8 +200,8 @@ class FollowLoader:
 
     def _snapshot(self) -> RolloutDataset:
         """The dataset as its manifests list it now (JSON only: no shard is opened here)."""
-        self.dataset = RolloutDataset(self.storage, load_manifests(self.storage))
-        return self.dataset
+        self._dataset = RolloutDataset(self.storage, load_manifests(self.storage))
+        return self._dataset
 
     def _shards(self) -> Iterator[tuple[ShardInfo, _BlockData, float]]:
         """The shards not used up, read and checked, each with the seconds waited for its commit: the one in

@@ -1,0 +1,190 @@
+"""rollshard-loop --async: one engine, one generator, one trainer through one live dataset.
+
+What the run must do, checked from what it wrote (never from timing): the admission gate's exact counts
+(at eta 1, B 2 and a push every 2 steps, exactly 4 episodes start at version 0), every trained row within
+eta of the policy that trained on it (from the rows' version spans, replaying the trainer's follower over
+the final dataset), and after a kill -9 of any process, or a Ctrl-C, the same command finishes with every
+step trained once on exactly the groups the follower's cursor says (nothing lost, nothing trained twice).
+"""
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.loader import LoaderConfig
+from rollshard.store.loader.follow import FollowLoader
+from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.loggers import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 600
+STEPS, ETA, EVERY, B = 6, 1, 2, 2
+
+
+def command(model: Path, out: Path, steps: int = STEPS) -> list[str]:
+    return [
+        sys.executable, "-m", "rollshard.train.loop", "--async", "--model", str(model), "--out", str(out),
+        "--steps", str(steps), "--max-staleness", str(ETA), "--update-every", str(EVERY), "--no-progress", "--json",
+        "--generate", "--task toy --n-samples 4 --max-new-tokens 8",
+        "--train", f"--groups-per-step {B} --lr 5e-3 --mode decoupled --no-tensorboard",
+    ]  # fmt: skip
+
+
+def start(model: Path, out: Path, steps: int = STEPS) -> subprocess.Popen:
+    return subprocess.Popen(command(model, out, steps), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    return proc.returncode, out, err
+
+
+def until(condition, what: str) -> None:
+    """A gate on what the run wrote (polled; the deadline only bounds a hung run)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def replay(data: Path, steps: int) -> list:
+    """The trainer's steps, from the final dataset: a follower taking the shards in commit order, its policy
+    version moved after each step as the trainer's is (versions 0, 1, ...)."""
+    config = LoaderConfig(groups_per_step=B, max_staleness=ETA, current_version="0")
+    loader = FollowLoader(data, config, poll_s=0.01, wait_s=5)
+    it, out = iter(loader), []
+    for s in range(steps):
+        out.append(next(it))
+        loader.set_current_version(s + 1)
+    return out
+
+
+def check_run(out: Path, steps: int = STEPS) -> None:
+    """Every step once, on exactly the groups the follower's cursor covers, no trained row past eta."""
+    metrics = read_metrics(out / "train")
+    assert [int(m["step"]) for m in metrics] == list(range(1, steps + 1))
+    ckpt = latest_checkpoint(out / "train")
+    assert ckpt.step == steps and ckpt.weight_version == str(steps)
+    state = ckpt.loader_states[0]
+    ds = RolloutDataset.open(out / "data")
+    groups = {s.path: s.groups for s in ds.shards}
+    covered = sum(groups[p] for p in state["used_shards"]) + state["next_group"]
+    assert sum(m["loader/groups_examined"] for m in metrics) == covered  # nothing skipped, nothing taken twice
+    table = ds.read(columns=["sample_id", "weight_version", "weight_versions"])
+    version = dict(zip(table.column("sample_id").to_pylist(), table.column("weight_version").to_pylist()))
+    oldest = {
+        sid: min([int(version[sid])] + [int(s["version"]) for s in spans or []])
+        for sid, spans in zip(table.column("sample_id").to_pylist(), table.column("weight_versions").to_pylist())
+    }
+    for s, (step, m) in enumerate(zip(replay(out / "data", steps), metrics)):
+        ids = [sid for mb in step.micro_batches for sid in mb.sample_ids]
+        assert max(s - oldest[sid] for sid in ids) <= ETA
+        rewards = [r for mb in step.micro_batches for r in mb.rewards.tolist()]
+        assert len(ids) == m["data/sequences"]
+        assert sum(rewards) / len(rewards) == pytest.approx(m["reward/mean"], abs=1e-6)  # the rows it trained on
+
+
+def episodes_by_version(data: Path) -> dict[int, int]:
+    t = RolloutDataset.open(data).read(columns=["prompt_id", "weight_version"])
+    first = {}
+    for p, v in zip(t.column("prompt_id").to_pylist(), t.column("weight_version").to_pylist()):
+        first.setdefault(p, int(v))
+    return dict(collections.Counter(first.values()))
+
+
+def test_async_run_gates_generation_pushes_weights_and_trains_within_eta(tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = finish(start(tiny_gpt2, out))
+    assert code == 0, err
+    figures = json.loads(stdout)["async"]
+    metrics = read_metrics(out / "train")
+    assert figures["steps"] == STEPS and figures["rows_trained"] == sum(m["data/sequences"] for m in metrics)
+    assert figures["rows_dropped_stale"] == 0
+    check_run(out)
+    # The gate: (eta + 1 + v) * B episodes in all may start while the engine serves v, and the engine moves to
+    # v = 2 only once the trainer took 2 steps, i.e. 4 episodes: exactly 4 start at 0, 4 more at 2, 4 at 4 (the
+    # trainer pushed at 2, 4 and 6; what started at 6 before the end may or may not be committed).
+    by_version = episodes_by_version(out / "data")
+    assert {v: n for v, n in by_version.items() if v != 6} == {0: 4, 2: 4, 4: 4}
+    assert 0 < figures["engine_busy_share"] <= 1 and 0 < figures["trainer_busy_share"] <= 1
+    assert figures["staleness_hist"] and set(figures["staleness_hist"]) <= {"0", "1"}
+    # Done: the same command again starts nothing and says so.
+    code, stdout, _ = finish(start(tiny_gpt2, out))
+    assert code == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["train", "generate", "serve", "loop"])
+def test_kill_9_anywhere_then_the_same_command_finishes_with_nothing_lost(tiny_gpt2, tmp_path, victim):
+    out = tmp_path / "run"
+    proc = start(tiny_gpt2, out)
+    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
+    if victim == "loop":
+        os.kill(proc.pid, signal.SIGKILL)
+    else:
+        pid = child_pid(proc.pid, victim)
+        os.kill(pid, signal.SIGKILL)
+    code, _, err = finish(proc)
+    assert code == (-signal.SIGKILL if victim == "loop" else 1), err
+    if victim != "loop":
+        assert f"{victim} exited with -9" in err
+    until(lambda: not children_of(proc.pid), "the children gone")
+    code, _, err = finish(start(tiny_gpt2, out))
+    assert code == 0, err
+    check_run(out)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_all_three_with_130_and_the_rerun_finishes(tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    proc = start(tiny_gpt2, out)
+    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
+    kids = children_of(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 130, err
+    assert "interrupted; rerun the same command to continue" in err
+    assert not any(alive(pid) for pid in kids)
+    code, _, err = finish(start(tiny_gpt2, out))
+    assert code == 0, err
+    check_run(out)
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def child_pid(loop_pid: int, name: str) -> int:
+    marks = {"train": "rollshard.train", "generate": "--repeat", "serve": "serve"}
+    for pid in children_of(loop_pid):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        args = [a.decode() for a in cmd]
+        if name == "serve" and "serve" in args:
+            return pid
+        if name == "generate" and "--repeat" in args:
+            return pid
+        if name == "train" and marks["train"] in args:
+            return pid
+    raise AssertionError(f"no {name} child of {loop_pid}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
