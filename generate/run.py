@@ -29,6 +29,14 @@ Resuming checks the settings (the first differing one is named) and every prompt
 already in the dataset: its stored ``prompt_hash`` (rendered prompt ids and label) must
 match the source's, so an edited or swapped prompt file is refused rather than skipped.
 
+Asynchronous RL (a trainer following the dataset as it is written, ``rollshard-train --follow``):
+``--repeat`` cycles the prompts without end, pass k >= 1 naming prompt ID ``ID~k`` (fresh sample ids
+and seeds; a rerun resumes pass by pass), until interrupted or the engine is down. ``--max-ahead ETA
+--step-episodes B [--first-version V0]`` starts an episode only while the episodes started (those in
+the dataset plus this run's) number fewer than ``(ETA + 1 + v - V0) * B``, ``v`` the engine's
+weight version (:mod:`rollshard.generate.admission`). A run that did every prompt with none failed
+leaves its writer's end-of-run marker (:mod:`rollshard.store.live`); a --repeat run never does.
+
 Exit status: 0 every prompt is in the dataset; 1 some prompts failed (listed in
 ``DATASET/_failures/``; rerun to retry) or the engine stopped answering (rerun once it
 is back); 2 a usage error (bad arguments, a malformed
@@ -50,6 +58,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from rollshard.generate.admission import AdmissionGate, integer_version
 from rollshard.generate.agents import SYSTEMS, AgentSystem, make_agent_system
 from rollshard.generate.agents.base import prompt_hash
 from rollshard.generate.chat import ChatFormat
@@ -59,12 +68,15 @@ from rollshard.generate.runner import (
     EXIT_FAILURES,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    GATE_POLL_S,
     ConfigMismatchError,
+    PASS_SUFFIX,
     Runner,
     RunnerOptions,
     RunResult,
     check_resume_config,
     check_resume_prompts,
+    repeat_prompts,
     shard_prompts,
     writer_id_for,
 )
@@ -257,6 +269,31 @@ def build_parser() -> argparse.ArgumentParser:
         "engine starts, nothing is written (rollshard-loop checks its --generate with it before round 0)",
     )
 
+    a = p.add_argument_group("asynchronous RL (a trainer following --out as it is written)")
+    a.add_argument(
+        "--repeat", action="store_true",
+        help="cycle the prompts (with --limit N: the first N) without end, each pass sampling afresh: pass k >= 1 "
+        "names prompt ID ID~k (new sample ids and seeds). Runs until interrupted (exit 130, complete episodes "
+        "committed) or the engine is down; rerunning resumes where it stopped. Never marks the writer complete",
+    )
+    a.add_argument(
+        "--max-ahead", type=int, metavar="ETA",
+        help="AReaL's staleness bound: start an episode only while the episodes started (the prompts already in "
+        "--out plus this run's episodes, failed ones too) number fewer than (ETA + 1 + v - V0) * B, v the engine's "
+        f"weight_version (an integer); while not, re-read it every {GATE_POLL_S:g} s. 0: every episode is trained "
+        "on by the policy that generated it (synchronous). Needs --step-episodes and an engine whose version moves: "
+        "an SGLang URL, or `rollshard-generate serve` for a local model",
+    )
+    a.add_argument(
+        "--step-episodes", type=int, metavar="B",
+        help="episodes (prompts, not rows) the trainer takes per step; with --max-ahead",
+    )
+    a.add_argument(
+        "--first-version", type=int, default=0, metavar="V0",
+        help="the weight_version the engine serves before the trainer's first step; with --max-ahead "
+        "(default: %(default)s)",
+    )
+
     c = p.add_argument_group("cluster (Ray; pip install 'rollshard[ray]')")
     c.add_argument(
         "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -346,7 +383,30 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.engine.strip().startswith("embedded:") and (args.device is not None or args.dtype != "float32"):
         raise UsageError("--device and --dtype are for the embedded engine; an SGLang server has its own "
                          "(its --device and --dtype)")
+    _check_following(args)
     args.return_sampling_mask = _sampling_support(args)
+
+
+def _check_following(args: argparse.Namespace) -> None:
+    """``--repeat`` and the admission gate (``--max-ahead``): what one writer against a moving engine needs."""
+    if args.ray is not None and (args.repeat or args.max_ahead is not None):
+        raise UsageError("--repeat and --max-ahead are for one writer, not --ray: run rollshard-generate on its own")
+    if (args.max_ahead is None) != (args.step_episodes is None):
+        raise UsageError("--max-ahead and --step-episodes go together: the bound is (ETA + 1 + v - V0) * B episodes")
+    if args.max_ahead is None:
+        if args.first_version != 0:
+            raise UsageError("--first-version is the version --max-ahead counts from; give --max-ahead too")
+        return
+    if args.max_ahead < 0 or args.step_episodes < 1:
+        raise UsageError(f"--max-ahead must be >= 0 and --step-episodes >= 1; got {args.max_ahead} and "
+                         f"{args.step_episodes}")
+    if args.num_shards > 1:
+        raise UsageError("--max-ahead counts the episodes of one writer against the trainer's steps; run one "
+                         "writer (no --num-shards) and give it every engine URL")
+    if args.engine.strip().startswith("embedded:"):
+        raise UsageError("--max-ahead needs an engine whose weight version moves as the trainer steps; the "
+                         "embedded engine's never does: run `rollshard-generate serve --model MODEL` and point "
+                         "--engine at its URL")
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -444,7 +504,22 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Task, AgentSystem, Scorer, l
     if args.limit is not None:
         prompts = prompts[: args.limit]
     args.prompts_total = len(prompts)  # of every shard
-    return task, system, scorer, shard_prompts(prompts, args.shard_index, args.num_shards)
+    prompts = shard_prompts(prompts, args.shard_index, args.num_shards)
+    if args.repeat:
+        _check_repeatable(prompts)
+    return task, system, scorer, prompts
+
+
+def _check_repeatable(prompts: list[Prompt]) -> None:
+    """``--repeat`` names pass k of prompt ID ``ID~k``: a source id of that form would be another prompt's pass."""
+    if not prompts:
+        raise UsageError("--repeat: this shard has no prompts to repeat")
+    for p in prompts:
+        if PASS_SUFFIX.search(p.prompt_id):
+            raise UsageError(
+                f"--repeat names pass k of prompt ID ID~k, and the source has prompt id {p.prompt_id!r} (position "
+                f"{p.index}), a pass of {PASS_SUFFIX.sub('', p.prompt_id)!r}; rename it or drop --repeat"
+            )
 
 
 def _key_value(option: str) -> tuple[str, str]:
@@ -485,6 +560,7 @@ async def _generate(
         if args.update_weights is not None:
             await _update_weights(engine, args)
         info = await _model_info(engine, args.engine, sampling, args.weight_version)
+        gate = _admission_gate(args, info)
         tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
         if not tokenizer_path:
             raise UsageError(f"engine {args.engine!r} reports no model path to load the tokenizer from; pass --tokenizer")
@@ -513,7 +589,7 @@ async def _generate(
         if config["model"] and (source := gguf_source(config["model"])):
             config["model_source"] = source  # a .gguf file's name and sha256 (its converted folder is a cache)
         try:  # both render prompts with the run's chat template
-            _check_existing_prompts(args.out, prompts, task, tokenizer, args.chat)
+            _check_existing_prompts(args.out, prompts, task, tokenizer, args.chat, passes=args.repeat)
             warning = prompts and system.context_warning(
                 sampling=sampling,
                 context=config["max_context_len"],
@@ -550,11 +626,13 @@ async def _generate(
                     allow_skipped_calls=args.allow_skipped_calls,
                     progress=not args.no_progress,
                     on_progress=progress,
+                    admission=gate,
+                    mark_complete=not args.repeat,  # an endless run is never done
                 ),
                 scorer=scorer,
                 chat=args.chat,
             )
-            result = await runner.run(prompts)
+            result = await runner.run(repeat_prompts(prompts) if args.repeat else prompts)
         _report(args, result)
         return _exit_code(args, result)
     finally:
@@ -621,6 +699,17 @@ async def _model_info(engine: Engine, spec: str, sampling: SamplingParams, versi
             "checkpoint with /update_weights_from_disk (or /update_weight_version) first, or drop --weight-version"
         )
     return infos[0]
+
+
+def _admission_gate(args: argparse.Namespace, info: dict[str, Any]) -> AdmissionGate | None:
+    """``--max-ahead``'s gate, once the engine serves a version it can count (one line if not)."""
+    if args.max_ahead is None:
+        return None
+    try:
+        integer_version(info.get("weight_version"))
+    except ValueError as e:
+        raise UsageError(f"{e}; serve a rollshard checkpoint (versions 0, 1, 2, ...) or drop --max-ahead") from e
+    return AdmissionGate(max_ahead=args.max_ahead, step_episodes=args.step_episodes, first_version=args.first_version)
 
 
 def _context_len(args: argparse.Namespace, info: dict[str, Any], tokenizer) -> int | None:
@@ -699,15 +788,18 @@ def _check_existing(out: str, config: dict[str, Any]) -> None:
         raise UsageError(str(e)) from e
 
 
-def _check_existing_prompts(out: str, prompts: list[Prompt], task: Task, tokenizer, chat: ChatFormat) -> None:
-    """A resume refuses prompts that changed under their id (see :func:`check_resume_prompts`)."""
+def _check_existing_prompts(
+    out: str, prompts: list[Prompt], task: Task, tokenizer, chat: ChatFormat, *, passes: bool
+) -> None:
+    """A resume refuses prompts that changed under their id, in any pass of --repeat (see
+    :func:`check_resume_prompts`)."""
     try:
         dataset = RolloutDataset.open(out)
     except DatasetNotFoundError:
         return
     try:
         check_resume_prompts(
-            dataset, prompts, lambda p: prompt_hash(chat.ids(tokenizer, task.messages(p)), p.label)
+            dataset, prompts, lambda p: prompt_hash(chat.ids(tokenizer, task.messages(p)), p.label), passes=passes
         )
     except ConfigMismatchError as e:
         raise UsageError(str(e)) from e

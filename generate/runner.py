@@ -28,6 +28,13 @@ KeyboardInterrupt (the open shard is then discarded; committed shards stay).
 An engine that stops answering altogether (:class:`EngineUnavailableError`, the SGLang
 client's circuit breaker) stops the run the same way: complete episodes committed, the
 rest left for a rerun, exit :data:`EXIT_FAILURES` with one line.
+
+Following (a trainer reads the dataset as it is written): the prompts may be an endless iterator
+(:func:`repeat_prompts`, ``--repeat``), taken one at a time; :class:`~.admission.AdmissionGate`
+(``--max-ahead``) holds back new episodes while the engine's weight version says the trainer is too far
+behind, re-reading it every :data:`GATE_POLL_S` while episodes in flight go on. A run clears its writer's
+end-of-run marker (:mod:`rollshard.store.live`) before it can commit, and sets it again when it has done every
+prompt with none failed (never for an endless run: ``RunnerOptions.mark_complete``).
 """
 
 from __future__ import annotations
@@ -40,15 +47,17 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator, Sized
 
 import aiohttp
 from tqdm import tqdm
 
+from rollshard.generate.admission import AdmissionGate, integer_version
 from rollshard.generate.agents import AgentSystem, Episode, play
 from rollshard.generate.chat import ChatFormat
 from rollshard.generate.engines.base import (
@@ -61,6 +70,7 @@ from rollshard.generate.engines.base import (
 from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
+from rollshard.store.live import clear_complete, mark_complete
 from rollshard.store.schema import Row, rows_to_table
 from rollshard.store.writer import ShardWriter
 
@@ -73,6 +83,8 @@ EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
 PROGRESS_EVERY_S = 0.25  # RunnerOptions.on_progress is called at most this often (and at the start and the end)
+GATE_POLL_S = 0.05  # a closed admission gate re-reads the engine's weight version this often
+PASS_SUFFIX = re.compile(r"~\d+$")  # --repeat names pass k >= 1 of prompt ID "ID~k"
 # Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs. A plugin's
 # identity (file and hash) is part of "agents", "task_plugin" and "reward". (The chat template and system prompt
 # change the rendered prompt, which the per-prompt hash check catches.)
@@ -99,6 +111,21 @@ def writer_id_for(shard_index: int, num_shards: int) -> str:
 def shard_prompts(prompts: list[Prompt], shard_index: int, num_shards: int) -> list[Prompt]:
     """This host's prompts: those whose position in the source is ``shard_index`` modulo ``num_shards``."""
     return [p for p in prompts if p.index % num_shards == shard_index]
+
+
+def repeat_prompts(prompts: list[Prompt]) -> Iterator[Prompt]:
+    """``prompts`` over and over, without end (``--repeat``): pass 0 as they are, pass k >= 1 renamed ``ID~k``.
+    Sample ids and sampling seeds are functions of the prompt id, so each pass samples afresh, and a rerun skips
+    exactly the passes' prompts already in the dataset."""
+    assert prompts, "an empty source would cycle without ever yielding"
+    for k in itertools.count():
+        for p in prompts:
+            yield p if k == 0 else dataclasses.replace(p, prompt_id=f"{p.prompt_id}~{k}")
+
+
+def source_prompt_id(prompt_id: str) -> str:
+    """The source's id of a :func:`repeat_prompts` id: ``ID~k`` -> ``ID``; others unchanged."""
+    return PASS_SUFFIX.sub("", prompt_id)
 
 
 class GatedEngine(Engine):
@@ -189,12 +216,14 @@ class RunnerOptions:
     # Called with (prompts done, prompts total) at the start, as prompts finish (at most every PROGRESS_EVERY_S)
     # and at the end: the Ray driver's one progress bar over all shards (rollshard.generate.ray_run).
     on_progress: Callable[[int, int], None] | None = None
+    admission: AdmissionGate | None = None  # --max-ahead: start episodes only within the staleness bound
+    mark_complete: bool = True  # set the writer's end-of-run marker after a run that did every prompt
 
 
 @dataclasses.dataclass
 class RunResult:
     exit_code: int
-    prompts_total: int = 0
+    prompts_total: int = 0  # an endless source: the prompts taken from it (skipped or started)
     prompts_skipped: int = 0  # already in the dataset
     episodes: int = 0
     rows: int = 0
@@ -204,7 +233,7 @@ class RunResult:
     failed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     interrupted: bool = False
-    engine_down: str | None = None  # why the engine was given up on (EngineUnavailableError)
+    engine_down: str | None = None  # why the engine was given up on (EngineUnavailableError, a gate's version)
     ledger: str | None = None
 
 
@@ -246,6 +275,13 @@ class Runner:
         self._finishing = False  # the final commit has started
         self._signals = 0  # interrupts received
         self._previous_handlers: dict[int, Any] = {}
+        self._poll: asyncio.Task | None = None  # reading the engine's version while the admission gate is closed
+        self._started = 0
+
+    @property
+    def started(self) -> int:
+        """Episodes this run has started so far, failed ones too (the admission gate adds the dataset's prompts)."""
+        return self._started
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -258,52 +294,41 @@ class Runner:
 
     # -- the run ----------------------------------------------------------------------------
 
-    async def run(self, prompts: list[Prompt]) -> RunResult:
+    async def run(self, prompts: Iterable[Prompt]) -> RunResult:
+        """Every prompt not yet in the dataset. ``prompts``: a list, or an iterator taken one prompt at a time
+        (endless with :func:`repeat_prompts`: the run then ends when interrupted or when the engine is down)."""
         start = time.monotonic()
         self._stopping, self._signals, self._finishing = False, 0, False
         self._done = self.done_prompt_ids()
-        todo = [p for p in prompts if p.prompt_id not in self._done]
-        self._result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
+        clear_complete(self.writer.storage, self.writer.writer_id)  # before this run can commit anything
+        queue = self._queue(prompts)
         self._ledger = Ledger(self.writer)
         self._pending: list[tuple[Prompt, list[Row]]] = []
         self._since_commit, self._last_commit, self._start = 0, time.monotonic(), start
         self._made_rows = self._made_tokens = 0  # finished, written or not (the progress bar's figures)
         self._progress_done, self._progress_at = self._result.prompts_skipped, -math.inf
+        self._in_dataset, self._started = len(self._done), 0  # the admission gate's count: these two added
+        self._allowed: int | None = None  # episodes the gate lets start in all; None: the version is not read yet
         self._bar = tqdm(
-            total=len(prompts),
+            total=self._source_len,
             initial=self._result.prompts_skipped,
             unit="prompt",
             desc="generate",
             disable=not self.options.progress,
             dynamic_ncols=True,
         )
-        in_flight_max = EPISODES_PER_SLOT * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
-        queue, order = iter(todo), itertools.count()
         self._report_progress(final=True)
         self._install_signal_handlers()
         try:
             try:
-                while True:
-                    while not self._stopping and len(self._tasks) < in_flight_max:
-                        prompt = next(queue, None)
-                        if prompt is None:
-                            break
-                        task = asyncio.ensure_future(self._episode(prompt, next(order)))
-                        task.prompt = prompt  # type: ignore[attr-defined]
-                        self._tasks.add(task)
-                    if not self._tasks:
-                        break
-                    finished, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-                    for task in finished:
-                        self._tasks.discard(task)
-                        if not task.cancelled():
-                            self._finished(task.prompt, task.result())  # type: ignore[attr-defined]
-                    self._maybe_write_and_commit(final=False)
+                await self._run_episodes(queue)
             finally:
-                for task in self._tasks:
+                pending = [*self._tasks, *([self._poll] if self._poll else [])]
+                for task in pending:
                     task.cancel()
-                if self._tasks:
-                    await asyncio.gather(*self._tasks, return_exceptions=True)
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+                self._poll = None
                 self._bar.close()
             self._finishing = True
             self._maybe_write_and_commit(final=True)  # interrupts are still caught here: nothing tears it
@@ -311,6 +336,7 @@ class Runner:
             self._remove_signal_handlers()
         self._report_progress(final=True)
         result = self._result
+        result.prompts_total = self._total()
         result.ledger = self._ledger.finish(self._done)
         # An interrupt during the final commit is handled after it: the run was still interrupted.
         result.interrupted = (self._stopping or self._signals > 0) and result.engine_down is None
@@ -319,7 +345,102 @@ class Runner:
             result.exit_code = EXIT_INTERRUPTED
         elif result.failed or result.engine_down:
             result.exit_code = EXIT_FAILURES
+        elif self.options.mark_complete:  # every prompt is in the dataset
+            mark_complete(self.writer.storage, self.writer.writer_id, self._complete_info())
         return result
+
+    def _queue(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
+        """The prompts to run, and the result's counts: a list's done prompts are skipped (and counted) at once,
+        an iterator's as they are reached."""
+        if isinstance(prompts, Sized):
+            todo = [p for p in prompts if p.prompt_id not in self._done]
+            self._source_len = len(prompts)
+            self._result = RunResult(EXIT_OK, prompts_total=len(prompts), prompts_skipped=len(prompts) - len(todo))
+            return iter(todo)
+        self._source_len, self._result = None, RunResult(EXIT_OK)
+        return self._skip_done(prompts)
+
+    def _skip_done(self, prompts: Iterable[Prompt]) -> Iterator[Prompt]:
+        for prompt in prompts:
+            if prompt.prompt_id not in self._done:
+                yield prompt
+                continue
+            self._result.prompts_skipped += 1
+            self._bar.update(1)
+            self._progress_done += 1
+
+    def _total(self) -> int:
+        """Prompts of the run: the list's, or those taken from an iterator so far (skipped or started)."""
+        return self._source_len if self._source_len is not None else self._result.prompts_skipped + self._started
+
+    async def _run_episodes(self, queue: Iterator[Prompt]) -> None:
+        """Keep episodes in flight, as many as the slots and the admission gate allow, until none is left."""
+        in_flight_max = EPISODES_PER_SLOT * math.ceil(self.options.concurrency / max(1, self.system.max_parallel_calls))
+        order = itertools.count()
+        prompt = next(queue, None)
+        while True:
+            while prompt is not None and not self._stopping and len(self._tasks) < in_flight_max and self._admits():
+                task = asyncio.ensure_future(self._episode(prompt, next(order)))
+                task.prompt = prompt  # type: ignore[attr-defined]
+                self._tasks.add(task)
+                self._started += 1
+                prompt = next(queue, None)
+            waiting = set(self._tasks)
+            if prompt is not None and not self._stopping and not self._admits():
+                waiting.add(self._poll_version())
+            if not waiting:
+                return
+            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                if task is self._poll:
+                    self._read_poll(task)
+                    continue
+                self._tasks.discard(task)
+                if not task.cancelled():
+                    self._finished(task.prompt, task.result())  # type: ignore[attr-defined]
+            self._maybe_write_and_commit(final=False)
+
+    # -- the admission gate -----------------------------------------------------------------
+
+    def _admits(self) -> bool:
+        """Whether one more episode may start (always, without a gate)."""
+        gate = self.options.admission
+        return gate is None or (self._allowed is not None and self._in_dataset + self._started < self._allowed)
+
+    def _poll_version(self) -> asyncio.Task:
+        """The task reading the engine's version for the closed gate: at once the first time, then every
+        GATE_POLL_S (one at a time)."""
+        if self._poll is None:
+            delay = 0.0 if self._allowed is None else GATE_POLL_S
+            self._poll = asyncio.ensure_future(self._read_version(delay))
+        return self._poll
+
+    async def _read_version(self, delay: float) -> int | None:
+        """The engine's weight version as an integer; None after stopping the run when there is none to read."""
+        await asyncio.sleep(delay)
+        try:
+            info = await self.engine.model_info()
+            return integer_version(info.get("weight_version"))
+        except (ValueError, *TRANSIENT_ERRORS) as e:  # gone, or serving a version the gate cannot count
+            self._engine_down(e)
+            return None
+
+    def _read_poll(self, task: asyncio.Task) -> None:
+        self._poll = None
+        version = None if task.cancelled() else task.result()
+        if version is not None:
+            self._allowed = self.options.admission.allowed(version)
+
+    def _complete_info(self) -> dict[str, Any]:
+        """What the end-of-run marker says: this writer's rows and groups in all (its manifest), this run's
+        episodes and rows."""
+        shards = self.writer.committed_shards
+        return {
+            "rows": sum(s.rows for s in shards),
+            "groups": sum(s.groups for s in shards),
+            "run_episodes": self._result.episodes,
+            "run_rows": self._result.rows,
+        }
 
     def _finished(self, prompt: Prompt, outcome: _Outcome | dict[str, Any] | None) -> None:
         if outcome is None:  # given up with the engine: not a failure of this prompt, a rerun does it
@@ -343,7 +464,7 @@ class Runner:
         hook, now = self.options.on_progress, time.monotonic()
         if hook is not None and (final or now - self._progress_at >= PROGRESS_EVERY_S):
             self._progress_at = now
-            hook(self._progress_done, self._result.prompts_total)
+            hook(self._progress_done, self._total())
 
     def _fail(self, prompt: Prompt, failure: dict[str, Any]) -> None:
         self._result.failed[prompt.prompt_id] = failure
@@ -422,7 +543,7 @@ class Runner:
                 return _failure(e, attempt + 1)
         return _failure(error, attempts)
 
-    def _engine_down(self, error: EngineUnavailableError) -> None:
+    def _engine_down(self, error: Exception) -> None:
         """Stop as on an interrupt: nothing more can be generated, and retrying every prompt would only wait."""
         if self._result.engine_down is None:
             self._result.engine_down = " ".join(str(error).split())
@@ -434,6 +555,8 @@ class Runner:
         self._stopping = True
         for task in self._tasks:
             task.cancel()
+        if self._poll is not None:
+            self._poll.cancel()
 
     def _interrupt(self) -> None:
         if not self._stopping and not self._finishing:
@@ -569,7 +692,7 @@ def _show(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def check_resume_prompts(dataset: RolloutDataset, prompts: list[Prompt], hash_of) -> None:
+def check_resume_prompts(dataset: RolloutDataset, prompts: list[Prompt], hash_of, *, passes: bool = False) -> None:
     """Refuse to resume when a prompt already in the dataset is not the same prompt any more.
 
     Each row keeps ``metadata.prompt_hash`` (the rendered prompt ids and label, see
@@ -577,21 +700,27 @@ def check_resume_prompts(dataset: RolloutDataset, prompts: list[Prompt], hash_of
     current one. A prompt source edited, reordered or swapped under position ids would
     otherwise be skipped as done while the dataset holds the old prompts. Prompts not yet
     in the dataset may be added freely. Rows written before hashes were kept are not checked.
+    ``passes`` (``--repeat``): the rows of every pass of a prompt (``ID~k``, :func:`repeat_prompts`) are its too.
     """
     stored = _stored_prompt_hashes(dataset)
     if not stored:
         return
+    ids_of: dict[str, list[str]] = {}  # source prompt id -> its ids in the dataset
+    for prompt_id in stored:
+        ids_of.setdefault(source_prompt_id(prompt_id) if passes else prompt_id, []).append(prompt_id)
     for prompt in prompts:
-        there = stored.get(prompt.prompt_id)
-        if there is None:
+        ids = ids_of.get(prompt.prompt_id)
+        if not ids:
             continue
         now = hash_of(prompt)
-        if now != there:
-            raise ConfigMismatchError(
-                f"prompt {prompt.prompt_id!r} (position {prompt.index} of the source) is not the prompt "
-                f"{dataset.storage.uri} holds under that id: its text, label or rendering changed (prompt hash "
-                f"{there} there, {now} now); resume with the original prompt source or write to a new --out"
-            )
+        for prompt_id in ids:
+            there = stored[prompt_id]
+            if now != there:
+                raise ConfigMismatchError(
+                    f"prompt {prompt_id!r} (position {prompt.index} of the source) is not the prompt "
+                    f"{dataset.storage.uri} holds under that id: its text, label or rendering changed (prompt hash "
+                    f"{there} there, {now} now); resume with the original prompt source or write to a new --out"
+                )
 
 
 def _stored_prompt_hashes(dataset: RolloutDataset) -> dict[str, str]:

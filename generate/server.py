@@ -10,7 +10,9 @@ real one:
   (also for a rid not in flight); the aborted ``/generate`` answers 200 with finish
   reason ``abort`` and the tokens generated so far with their logprobs;
 * ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info`` (the SGLang settings a client checks:
-  ``sampling_mask_max_tokens``);
+  ``sampling_mask_max_tokens``); both info answers add ``busy_seconds`` and ``uptime_seconds`` (floats: the
+  engine's time on a non-empty batch, and since it loaded the model), whose ratio a loop reports as the
+  engine's busy share;
 * ``return_sampling_mask: true`` (top level) adds ``meta_info.output_token_sampling_mask`` (per output
   token, the ids it was sampled from) and ``output_token_sampling_logprobs`` (its logprob under that
   renormalized support), refused as SGLang refuses it without a finite top_k (see
@@ -174,11 +176,13 @@ class Server:
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.engine.model_info())
+        return web.json_response({**await self.engine.model_info(), **self.engine.utilization()})
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self.engine.model_info()
-        return web.json_response({**info, "sampling_mask_max_tokens": SAMPLING_MASK_MAX_TOKENS})
+        return web.json_response(
+            {**info, **self.engine.utilization(), "sampling_mask_max_tokens": SAMPLING_MASK_MAX_TOKENS}
+        )
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

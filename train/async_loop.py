@@ -48,13 +48,12 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from rollshard.store.live import COMPLETE_DIR  # noqa: F401  (the generator's end marker; a --repeat run sets none)
 from rollshard.store.manifest import load_manifests
 from rollshard.store.storage import Storage
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
 
-POLL_S = 0.2  # how often the loop looks at its children and the trainer's checkpoints
+POLL_S = 0.05  # how often the loop looks at its children and the trainer's checkpoints
 PUSH_TIMEOUT_S = 600.0  # one /update_weights_from_disk (the engine drains its running batch first)
 READY = re.compile(r"ready on (http://[\w.\-]+:\d+)")
 LOGS = "logs"
@@ -66,11 +65,11 @@ FROZEN = ("model", "engine", "seed", "generate", "train", "max_staleness", "upda
 
 
 class AsyncLoop:
-    def __init__(self, out: Path, settings: dict[str, Any], *, progress: bool):
+    def __init__(self, out: Path, settings: dict[str, Any], *, progress: bool, report: bool = True):
         from rollshard.train import loop as base
 
         self.base = base
-        self.out, self.settings, self.progress = out, settings, progress
+        self.out, self.settings, self.progress, self.report = out, settings, progress, report
         self.children: dict[str, subprocess.Popen] = {}
         self._logs: list[IO] = []
         self._stop: int | None = None
@@ -108,7 +107,7 @@ class AsyncLoop:
         }
         base._check_train_config(settings["train"])
         out = Path(args.out).resolve()
-        loop = cls(out, settings, progress=not args.no_progress)
+        loop = cls(out, settings, progress=not args.no_progress, report=not args.no_report)
         loop.check_state(base._read_state(out))
         return loop
 
@@ -212,11 +211,13 @@ class AsyncLoop:
         base = _base()
         (self.out / LOGS).mkdir(exist_ok=True)
         started = time.monotonic()
+        # The trainer loads while the engine does (it waits for the first commit anyway); the generator once the
+        # engine listens.
+        self._start("train", [sys.executable, "-m", "rollshard.train", *self.train_args()], env=self._train_env())
         engine = self._start_engine()
         if engine is None:
             return base.EXIT_INTERRUPTED if self._stop is not None else base.EXIT_FAILED
         self._start("generate", [sys.executable, "-m", "rollshard.generate", *self.generate_args(engine, groups_per_step)])
-        self._start("train", [sys.executable, "-m", "rollshard.train", *self.train_args()])
         base._say(f"generating into {self.data} and training {self.settings['steps']} steps into {self.train_out} "
                   f"(logs in {self.out / LOGS})")
         bar = _bar(self.settings["steps"], self._trained_steps(), disable=not self.progress)
@@ -299,12 +300,21 @@ class AsyncLoop:
                 raise _base().UsageError(f"the engine at {url} refused to load {path}")
         self.pushed = version
 
-    def _start(self, name: str, command: list[str], stdout: int | None = None) -> subprocess.Popen:
+    def _train_env(self) -> dict[str, str] | None:
+        """The trainer's torch threads: the cores the embedded engine leaves (its --serve-threads), unless the
+        environment says (OMP_NUM_THREADS); SGLang servers are elsewhere: the trainer keeps its default."""
+        threads = self.settings["serve_threads"]
+        if self.settings["engine"] != "embedded" or not threads or "OMP_NUM_THREADS" in os.environ:
+            return None
+        return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) - threads))}
+
+    def _start(self, name: str, command: list[str], stdout: int | None = None,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self._log_path(name), "a")
         self._logs.append(log)
         loop_pid = os.getpid()
         child = subprocess.Popen(
-            command, stdout=stdout if stdout is not None else log, stderr=log, text=True,
+            command, stdout=stdout if stdout is not None else log, stderr=log, text=True, env=env,
             preexec_fn=lambda: self.base._die_with_parent(loop_pid), process_group=0,
         )  # fmt: skip
         self.children[name] = child
@@ -360,8 +370,21 @@ class AsyncLoop:
             figures["engine_busy_share"] = round((end["busy"] - self._busy_start["busy"]) /
                                                  max(end["up"] - self._busy_start["up"], 1e-9), 4)
         figures["timeline"] = self.timeline
-        self.figures = figures
         self._save(figures)
+        if self.report:
+            self._write_report()
+
+    def _write_report(self) -> None:
+        """RUN/report.html: the rows (reward by weight_version, staleness) and the training's metrics over the steps."""
+        from rollshard.store import report
+
+        try:
+            page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"))
+            path = report.write(page, str(self.out / "report.html"))
+        except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
+            _base()._say(f"no report: {e}")
+            return
+        _base()._say(f"report: {path}")
 
     def _save(self, figures: dict[str, Any] | None = None) -> None:
         state = {"version": self.base.STATE_VERSION, "settings": self.settings, "rounds": []}

@@ -783,4 +783,7 @@ def _policy_version(policy: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The module's own instance (train/async_loop.py imports it by name): one UsageError class, caught here.
+    from rollshard.train.loop import main as _main
+
+    sys.exit(_main())

@@ -54,6 +54,10 @@ checkpoint folder is served as the ``weight_version`` its ``trainer_state.json``
 records (at start and on a weight update) unless one is given, so its rows carry the
 version the trainer gave it.
 
+Busy share (:meth:`EmbeddedEngine.utilization`, in the server's info answers): the worker adds the time of
+each step that has a batch (prefill and decode) to ``busy_seconds``; with the seconds since the model was
+loaded, a loop reports how much of the run the engine computed rather than waited.
+
 Aborts (:meth:`EmbeddedEngine.abort`, ``POST /abort_request`` on the server) behave
 like SGLang's: once the worker ends its current step, a queued request is answered with
 no tokens and a running one with the tokens and logprobs it has; the finish
@@ -182,6 +186,8 @@ class EmbeddedEngine(Engine):
         self._thread: threading.Thread | None = None
         self._live: set[_Request] = set()  # submitted and not yet answered, for abort()
         self.num_in_flight = 0  # requests submitted and not yet answered
+        self.busy_seconds = 0.0  # the worker's time on a non-empty batch (prefill and decode); written by it only
+        self._ready_at = time.monotonic()
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -284,6 +290,11 @@ class EmbeddedEngine(Engine):
             "eos_token_ids": list(self.eos_ids),
         }
 
+    def utilization(self) -> dict[str, float]:
+        """``busy_seconds`` (the worker's time on a non-empty batch: prefill and decode) and ``uptime_seconds``
+        (since the model was loaded): their ratio is the engine's busy share, for a run's summary."""
+        return {"busy_seconds": self.busy_seconds, "uptime_seconds": time.monotonic() - self._ready_at}
+
     async def load_weights(self, path: str | Path, weight_version: str | None = None) -> str:
         """Load a checkpoint from disk; running requests finish on the old weights. Returns the new version:
         ``weight_version``, else the checkpoint's own (a rollshard checkpoint records it), else the current
@@ -361,6 +372,9 @@ class EmbeddedEngine(Engine):
             waiting = self._drop_aborted(waiting)
             room = self.max_batch_size - len(batch.rows)
             admit, waiting = (waiting[:room], waiting[room:]) if not swap_pending else ([], waiting)
+            if not admit and not batch.rows:
+                continue
+            busy_from = time.monotonic()  # once per step, not per token: the figure costs nothing measurable
             try:
                 with torch.inference_mode():
                     if admit:
@@ -375,6 +389,7 @@ class EmbeddedEngine(Engine):
                     if req.finish is None:
                         self._fail(req, EngineError(f"request {req.rid}: embedded engine error: {e!r}"))
                 batch = Batch()
+            self.busy_seconds += time.monotonic() - busy_from
 
     def _drop_aborted(self, waiting: list[_Request]) -> list[_Request]:
         """Answer the waiting requests that were aborted (with no tokens, as SGLang's waiting queue does)."""

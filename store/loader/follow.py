@@ -48,7 +48,7 @@ from rollshard.store.storage import Storage
 
 FOLLOW_STATE_FORMAT = "rollshard-loader-follow"
 FOLLOW_STATE_VERSION = 1
-POLL_S = 0.2  # seconds between two reads of the manifests while waiting for a commit
+POLL_S = 0.05  # seconds between two reads of the manifests while waiting for a commit (JSON files: cheap)
 WAIT_S = 600.0  # seconds without a new commit before the follower gives up
 
 

@@ -477,3 +477,26 @@ def test_sglang_client_gets_the_support_from_serve(embedded_server, reference, t
     for t, (tok, support, slp) in enumerate(zip(res.output_ids, res.sampling_support, res.sampling_logprobs)):
         assert set(support) == set(logp[t].topk(20).indices.tolist())
         assert abs(slp - float(logp[t, tok] - torch.logsumexp(logp[t, support], dim=0))) <= TOL
+
+
+def test_info_answers_report_the_engine_busy_share(tiny_gpt2):
+    async def go():
+        engine = EmbeddedEngine(tiny_gpt2)
+        async with in_process_server(engine) as (s, url):
+
+            async def info(path):
+                async with s.get(url + path) as r:
+                    return await r.json()
+
+            before = await info("/get_model_info")
+            body = {"input_ids": [1, 5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+            status, _ = await _post(s, url + "/generate", body)
+            return before, status, await info("/get_model_info"), await info("/get_server_info")
+
+    before, status, model_info, server_info = run(go())
+    assert status == 200
+    assert before["busy_seconds"] == 0.0 and before["uptime_seconds"] > 0  # no batch yet: the worker never ran
+    for after in (model_info, server_info):
+        assert isinstance(after["busy_seconds"], float) and isinstance(after["uptime_seconds"], float)
+        assert 0 < after["busy_seconds"] <= after["uptime_seconds"]
+    assert server_info["busy_seconds"] == model_info["busy_seconds"]  # nothing ran between the two answers

@@ -188,3 +188,45 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--async"], "--async needs --steps N (>= 1)"),
+        (["--async", "--steps", "0"], "--async needs --steps N (>= 1)"),
+        (["--steps", "4"], "--steps is for --async runs"),
+        (["--max-staleness", "2"], "--max-staleness is for --async runs"),
+        (["--async", "--steps", "4", "--max-staleness", "-1"], "--max-staleness and --serve-threads must be >= 0"),
+        (["--async", "--steps", "4", "--window", "2"], "--window is for rounds; --async trains on one live dataset"),
+        (["--async", "--steps", "4", "--generate=--repeat"], "--generate may not set --repeat: the loop sets it"),
+        (["--async", "--steps", "4", "--train", "--max-steps 3"], "--train may not set --max-steps: the loop sets it"),
+    ],
+)
+def test_async_bad_input_is_one_line(tiny_gpt2, tmp_path, extra, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "rollshard.train.loop", "--model", str(tiny_gpt2), "--out", str(tmp_path / "r"), *extra],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_folder_keeps_its_mode(tmp_path):
+    from rollshard.train.async_loop import AsyncLoop
+    from rollshard.train.loop import Loop, UsageError
+
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "loop.json").write_text(json.dumps({"version": 1, "settings": {"mode": "async"}, "rounds": []}))
+    with pytest.raises(UsageError, match="is an --async run; rerun it with --async"):
+        Loop(out, {"model": "m"}, [], progress=False).reconcile(json.loads((out / "loop.json").read_text()))
+    with pytest.raises(UsageError, match="holds rounds of the synchronous loop; choose a new --out for --async"):
+        AsyncLoop(out, {"model": "m"}, progress=False).check_state({"settings": {"model": "m"}, "rounds": []})
+    settings = {"model": "m", "engine": "embedded", "seed": 0, "generate": [], "train": [], "max_staleness": 1,
+                "update_every": 1, "serve_threads": 1, "steps": 4}
+    AsyncLoop(out, {**settings, "steps": 8}, progress=False).check_state({"settings": {**settings, "mode": "async"}})
+    with pytest.raises(UsageError, match=r"another max_staleness \(1 there, 2 now\)"):
+        AsyncLoop(out, {**settings, "max_staleness": 2}, progress=False).check_state(
+            {"settings": {**settings, "mode": "async"}})

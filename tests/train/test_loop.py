@@ -217,7 +217,7 @@ def test_sglang_api_servers_load_each_rounds_policy(tiny_gpt2, tmp_path):
         (["--rounds", "0"], "--rounds and --window must be >= 1"),
         (["--generate", "--task 'toy"], "--generate: No closing quotation"),
         (["--generate", "--eng embedded:/elsewhere"], "--generate may not set --engine"),  # argparse's abbreviation
-        (["--engine", "embedded:/elsewhere"], "--engine 'embedded:/elsewhere': 'embedded' (each round's policy"),
+        (["--engine", "embedded:/elsewhere"], "--engine 'embedded:/elsewhere': 'embedded' (the policy served by this machine)"),
         (["--out", "s3://bucket/run"], "--out s3://bucket/run: the loop runs in a local folder"),
         (["--train=--no-resume"], "--train may not set --no-resume: the loop sets it for every round"),
     ],
