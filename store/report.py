@@ -61,14 +61,15 @@ def _p(text: str) -> str:
 
 
 def build(datasets: list[str], *, audit: str | None = None, metrics: str | None = None,
-          held_out: list[dict[str, Any]] | None = None,
+          held_out: list[dict[str, Any]] | None = None, async_run: dict[str, Any] | None = None,
           step: Callable[[str], None] = lambda _: None, warn: Callable[[str], None] = lambda _: None) -> str:
     """The report page as HTML text. ``step(name)`` is called as each section starts (progress), ``warn(text)``
     with what the page had to guess (an audit report naming no dataset). An audit of none of ``datasets`` is
     refused (:class:`~rollshard.store.views.mismatch.AuditDatasetError`) before any section is built.
     ``held_out``: per round, ``{"round", "train_reward", "policy", "checkpoint"}`` with the held-out pass@1 of the
     round's policy and of the checkpoint its training made (None where not evaluated), as ``rollshard-loop
-    --eval`` measures them: a section of its own beside the rewards."""
+    --eval`` measures them: a section of its own beside the rewards. ``async_run``: the figures of a
+    ``rollshard-loop --async`` run (its ``loop.json``): a section on generation and training over time."""
     figures.mpl()  # the one-line error about the extra, before any work
     step("opening datasets")
     opened = [RolloutDataset.open(p) for p in datasets]
@@ -102,6 +103,9 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
     if held_out:
         step("held-out evaluation")
         _held_out(page, held_out)
+    if async_run:
+        step("asynchronous run")
+        _async_run(page, async_run)
     step("groups, lengths")
     _groups_lengths(page, lf, agents)
     step("logprobs")
@@ -179,6 +183,30 @@ def _held_out(page: Page, rounds: list[dict[str, Any]]) -> None:
            "(rollshard-generate eval), which training never sees."),
         table_html(table, cls="held-out"),
         page.figure(figures.held_out_figure(table), "held-out accuracy and training reward across rounds"),
+    )
+
+
+def _async_run(page: Page, run: dict[str, Any]) -> None:
+    share = lambda x: None if x is None else round(100 * x, 1)  # noqa: E731
+    totals = pl.DataFrame([{
+        "steps": run["steps"], "seconds": run["seconds"], "steps/hour": run["steps_per_hour"],
+        "rows generated": run["rows_generated"], "rows trained": run["rows_trained"],
+        "rows dropped as stale": run["rows_dropped_stale"], "engine busy %": share(run.get("engine_busy_share")),
+        "trainer busy %": share(run.get("trainer_busy_share")),
+    }])  # fmt: skip
+    staleness = pl.DataFrame(
+        {"versions behind": list(run["staleness_hist"]), "trained rows": list(run["staleness_hist"].values())},
+        schema={"versions behind": pl.String, "trained rows": pl.Int64},
+    )
+    page.add(
+        "async", "Generation and training at once",
+        _p("The engine generated while the trainer trained (rollshard-loop --async): rows committed and steps taken "
+           "over the run, each side's busy share (the engine's time with a batch; the trainer's step time less its "
+           "waits for commits), and how many versions behind its policy each trained row was."),
+        table_html(totals, cls="async"),
+        table_html(staleness, cls="staleness-trained", caption="staleness of the trained rows"),
+        page.figure(figures.async_figure(run.get("timeline") or [], run.get("reward_by_step") or []),
+                    "rows committed and steps over time; reward per step"),
     )
 
 

@@ -10,11 +10,13 @@ Three processes run side by side, each with its log under ``RUN/logs/``:
   admitted by AReaL's rule (``--max-ahead ETA --step-episodes B``, generate/admission.py): episode ``i``
   starts only while ``i < (ETA + 1 + v - v0) * B``, ``v`` the version the engine serves, ``B`` the trainer's
   ``--groups-per-step``;
-* the trainer: ``rollshard-train --follow`` on ``RUN/data`` into ``RUN/train``, ``--max-steps N``, a checkpoint
-  every ``--update-every K`` steps, ``--max-staleness ETA``: rows whose oldest token is more than ETA versions
-  behind the policy are dropped (counted in its metrics), from the rows' per-token version spans.
+* the trainer: ``rollshard-train --follow`` on ``RUN/data`` into ``RUN/train``, ``--max-steps N``, its weights
+  alone every ``--update-every K`` steps (``--export-every K``: ``RUN/train/policy/v_<version>``, no optimizer
+  state), a checkpoint every 10 steps (``--train "--save-every S"`` to change it), ``--max-staleness ETA``: rows
+  whose oldest token is more than ETA versions behind the policy are dropped (counted in its metrics), from the
+  rows' per-token version spans.
 
-This process pushes each new checkpoint to the engine (``/update_weights_from_disk`` with its version; the
+This process pushes each new export to the engine (``/update_weights_from_disk`` with its version; the
 embedded engine finishes the requests in flight on the old weights, an SGLang server continues them and
 reports per-token version spans) and ends the run when the trainer has made its N steps: the generator
 commits what it finished and stops, the engine stops.
@@ -50,7 +52,7 @@ from typing import IO, Any
 
 from rollshard.store.manifest import load_manifests
 from rollshard.store.storage import Storage
-from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 from rollshard.train.metrics import read_metrics
 
 POLL_S = 0.05  # how often the loop looks at its children and the trainer's checkpoints
@@ -60,7 +62,8 @@ LOGS = "logs"
 COMMIT_INTERVAL_S = 1.0  # the generator's longest wait before it commits what it finished (--commit-interval)
 # Flags the async loop sets for the stages (besides the round loop's own).
 ASYNC_GENERATE_OWNED = ("--repeat", "--max-ahead", "--step-episodes", "--first-version")
-ASYNC_TRAIN_OWNED = ("--follow", "--max-steps", "--save-every", "--max-staleness", "--follow-wait")
+ASYNC_TRAIN_OWNED = ("--follow", "--max-steps", "--export-every", "--max-staleness", "--follow-wait")
+SAVE_EVERY = 10  # the trainer's checkpoint cadence unless --train sets --save-every: what a crash makes it redo
 FROZEN = ("model", "engine", "seed", "generate", "train", "max_staleness", "update_every", "serve_threads")
 
 
@@ -172,7 +175,7 @@ class AsyncLoop:
         resume = ["--resume"] if (self.train_out / "checkpoints").exists() else []
         return [
             "--data", str(self.data), "--follow", "--model", s["model"], "--out", str(self.train_out), *resume,
-            "--max-steps", str(s["steps"]), "--save-every", str(s["update_every"]),
+            "--max-steps", str(s["steps"]), "--export-every", str(s["update_every"]), "--save-every", str(SAVE_EVERY),
             "--max-staleness", str(s["max_staleness"]), *s["train"], "--no-progress",
         ]  # fmt: skip
 
@@ -272,16 +275,17 @@ class AsyncLoop:
         return None
 
     def _newest_policy(self) -> tuple[str, str]:
+        """What the engine starts on: the trainer's newest checkpoint (what it resumes from), else --model."""
         ckpt = latest_checkpoint(self.train_out)
         if ckpt is None:
             return self.settings["model"], str(self.first_version())
         return str(ckpt.path), ckpt.weight_version
 
     def _push_newest(self, engine: str) -> None:
-        ckpt = latest_checkpoint(self.train_out)
-        if ckpt is None or ckpt.weight_version == self.pushed:
+        newest = latest_policy(self.train_out)  # an export (--export-every) or a checkpoint, the newer
+        if newest is None or newest[1] == self.pushed:
             return
-        self._push(engine, str(ckpt.path), ckpt.weight_version)
+        self._push(engine, str(newest[0]), newest[1])
 
     def _push(self, engine: str, path: str, version: str) -> None:
         body = json.dumps({"model_path": path, "weight_version": version}).encode()
@@ -372,14 +376,14 @@ class AsyncLoop:
         figures["timeline"] = self.timeline
         self._save(figures)
         if self.report:
-            self._write_report()
+            self._write_report(figures)
 
-    def _write_report(self) -> None:
+    def _write_report(self, figures: dict[str, Any]) -> None:
         """RUN/report.html: the rows (reward by weight_version, staleness) and the training's metrics over the steps."""
         from rollshard.store import report
 
         try:
-            page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"))
+            page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"), async_run=figures)
             path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
             _base()._say(f"no report: {e}")

@@ -179,6 +179,59 @@ def save_checkpoint(
     return final
 
 
+POLICY_DIR = "policy"  # OUT/policy/v_<version>: weights-only exports for an engine (rollshard-loop --async)
+POLICY_KEEP = 2  # exports kept: the newest, and the one an engine may still be loading
+
+
+def export_policy(out: Path, *, step: int, backend: Any, weight_version: str, env: DistEnv) -> Path:
+    """Write the policy's weights (no optimizer or loader state) as ``OUT/policy/v_<version>``, a model folder an
+    engine loads (``/update_weights_from_disk``) and that says its version (``trainer_state.json``), then link
+    ``OUT/policy/latest`` to it (collective, like :func:`save_checkpoint`).
+
+    An export is for serving, not for resuming: it is renamed into place whole (a crashed process leaves no torn
+    export behind) but not fsynced, and only the newest :data:`POLICY_KEEP` are kept; the checkpoints stay the
+    run's durable state."""
+    root = Path(out) / POLICY_DIR
+    name = f"v_{int(weight_version):08d}" if str(weight_version).isdigit() else f"v_{weight_version}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-*"):
+            shutil.rmtree(leftover)
+    env.barrier()
+    backend.export_model(tmp)
+    if env.is_main:
+        state = {"weight_version": weight_version, "step": step, "export": True}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _link_atomic(root / LATEST, final.name)
+        for old in sorted(p for p in root.glob("v_*") if p.is_dir() and p != final)[:-(POLICY_KEEP - 1) or None]:
+            shutil.rmtree(old, ignore_errors=True)
+    env.barrier()
+    return final
+
+
+def latest_policy(out: str | Path) -> tuple[Path, str] | None:
+    """The newest policy folder a run offers an engine, and its version: its latest export or checkpoint,
+    whichever is newer (a checkpoint is a policy folder too); None before either."""
+    found = []
+    for link in (Path(out) / POLICY_DIR / LATEST, Path(out) / CKPT_DIR / LATEST):
+        if not link.is_symlink():
+            continue
+        try:
+            folder = link.resolve(strict=True)
+            state = json.loads((folder / STATE_FILE).read_text())
+            found.append((int(state["step"]), folder, str(state["weight_version"])))
+        except (OSError, ValueError, KeyError):  # pruned or being replaced under us: the next look finds the new one
+            continue
+    if not found:
+        return None
+    _, folder, version = max(found, key=lambda f: f[0])
+    return folder, version
+
+
 def recover(out: str | Path, env: DistEnv) -> None:
     """Finish a re-save that a crash interrupted (:func:`_recover_aside`) before a resume reads ``latest``, which
     names the folder moved aside (collective: rank 0 recovers, every rank waits for it)."""

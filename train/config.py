@@ -274,6 +274,11 @@ class TrainerConfig:
     max_steps: int | None = _f(None, "stop after this many optimizer steps ('none': when the data ends)")
     mini_batches: int = _f(1, "optimizer updates per loader step (its micro-batches split in this many parts)")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
+    export_every: int = _f(
+        0,
+        "write the policy's weights alone (no optimizer state) every N steps as OUT/policy/v_<version>, for an engine "
+        "to load (rollshard-loop --async pushes them); 0: never",
+    )
     keep_last: int = _f(2, "checkpoints kept on disk (the newest)")
     resume: bool = _f(False, "continue from the newest checkpoint in --out")
     seed: int = _f(0, "torch seed")
@@ -442,6 +447,7 @@ class TrainConfig:
             (data.groups_per_step > 0 and data.micro_batch_tokens > 0, "--groups-per-step, --micro-batch-tokens: > 0"),
             (data.micro_batch_support is None or data.micro_batch_support > 0, "--micro-batch-support: > 0 or none"),
             (tr.mini_batches >= 1, "--mini-batches must be >= 1"),
+            (tr.save_every >= 0 and tr.export_every >= 0, "--save-every and --export-every must be >= 0 (0: off)"),
             (tr.max_steps is None or tr.max_steps >= 1, "--max-steps must be >= 1 (or 'none': until the data ends)"),
             (tr.max_steps is not None or data.num_epochs is not None, "--num-epochs none never ends: add --max-steps"),
             (data.follow_wait > 0, f"--follow-wait {data.follow_wait} must be > 0 (seconds)"),

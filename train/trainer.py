@@ -57,7 +57,9 @@ from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.checks import mismatch_line, mismatch_warning, no_signal_warning, recorded_models
-from rollshard.train.checkpoint import CKPT_DIR, Checkpoint, checkpoint_name, latest_checkpoint, recover, save_checkpoint
+from rollshard.train.checkpoint import (
+    CKPT_DIR, Checkpoint, checkpoint_name, export_policy, latest_checkpoint, recover, save_checkpoint,
+)
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.loggers import MetricsLogger
@@ -412,6 +414,9 @@ class Trainer:
                     self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
                     if tr.save_every and self.step % tr.save_every == 0:
                         self.save()
+                    elif tr.export_every and self.step % tr.export_every == 0:  # a checkpoint is a policy folder too
+                        export_policy(self.out, step=self.step, backend=self.backend,
+                                      weight_version=str(self.version), env=self.env)
                 if self.step > 0 and self.last_saved != self.step:
                     self.save()
         except KeyboardInterrupt:  # a second signal

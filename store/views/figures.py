@@ -124,6 +124,29 @@ def held_out_figure(table: pl.DataFrame):
     return fig
 
 
+def async_figure(timeline: list[dict[str, Any]], rewards: list[float | None]):
+    """An asynchronous run over time: rows committed and optimizer steps against the wall seconds (left), and the
+    mean reward of the rows each step trained on (right)."""
+    fig = new_figure(10, 3.6)
+    left, right = fig.subplots(1, 2)
+    points = [t for t in timeline if t.get("rows") is not None]
+    if points:
+        seconds = [t["seconds"] for t in points]
+        left.plot(seconds, [t["rows"] for t in points], label="rows committed (generator)")
+        steps = left.twinx()
+        steps.plot(seconds, [t["steps"] for t in points], color="C1", label="optimizer steps (trainer)")
+        steps.set_ylabel("steps")
+        lines = left.get_lines() + steps.get_lines()
+        left.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=8)
+    left.set(title="Generation and training over time", xlabel="seconds since the engine and trainer started",
+             ylabel="rows")
+    known = [(i + 1, r) for i, r in enumerate(rewards) if r is not None]
+    if known:
+        right.plot(*zip(*known), marker=".")
+    right.set(title="Reward of the rows each step trained on", xlabel="step", ylabel="mean reward")
+    return fig
+
+
 def _short(path: str, n: int = 28) -> str:
     tail = str(path).rstrip("/").rsplit("/", 2)
     text = "/".join(tail[-2:])

@@ -35,8 +35,8 @@ PY = sys.executable
 PRESETS = {  # task flags and trainer flags per model
     "tiny": dict(generate="--task toy --n-samples 16 --max-new-tokens 16", train="--lr 5e-3 --mode decoupled",
                  groups_per_step=2, prompts=16),
-    "smollm2": dict(generate="--task arithmetic --n-samples 8 --max-new-tokens 32 --temperature 1.0",
-                    train="--lr 2e-5 --mode decoupled", groups_per_step=4, prompts=16),
+    "smollm2": dict(generate="--task arithmetic --n-samples 8 --max-new-tokens 48 --temperature 0.6",
+                    train="--lr 2e-5 --mode decoupled --micro-batch-tokens 2048", groups_per_step=4, prompts=16),
 }
 
 
@@ -79,7 +79,7 @@ def run_sync(model: Path, out: Path, p: dict, rounds: int, seed: int) -> dict:
 
 def run_async(model: Path, out: Path, p: dict, steps: int, eta: int, seed: int) -> dict:
     cmd = [PY, "-m", "rollshard.train.loop", "--async", "--model", str(model), "--out", str(out),
-           "--steps", str(steps), "--max-staleness", str(eta), "--seed", str(seed), "--no-progress", "--json",
+           "--steps", str(steps), "--max-staleness", str(eta), "--seed", str(seed), "--no-progress", "--json", "--no-report",
            "--generate", f"{p['generate']} --limit {p['prompts']}",
            "--train", f"{p['train']} --groups-per-step {p['groups_per_step']} --no-tensorboard"]
     start = time.perf_counter()

@@ -177,3 +177,22 @@ def test_the_oldest_span_sets_a_rows_staleness(tmp_path):
 def group_tables_of(t: pa.Table) -> list[pa.Table]:
     ids = t.column("group_id").to_pylist()
     return [t.filter(pa.array([g == gid for g in ids])) for gid in dict.fromkeys(ids)]
+
+
+def test_it_follows_a_dataset_on_s3(s3_dataset):
+    groups = group_tables(5, "s")
+    loader = FollowLoader(s3_dataset, cfg(), poll_s=0.01, wait_s=60)
+    out: queue.Queue = queue.Queue()
+    with ShardWriter(s3_dataset, writer_id="w0") as w:
+        consume(loader, out)
+        first = commit(w, groups[:3])
+        assert out.get(timeout=60) == first[:2]
+        wait_polls(loader, 2)
+        assert out.empty()
+        second = commit(w, groups[3:])
+        assert out.get(timeout=60) == [first[2], second[0]]
+    mark_complete(Storage(s3_dataset), "w0")
+    assert out.get(timeout=60) is None
+    assert loader.epoch_stats["tail_dropped_groups"] == 1
+    again = FollowLoader(s3_dataset, cfg(tail="partial"), poll_s=0.01)
+    assert [s.group_ids for s in again] == [first[:2], [first[2], second[0]], second[1:]]

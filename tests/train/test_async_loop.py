@@ -35,7 +35,7 @@ def command(model: Path, out: Path, steps: int = STEPS) -> list[str]:
         sys.executable, "-m", "rollshard.train.loop", "--async", "--model", str(model), "--out", str(out),
         "--steps", str(steps), "--max-staleness", str(ETA), "--update-every", str(EVERY), "--no-progress", "--json",
         "--generate", "--task toy --n-samples 4 --max-new-tokens 8",
-        "--train", f"--groups-per-step {B} --lr 5e-3 --mode decoupled --no-tensorboard",
+        "--train", f"--groups-per-step {B} --lr 5e-3 --mode decoupled --no-tensorboard --save-every 4",
     ]  # fmt: skip
 
 
@@ -118,7 +118,9 @@ def test_async_run_gates_generation_pushes_weights_and_trains_within_eta(tiny_gp
     assert {v: n for v, n in by_version.items() if v != 6} == {0: 4, 2: 4, 4: 4}
     assert 0 < figures["engine_busy_share"] <= 1 and 0 < figures["trainer_busy_share"] <= 1
     assert figures["staleness_hist"] and set(figures["staleness_hist"]) <= {"0", "1"}
-    # Done: the same command again starts nothing and says so.
+    page = (out / "report.html").read_text()
+    assert "Generation and training at once" in page and "staleness of the trained rows" in page
+    # Done: the same command again starts nothing.
     code, stdout, _ = finish(start(tiny_gpt2, out))
     assert code == 0
 

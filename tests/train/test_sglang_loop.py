@@ -133,3 +133,23 @@ def test_sglang_supports_give_a_step0_ratio_of_one(sglang_server, tiny_gpt2, tmp
     served = Path(RolloutDataset.open(tmp_path / "data").config["model"])
     m = check_step0(rows, tmp_path / "data", served, tmp_path / "run", SGLANG_SUPPORT_TOL)
     assert m["mismatch/abs_diff_max"] <= SGLANG_SUPPORT_TOL
+
+
+def test_sglang_async_loop_pushes_versions_and_trains_within_eta(sglang_server, tiny_gpt2, tmp_path):
+    """``rollshard-loop --async`` with the real server as its engine: the trainer's checkpoints are loaded into it
+    as they come (the rows carry versions 0 and 2), and every trained row is within eta of its policy, from the
+    rows' own spans, on exactly the groups the follower's cursor covers."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.train.test_async_loop import REPO, check_run, command, episodes_by_version
+
+    out = tmp_path / "run"
+    argv = command(tiny_gpt2, out, steps=4)
+    argv[argv.index("--async") + 1 : argv.index("--async") + 1] = ["--engine", sglang_server]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["async"]["steps"] == 4
+    check_run(out, steps=4)
+    assert {0, 2} <= set(episodes_by_version(out / "data"))

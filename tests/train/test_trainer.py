@@ -4,6 +4,8 @@ versions, the step's metrics and the run's constants."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -465,3 +467,27 @@ def test_lean_batch_step_is_bit_for_bit_the_per_token_layout(tiny_dataset, tiny_
     for ga, gb in zip(grads["lean"], grads["per_token"]):
         assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
     assert all(torch.equal(lean_weights[n], old_weights[n]) for n in lean_weights)
+
+
+def test_exports_are_weights_only_policy_folders_the_newest_two_kept(tiny_dataset, tiny_gpt2, tmp_path):
+    from safetensors.torch import load_file
+
+    from rollshard.store.versions import folder_weight_version
+    from rollshard.train.checkpoint import latest_checkpoint, latest_policy
+
+    out = tmp_path / "run"
+    config = make_config(tiny_dataset, tiny_gpt2, out, trainer={"max_steps": 4, "export_every": 1, "save_every": 3})
+    train(config)
+    policy = out / "policy"
+    # steps 1, 2 and 4 exported (v_1 pruned: the newest two kept), step 3 checkpointed (a checkpoint is a policy
+    # folder too: no export), step 4 also saved at the end
+    assert sorted(p.name for p in policy.iterdir()) == ["latest", "v_00000002", "v_00000004"]
+    assert os.readlink(policy / "latest") == "v_00000004"
+    assert folder_weight_version(policy / "v_00000004") == "4"
+    assert not (policy / "v_00000004" / "shards").exists()  # no optimizer or loader state
+    exported = load_file(policy / "v_00000004" / "model.safetensors")
+    saved = load_file(latest_checkpoint(out).path / "model.safetensors")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in exported)
+    assert latest_policy(out)[1] == "4"
+    shutil.rmtree(latest_checkpoint(out).path)  # pruned under a reader: the export still answers
+    assert latest_policy(out) == (policy / "v_00000004", "4")

@@ -18,6 +18,9 @@ venv). Then, in under 8 minutes on one GPU, printing one JSON object::
    rollout_logp| mean and max (the trainer's logprobs against SGLang's bf16 ones), ratio mean.
 5. embedded: the embedded engine (fp32) on the device against transformers ``generate()`` (static batch),
    the equal and mixed workloads of ``tests/bench/bench_engines.py``.
+6. async: ``rollshard-loop --async`` against the server of 2 (``--async-steps`` steps at eta 1, a checkpoint
+   pushed every 2 steps): steps per hour, rows generated and trained, the staleness of the trained rows and the
+   trainer's busy share (``--steps async`` alone runs it with a server of its own).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny-qwen3 test model instead of the ~0.5B one")
     ap.add_argument("--device", default="cuda", help="torch device of the training step and the embedded engine")
     ap.add_argument("--server", choices=["sglang", "serve"], default="sglang", help="the server of steps 2-4")
-    ap.add_argument("--steps", default="generate,train,embedded", help="comma-separated steps to run after the model")
+    ap.add_argument("--steps", default="generate,train,embedded,async", help="comma-separated steps to run after the model")
+    ap.add_argument("--async-steps", type=int, default=8, help="async step: optimizer steps of the run")
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the generate step (x --n-samples requests)")
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=128)
@@ -66,9 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="working folder (default: a new temporary one)")
     args = ap.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
-    unknown = sorted(set(args.steps) - {"generate", "train", "embedded"})
+    unknown = sorted(set(args.steps) - {"generate", "train", "embedded", "async"})
     if unknown:
-        ap.error(f"unknown step(s) {unknown}; steps are generate, train, embedded")
+        ap.error(f"unknown step(s) {unknown}; steps are generate, train, embedded, async")
     if "train" in args.steps and "generate" not in args.steps:
         ap.error("the train step trains on the generate step's rows: keep generate in --steps")
     if min(args.prompts, args.n_samples, args.concurrency, args.max_new_tokens, args.batch, args.repeat) < 1:
@@ -245,6 +249,27 @@ def step_train(args, model: Path, data: Path, root: Path) -> dict:
     }
 
 
+def step_async(args, url: str, model: Path, root: Path) -> dict:
+    """``rollshard-loop --async`` with the server as its engine: the run's figures (its timeline left out)."""
+    import torch
+
+    bf16 = args.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    train = f"--groups-per-step 8 --lr 1e-6 --no-tensorboard --micro-batch-tokens 16384{' --dtype bfloat16' if bf16 else ''}"
+    command = [
+        sys.executable, "-m", "rollshard.train.loop", "--async", "--engine", url, "--model", str(model),
+        "--out", str(root / "async"), "--steps", str(args.async_steps), "--max-staleness", "1", "--update-every", "2",
+        "--no-progress", "--no-report", "--json",
+        "--generate", f"--task math --n-samples {args.n_samples} --max-new-tokens {args.max_new_tokens}",
+        "--train", train,
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"exit": done.returncode, "stderr": done.stderr[-2000:]}
+    figures = json.loads(done.stdout)["async"]
+    figures.pop("timeline", None)
+    return figures
+
+
 def step_embedded(args, model_path: Path) -> dict:
     """The embedded engine against generate() on the device, in turn (bench_engines' workloads)."""
     import bench_engines
@@ -309,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         report["train"] = step_train(args, model, Path(report["generate"]["data"]), root)
     if "embedded" in args.steps:
         report["embedded"] = step_embedded(args, model)
+    if "async" in args.steps:
+        proc, url, _ = start_server(args, model, root / f"{args.server}-async.log")
+        try:
+            report["async"] = step_async(args, url, model, root)
+        finally:
+            stop_server(proc)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report))
     return 0
