@@ -5,7 +5,7 @@
 Three processes run side by side, each with its log under ``RUN/logs/``:
 
 * the engine: ``rollshard-generate serve`` (``--engine embedded``: started here on the newest policy, one torch
-  thread by default) or the SGLang servers of ``--engine URL[,URL...]``;
+  thread by default, ``--serve-threads``) or the SGLang servers of ``--engine URL[,URL...]``;
 * the generator: ``rollshard-generate --repeat`` into ``RUN/data``, the prompt source cycled with fresh seeds,
   admitted by AReaL's rule (``--max-ahead ETA --step-episodes B``, generate/admission.py): episode ``i``
   starts only while ``i < (ETA + 1 + v - v0) * B``, ``v`` the version the engine serves, ``B`` the trainer's
@@ -52,6 +52,7 @@ from typing import IO, Any
 
 from rollshard.store.manifest import load_manifests
 from rollshard.store.storage import Storage
+from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 from rollshard.train.metrics import read_metrics
 
@@ -64,34 +65,34 @@ COMMIT_INTERVAL_S = 1.0  # the generator's longest wait before it commits what i
 ASYNC_GENERATE_OWNED = ("--repeat", "--max-ahead", "--step-episodes", "--first-version")
 ASYNC_TRAIN_OWNED = ("--follow", "--max-steps", "--export-every", "--max-staleness", "--follow-wait")
 SAVE_EVERY = 10  # the trainer's checkpoint cadence unless --train sets --save-every: what a crash makes it redo
-FROZEN = ("model", "engine", "seed", "generate", "train", "max_staleness", "update_every", "serve_threads")
+FROZEN = ("model", "engine", "seed", "generate", "train", "max_staleness", "update_every")  # threads: free
+
+
+class PushError(RuntimeError):
+    """The engine did not load a policy the trainer wrote."""
 
 
 class AsyncLoop:
     def __init__(self, out: Path, settings: dict[str, Any], *, progress: bool, report: bool = True):
-        from rollshard.train import loop as base
-
-        self.base = base
         self.out, self.settings, self.progress, self.report = out, settings, progress, report
         self.children: dict[str, subprocess.Popen] = {}
         self._logs: list[IO] = []
         self._stop: int | None = None
-        self._asked_to_end: set[str] = set()  # children this loop told to stop (their exit 130 is expected)
         self.pushed: str | None = None  # the version the engine serves
         self.timeline: list[dict[str, float]] = []
         self._busy_start: dict[str, float] | None = None
+        self._counted = (-1, 0)  # metrics.jsonl's size and lines when last counted
 
     # ---- settings ----------------------------------------------------------------------------
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: str) -> "AsyncLoop":
-        base = _base()
         if args.steps is None or args.steps < 1:
             raise base.UsageError("--async needs --steps N (>= 1): the optimizer steps of the whole run")
         args.max_staleness = 1 if args.max_staleness is None else args.max_staleness
         args.serve_threads = 1 if args.serve_threads is None else args.serve_threads
-        if args.max_staleness < 0 or args.update_every < 1 or args.serve_threads < 0:
-            raise base.UsageError("--max-staleness and --serve-threads must be >= 0, --update-every >= 1")
+        if min(args.max_staleness, args.serve_threads, args.train_threads) < 0 or args.update_every < 1:
+            raise base.UsageError("--max-staleness, --serve-threads and --train-threads must be >= 0, --update-every >= 1")
         for flag, value, default in (("--window", args.window, 1), ("--audit", args.audit, False),
                                      ("--eval", args.eval, [])):  # fmt: skip
             if value != default:
@@ -106,6 +107,7 @@ class AsyncLoop:
             "max_staleness": args.max_staleness,
             "update_every": args.update_every,
             "serve_threads": args.serve_threads,
+            "train_threads": args.train_threads,
             "steps": args.steps,
         }
         base._check_train_config(settings["train"])
@@ -120,10 +122,10 @@ class AsyncLoop:
             return
         before = state["settings"]
         if before.get("mode") != "async":
-            raise _base().UsageError(f"{self.out} holds rounds of the synchronous loop; choose a new --out for --async")
+            raise base.UsageError(f"{self.out} holds rounds of the synchronous loop; choose a new --out for --async")
         for key in FROZEN:
             if before.get(key) != self.settings[key]:
-                raise _base().UsageError(
+                raise base.UsageError(
                     f"{self.out} was run with another {key} ({before.get(key)!r} there, {self.settings[key]!r} now); "
                     "rerun with the same settings to continue, or choose a new --out"
                 )
@@ -133,7 +135,6 @@ class AsyncLoop:
         from rollshard.train.cli import build_parser as train_parser, one_line
         from rollshard.train.config import resolve
 
-        base = _base()
         try:
             config = resolve(train_parser().parse_args(self.train_args()), require_paths=True)
         except SystemExit:
@@ -157,7 +158,7 @@ class AsyncLoop:
         return self.out / "train"
 
     def first_version(self) -> int:
-        return int(self.base._policy_version(Path(self.settings["model"])))
+        return int(base._policy_version(Path(self.settings["model"])))
 
     def generate_args(self, engine: str, groups_per_step: int) -> list[str]:
         s = self.settings
@@ -182,7 +183,6 @@ class AsyncLoop:
     # ---- running -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        base = _base()
         self.out.mkdir(parents=True, exist_ok=True)
         lock = open(self.out / base.LOCK_FILE, "a")
         try:
@@ -195,13 +195,16 @@ class AsyncLoop:
         try:
             self._save()
             groups_per_step = self.check_stage_args()
-            done = self._trained_steps()
-            if done >= self.settings["steps"]:
+            ckpt = latest_checkpoint(self.train_out)
+            if ckpt is not None and ckpt.step >= self.settings["steps"]:  # the trainer saves its last step
                 return base.EXIT_OK
             return self._run(groups_per_step)
         except base.UsageError as e:
             base._say(str(e))
             return base.EXIT_USAGE
+        except PushError as e:
+            base._say(f"{e}; fix it and rerun the same command to continue")
+            return base.EXIT_FAILED
         finally:
             self._stop_children()
             for sig, handler in previous.items():
@@ -211,7 +214,6 @@ class AsyncLoop:
             lock.close()
 
     def _run(self, groups_per_step: int) -> int:
-        base = _base()
         (self.out / LOGS).mkdir(exist_ok=True)
         started = time.monotonic()
         # The trainer loads while the engine does (it waits for the first commit anyway); the generator once the
@@ -271,7 +273,7 @@ class AsyncLoop:
                 self._busy_start = self._busy(found.group(1))
                 return found.group(1)
         if self._stop is None:
-            _base()._say(f"the engine did not start (its log: {self._log_path('serve')}{_tail(self._log_path('serve'))})")
+            base._say(f"the engine did not start (its log: {self._log_path('serve')}{_tail(self._log_path('serve'))})")
         return None
 
     def _newest_policy(self) -> tuple[str, str]:
@@ -299,18 +301,15 @@ class AsyncLoop:
             except (urllib.error.URLError, OSError, ValueError) as e:
                 if not Path(path).exists():  # the trainer removed it (--keep-last) meanwhile: the next one follows
                     return
-                raise _base().UsageError(f"the engine at {url} did not load {path}: {' '.join(str(e).split())}") from e
+                raise PushError(f"the engine at {url} did not load {path}: {' '.join(str(e).split())}") from e
             if not ok and Path(path).exists():
-                raise _base().UsageError(f"the engine at {url} refused to load {path}")
+                raise PushError(f"the engine at {url} refused to load {path}")
         self.pushed = version
 
     def _train_env(self) -> dict[str, str] | None:
-        """The trainer's torch threads: the cores the embedded engine leaves (its --serve-threads), unless the
-        environment says (OMP_NUM_THREADS); SGLang servers are elsewhere: the trainer keeps its default."""
-        threads = self.settings["serve_threads"]
-        if self.settings["engine"] != "embedded" or not threads or "OMP_NUM_THREADS" in os.environ:
-            return None
-        return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) - threads))}
+        """The trainer's torch threads (``--train-threads``; 0: torch's default, every core)."""
+        threads = self.settings["train_threads"]
+        return {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
 
     def _start(self, name: str, command: list[str], stdout: int | None = None,
                env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -319,7 +318,7 @@ class AsyncLoop:
         loop_pid = os.getpid()
         child = subprocess.Popen(
             command, stdout=stdout if stdout is not None else log, stderr=log, text=True, env=env,
-            preexec_fn=lambda: self.base._die_with_parent(loop_pid), process_group=0,
+            preexec_fn=lambda: base._die_with_parent(loop_pid), process_group=0,
         )  # fmt: skip
         self.children[name] = child
         if self._stop is not None:
@@ -334,7 +333,6 @@ class AsyncLoop:
         for name in ("generate", "train", "serve"):
             child = self.children.get(name)
             if child is not None and child.poll() is None:
-                self._asked_to_end.add(name)
                 child.send_signal(sig)
                 child.wait()
 
@@ -342,11 +340,16 @@ class AsyncLoop:
         self._stop = signum
 
     def _trained_steps(self) -> int:
+        """Steps the trainer logged (lines of its metrics.jsonl; counted again only when the file changed)."""
         path = self.train_out / "metrics.jsonl"
-        if not path.exists():
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
             return 0
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
+        if size != self._counted[0]:
+            with open(path, "rb") as f:
+                self._counted = (size, sum(1 for line in f if line.strip()))
+        return self._counted[1]
 
     # ---- figures -----------------------------------------------------------------------------
 
@@ -386,18 +389,18 @@ class AsyncLoop:
             page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"), async_run=figures)
             path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
-            _base()._say(f"no report: {e}")
+            base._say(f"no report: {e}")
             return
-        _base()._say(f"report: {path}")
+        base._say(f"report: {path}")
 
     def _save(self, figures: dict[str, Any] | None = None) -> None:
-        state = {"version": self.base.STATE_VERSION, "settings": self.settings, "rounds": []}
-        previous = self.base._read_state(self.out) if (self.out / self.base.STATE_FILE).exists() else None
+        state = {"version": base.STATE_VERSION, "settings": self.settings, "rounds": []}
+        previous = base._read_state(self.out) if (self.out / base.STATE_FILE).exists() else None
         runs = (previous or {}).get("async_runs", [])
         if figures is not None:
             runs = [*runs, figures]
         state["async_runs"] = runs
-        Storage(self.out).write_atomic(self.base.STATE_FILE, json.dumps(state, indent=2).encode())
+        Storage(self.out).write_atomic(base.STATE_FILE, json.dumps(state, indent=2).encode())
 
 
 def run_figures(metrics: list[dict[str, Any]], data: Path, seconds: float) -> dict[str, Any]:
@@ -458,8 +461,3 @@ def _bar(total: int, initial: int, *, disable: bool):
     return tqdm(total=total, initial=initial, unit="step", desc="async", file=sys.stderr, disable=disable,
                 dynamic_ncols=True)
 
-
-def _base():
-    from rollshard.train import loop
-
-    return loop

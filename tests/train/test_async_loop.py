@@ -199,7 +199,7 @@ def alive(pid: int) -> bool:
         (["--async", "--steps", "0"], "--async needs --steps N (>= 1)"),
         (["--steps", "4"], "--steps is for --async runs"),
         (["--max-staleness", "2"], "--max-staleness is for --async runs"),
-        (["--async", "--steps", "4", "--max-staleness", "-1"], "--max-staleness and --serve-threads must be >= 0"),
+        (["--async", "--steps", "4", "--max-staleness", "-1"], "--max-staleness, --serve-threads and --train-threads must"),
         (["--async", "--steps", "4", "--window", "2"], "--window is for rounds; --async trains on one live dataset"),
         (["--async", "--steps", "4", "--generate=--repeat"], "--generate may not set --repeat: the loop sets it"),
         (["--async", "--steps", "4", "--train", "--max-steps 3"], "--train may not set --max-steps: the loop sets it"),
@@ -227,7 +227,7 @@ def test_a_run_folder_keeps_its_mode(tmp_path):
     with pytest.raises(UsageError, match="holds rounds of the synchronous loop; choose a new --out for --async"):
         AsyncLoop(out, {"model": "m"}, progress=False).check_state({"settings": {"model": "m"}, "rounds": []})
     settings = {"model": "m", "engine": "embedded", "seed": 0, "generate": [], "train": [], "max_staleness": 1,
-                "update_every": 1, "serve_threads": 1, "steps": 4}
+                "update_every": 1, "serve_threads": 1, "train_threads": 0, "steps": 4}
     AsyncLoop(out, {**settings, "steps": 8}, progress=False).check_state({"settings": {**settings, "mode": "async"}})
     with pytest.raises(UsageError, match=r"another max_staleness \(1 there, 2 now\)"):
         AsyncLoop(out, {**settings, "max_staleness": 2}, progress=False).check_state(
