@@ -203,6 +203,8 @@ class AsyncLoop:
             base._say(str(e))
             return base.EXIT_USAGE
         except PushError as e:
+            if self._ended("serve"):  # the engine died under the push: say that
+                return self._failed("serve", self.children["serve"].returncode)
             base._say(f"{e}; fix it and rerun the same command to continue")
             return base.EXIT_FAILED
         finally:
@@ -249,11 +251,26 @@ class AsyncLoop:
                 if self._stop is not None:
                     break
                 bar.close()
-                self._stop_children()
-                base._say(f"{name} exited with {code} (its log: {self._log_path(name)}{_tail(self._log_path(name))}); "
-                          "fix it and rerun the same command to continue")
-                return base.EXIT_USAGE if code == base.EXIT_USAGE else base.EXIT_FAILED
+                return self._failed(name, code)
             time.sleep(POLL_S)
+
+    def _ended(self, name: str, within_s: float = 5.0) -> bool:
+        """Whether child ``name`` has exited (or does within ``within_s``: a connection it dropped as it died)."""
+        child = self.children.get(name)
+        if child is None:
+            return False
+        try:
+            child.wait(timeout=within_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _failed(self, name: str, code: int) -> int:
+        """A child that ended on its own: stop the others and say which, with its log's last lines."""
+        self._stop_children()
+        base._say(f"{name} exited with {code} (its log: {self._log_path(name)}{_tail(self._log_path(name))}); "
+                  "fix it and rerun the same command to continue")
+        return base.EXIT_USAGE if code == base.EXIT_USAGE else base.EXIT_FAILED
 
     def _start_engine(self) -> str | None:
         """The engine's URL(s): the given SGLang servers (loaded with the newest policy), or a serve child."""

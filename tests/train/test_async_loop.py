@@ -28,6 +28,7 @@ from rollshard.train.loggers import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 600
 STEPS, ETA, EVERY, B = 6, 1, 2, 2
+KILL_STEPS = 24  # the kill tests' runs: the first checkpoint (step 4) far from the end
 
 
 def command(model: Path, out: Path, steps: int = STEPS) -> list[str]:
@@ -54,7 +55,7 @@ def until(condition, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
         assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
+        time.sleep(0.005)
 
 
 def replay(data: Path, steps: int) -> list:
@@ -125,41 +126,48 @@ def test_async_run_gates_generation_pushes_weights_and_trains_within_eta(tiny_gp
     assert code == 0
 
 
+def held_mid_run(model: Path, out: Path) -> subprocess.Popen:
+    """A run of KILL_STEPS steps stopped (SIGSTOP) once its first checkpoint (step 4) is written. The loop pushes
+    the weights, and the gate admits episodes for at most 2 steps past the version the engine serves: with the loop
+    stopped the trainer stalls at most 2 steps past the last push, and the loop would need 10 more push-generate-
+    train cycles before the test's next look (every 5 ms) to end the run first."""
+    proc = start(model, out, KILL_STEPS)
+    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
+    proc.send_signal(signal.SIGSTOP)
+    return proc
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["train", "generate", "serve", "loop"])
 def test_kill_9_anywhere_then_the_same_command_finishes_with_nothing_lost(tiny_gpt2, tmp_path, victim):
     out = tmp_path / "run"
-    proc = start(tiny_gpt2, out)
-    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
-    if victim == "loop":
-        os.kill(proc.pid, signal.SIGKILL)
-    else:
-        pid = child_pid(proc.pid, victim)
-        os.kill(pid, signal.SIGKILL)
+    proc = held_mid_run(tiny_gpt2, out)
+    os.kill(proc.pid if victim == "loop" else child_pid(proc.pid, victim), signal.SIGKILL)
+    proc.send_signal(signal.SIGCONT)
     code, _, err = finish(proc)
     assert code == (-signal.SIGKILL if victim == "loop" else 1), err
     if victim != "loop":
         assert f"{victim} exited with -9" in err
     until(lambda: not children_of(proc.pid), "the children gone")
-    code, _, err = finish(start(tiny_gpt2, out))
+    code, _, err = finish(start(tiny_gpt2, out, KILL_STEPS))
     assert code == 0, err
-    check_run(out)
+    check_run(out, KILL_STEPS)
 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_all_three_with_130_and_the_rerun_finishes(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
-    proc = start(tiny_gpt2, out)
-    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
+    proc = held_mid_run(tiny_gpt2, out)
     kids = children_of(proc.pid)
     proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
     code, _, err = finish(proc)
     assert code == 130, err
     assert "interrupted; rerun the same command to continue" in err
     assert not any(alive(pid) for pid in kids)
-    code, _, err = finish(start(tiny_gpt2, out))
+    code, _, err = finish(start(tiny_gpt2, out, KILL_STEPS))
     assert code == 0, err
-    check_run(out)
+    check_run(out, KILL_STEPS)
 
 
 def children_of(pid: int) -> list[int]:
