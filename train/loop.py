@@ -195,7 +195,13 @@ def _main_async(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:
-        print(shlex.join([sys.executable, "-m", "rollshard.generate", *loop.generate_args("<engine>", 0)]))
+        try:
+            groups_per_step = loop.check_stage_args()
+        except UsageError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        engine = "http://127.0.0.1:PORT" if args.engine == "embedded" else args.engine  # serve picks the port
+        print(shlex.join([sys.executable, "-m", "rollshard.generate", *loop.generate_args(engine, groups_per_step)]))
         print(shlex.join([sys.executable, "-m", "rollshard.train", *loop.train_args()]))
         return EXIT_OK
     code = loop.run()

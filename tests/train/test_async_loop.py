@@ -240,3 +240,15 @@ def test_a_run_folder_keeps_its_mode(tmp_path):
     with pytest.raises(UsageError, match=r"another max_staleness \(1 there, 2 now\)"):
         AsyncLoop(out, {**settings, "max_staleness": 2}, progress=False).check_state(
             {"settings": {**settings, "mode": "async"}})
+
+
+def test_dry_run_prints_the_two_commands_and_writes_nothing(tiny_gpt2, tmp_path):
+    out = tmp_path / "r"
+    argv = command(tiny_gpt2, out)
+    argv.remove("--json")
+    done = subprocess.run([*argv, "--dry-run"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    generate, train = done.stdout.splitlines()
+    assert f"--repeat --max-ahead {ETA} --step-episodes {B} --first-version 0 --commit-every {B}" in generate
+    assert f"--follow --model {tiny_gpt2} --out {out / 'train'} --max-steps {STEPS} --export-every {EVERY}" in train
+    assert not out.exists()

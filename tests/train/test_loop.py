@@ -451,8 +451,9 @@ def test_a_signal_while_a_stage_starts_reaches_the_stage(tiny_gpt2, tmp_path, mo
         return child
 
     monkeypatch.setattr(loop_module.subprocess, "Popen", popen)
-    # The stage waits for a signal and nothing else: it ends only if the loop forwarded the SIGINT.
-    code = loop._stage(0, 1, "training", [sys.executable, "-c", "import signal; signal.pause()"])
+    # The stage waits for a signal and nothing else: it ends only if the loop forwarded the SIGINT. (Not
+    # signal.pause(): a SIGINT that lands between Python's check and the pause() call would leave it waiting.)
+    code = loop._stage(0, 1, "training", [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
     assert code == 130  # interrupted by the forwarded signal
 
 
