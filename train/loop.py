@@ -781,9 +781,12 @@ def _say(message: str) -> None:
 
 def _die_with_parent(loop_pid: int) -> None:
     """In the child, before exec: SIGKILL when the loop dies (a kill -9 of the loop must not leave a stage running
-    beside the rerun that continues it)."""
+    beside the rerun that continues it), and SIGINT/SIGTERM at their defaults: a loop started with them ignored (a
+    background job of a script, nohup) handles them itself, and the stage must hear the one it forwards."""
     import ctypes
 
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != loop_pid:  # the loop died between fork and prctl
         os._exit(EXIT_INTERRUPTED)

@@ -20,8 +20,9 @@ seconds without a new commit it raises :class:`FollowTimeoutError`. It ends when
 groups short of a step are dropped (``tail="drop"``, counted in ``epoch_stats``) or trained (``"partial"``).
 :meth:`stop_waiting` (the trainer's signal handler) ends a wait at the next poll.
 
-Resume is exact: the state holds the shards used up and the next group of the shard in use; the groups a
-step took are never taken again and none after it is skipped (a shard committed meanwhile is simply next).
+Resume is exact: the state holds the shards used up and the next group of the shard in use after the last step
+taken; the groups a step took are never taken again and none after it is skipped (a shard committed meanwhile is
+simply next), and the groups read for a step that a stop cut short are read again.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class FollowLoader:
         self._used: list[str] = []  # shards every group of which was taken (examined), in the order taken
         self._partial: str | None = None  # the shard in use (some of its groups taken)
         self._next_group = 0  # its next group
+        self._mark = (0, None, 0)  # (shards used up, shard in use, its next group) after the last step taken
         self._steps = 0
         self._threshold: int | None = None
         self._version_text: str | None = None
@@ -129,14 +131,16 @@ class FollowLoader:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
+        """The cursor after the last step taken (groups read for a step not taken are read again on resume)."""
+        used, partial, next_group = self._mark
         return {
             "format": FOLLOW_STATE_FORMAT,
             "version": FOLLOW_STATE_VERSION,
             "dataset": self.storage.uri,
             "groups_per_step": self.config.groups_per_step,
-            "used_shards": list(self._used),
-            "shard_in_use": self._partial,
-            "next_group": self._next_group,
+            "used_shards": self._used[:used],
+            "shard_in_use": partial,
+            "next_group": next_group,
             "steps": self._steps,
             "current_version": self._version_text,
         }
@@ -155,6 +159,7 @@ class FollowLoader:
         self._partial = state["shard_in_use"]
         self._next_group = int(state["next_group"])
         self._steps = int(state["steps"])
+        self._set_mark()
         if state.get("current_version") is not None:
             self.set_current_version(state["current_version"])
 
@@ -163,6 +168,8 @@ class FollowLoader:
         if cfg.max_staleness is not None and self._threshold is None:
             raise ValueError("max_staleness needs the policy version: set LoaderConfig.current_version")
         self._stop = False
+        used, self._partial, self._next_group = self._mark  # from the last step taken
+        del self._used[used:]
         pending: list[tuple[_BlockData, int, np.ndarray]] = []
         segment = _Segment(self._threshold, self._filters)
         waited = 0.0
@@ -179,11 +186,15 @@ class FollowLoader:
                 if rows is not None:
                     pending.append((bd, j, rows))
                 if len(pending) == cfg.groups_per_step:
+                    self._set_mark()
                     yield self._step(pending, segment, waited)
                     pending, waited = [], 0.0
                     segment = _Segment(self._threshold, self._filters)  # the version may have moved
+        if self._stop:  # a stop while waiting: the groups read for the next step stay for a resume
+            return
+        self._set_mark()  # the end: the last groups are trained (tail "partial") or dropped, and counted
         counts = {k: float(v) for k, v in segment.counts.items()}
-        if pending and cfg.tail == "partial" and not self._stop:
+        if pending and cfg.tail == "partial":
             yield self._step(pending, segment, waited)
             counts = {}
         elif pending:
@@ -191,6 +202,10 @@ class FollowLoader:
         self.epoch_stats = counts
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _set_mark(self) -> None:
+        """The cursor as it stands is that of a step taken (what :meth:`state_dict` reports)."""
+        self._mark = (len(self._used), self._partial, self._next_group)
 
     def _step(self, pending, segment: _Segment, waited: float) -> Step:
         step = make_step(pending, segment.counts, epoch=0, index=self._steps, cfg=self.config)

@@ -196,3 +196,24 @@ def test_it_follows_a_dataset_on_s3(s3_dataset):
     assert loader.epoch_stats["tail_dropped_groups"] == 1
     again = FollowLoader(s3_dataset, cfg(tail="partial"), poll_s=0.01)
     assert [s.group_ids for s in again] == [first[:2], [first[2], second[0]], second[1:]]
+
+
+def test_a_stop_mid_step_leaves_the_groups_read_for_it_to_the_resume(tmp_path):
+    groups = group_tables(3, "m")
+    loader = FollowLoader(tmp_path, cfg(), poll_s=0.01, wait_s=60)
+    out: queue.Queue = queue.Queue()
+    with ShardWriter(tmp_path, writer_id="w0") as w:
+        ids = commit(w, groups)
+    consume(loader, out)
+    assert out.get(timeout=60) == ids[:2]
+    wait_polls(loader, 2)  # the third group is read and waits for a fourth
+    loader.stop_waiting()
+    assert out.get(timeout=60) is None
+    state = loader.state_dict()
+    assert state["next_group"] == 2 and state["steps"] == 1  # the third group not taken
+    mark_complete(Storage(tmp_path), "w0")
+    again = FollowLoader(tmp_path, cfg(tail="partial"), poll_s=0.01)
+    again.load_state_dict(state)
+    assert [s.group_ids for s in again] == [ids[2:]]
+    assert [s.group_ids for s in loader] == []  # the same loader, iterated again: the third dropped as the tail
+    assert loader.epoch_stats["tail_dropped_groups"] == 1

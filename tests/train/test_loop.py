@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -516,3 +517,24 @@ def test_bad_eval_flags_are_one_line_before_round_0(tiny_gpt2, tmp_path, capsys)
     assert not (out / "round_000").exists()
     assert loop_main(loop_args(tiny_gpt2, out, "--eval", "--task arithmetic --out x")) == 2
     assert "--eval may not set --out" in capsys.readouterr().err
+
+
+def test_a_stage_hears_the_forwarded_signal_when_the_loop_was_started_ignoring_it(tiny_gpt2, tmp_path):
+    """A loop started as a background job of a script inherits SIGINT ignored; it handles SIGINT itself, and its
+    stages must not inherit the ignore, or the SIGINT it forwards would never stop them."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        loop = _loop_for_stages(tiny_gpt2, tmp_path)
+        ready = tmp_path / "ready"
+        stage = f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\nwhile True: time.sleep(0.05)"
+
+        def forward_once_ready():
+            while not ready.exists():
+                time.sleep(0.01)
+            loop._forward(signal.SIGINT, None)
+
+        threading.Thread(target=forward_once_ready, daemon=True).start()
+        code = loop._stage(0, 1, "training", [sys.executable, "-c", stage])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130
