@@ -439,6 +439,11 @@ def test_a_loop_started_in_a_forked_process_runs_its_stages(tiny_gpt2, tmp_path)
     assert os.waitstatus_to_exitcode(status) == 0  # not 130: the stage's parent is this process, alive
 
 
+# A stage that ends at the first SIGINT, wherever it lands: before the block by the default action, after it
+# (pending or not) by sigwait; no window where it is missed (signal.pause() has one, just before the call).
+WAIT_FOR_SIGINT = "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\nsignal.sigwait({signal.SIGINT})\nraise SystemExit(130)"
+
+
 @pytest.mark.timeout(120)  # without the forwarded signal the stage never ends
 def test_a_signal_while_a_stage_starts_reaches_the_stage(tiny_gpt2, tmp_path, monkeypatch):
     import rollshard.train.loop as loop_module
@@ -452,9 +457,8 @@ def test_a_signal_while_a_stage_starts_reaches_the_stage(tiny_gpt2, tmp_path, mo
         return child
 
     monkeypatch.setattr(loop_module.subprocess, "Popen", popen)
-    # The stage waits for a signal and nothing else: it ends only if the loop forwarded the SIGINT. (Not
-    # signal.pause(): a SIGINT that lands between Python's check and the pause() call would leave it waiting.)
-    code = loop._stage(0, 1, "training", [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    # The stage waits for a signal and nothing else: it ends only if the loop forwarded the SIGINT.
+    code = loop._stage(0, 1, "training", [sys.executable, "-c", WAIT_FOR_SIGINT])
     assert code == 130  # interrupted by the forwarded signal
 
 
@@ -526,7 +530,9 @@ def test_a_stage_hears_the_forwarded_signal_when_the_loop_was_started_ignoring_i
     try:
         loop = _loop_for_stages(tiny_gpt2, tmp_path)
         ready = tmp_path / "ready"
-        stage = f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\nwhile True: time.sleep(0.05)"
+        # ignoring SIGINT, the stage could never be stopped by it: it says so at once (exit 3) instead of waiting
+        stage = (f"import pathlib, signal, sys\nif signal.getsignal(signal.SIGINT) is signal.SIG_IGN: sys.exit(3)\n"
+                 f"pathlib.Path({str(ready)!r}).touch()\n{WAIT_FOR_SIGINT}")
 
         def forward_once_ready():
             while not ready.exists():
