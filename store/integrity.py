@@ -46,7 +46,8 @@ import xxhash
 
 from rollshard.store.errors import DataError
 from rollshard.store.manifest import ShardInfo
-from rollshard.store.schema import OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
+from rollshard.store.routing import RoutingShape
+from rollshard.store.schema import ADDED_COLUMNS, OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
 from rollshard.store.storage import Storage
 
 __all__ = ["Checksums", "DataError", "FileDigests", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
@@ -234,7 +235,7 @@ def check_column_types(schema: pa.Schema, columns: Iterable[str], where: str) ->
     for name in columns:
         expected = ROW_SCHEMA.field(name).type
         i = schema.get_field_index(name)
-        if i < 0 and name in OPTIONAL_COLUMNS:
+        if i < 0 and name in ADDED_COLUMNS:
             continue
         if i < 0:
             raise DataError(
@@ -266,9 +267,10 @@ def _type(t: pa.DataType) -> str:
     return str(t)
 
 
-def check_rows(table: pa.Table, where: str) -> None:
-    """Raise for the first row of ``table`` (a projection of the schema's columns) that breaks an invariant."""
-    problems = check_projection(table, limit=1)  # the first is all the message shows; the rest cost detail work
+def check_rows(table: pa.Table, where: str, routing: RoutingShape | None = None) -> None:
+    """Raise for the first row of ``table`` (a projection of the schema's columns) that breaks an invariant;
+    ``routing``: the shard's routing shape (its config's), for a ``routed_experts`` column."""
+    problems = check_projection(table, limit=1, routing=routing)  # the first is all the message shows; the rest cost detail work
     if problems:
         p = problems[0]
         raise DataError(f"{where}: sample {p.sample_id!r}: {p.field}: {p.detail}; {VALIDATE}")

@@ -59,8 +59,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollshard.store.errors import DataError
+from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, routing_problems
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS): the logprob is then
 # log softmax(logits), not of logits / temperature. Engines and trainer share it.
 GREEDY_TEMPERATURE_EPS = 1e-6
@@ -122,12 +123,18 @@ ROW_SCHEMA = pa.schema(
         # not asked; both columns are absent from 1.0 shards). Under loss_mask 0: 0.0 and an empty support.
         pa.field("sampling_logprobs", pa.list_(pa.float32())),  # logprob under the truncated, renormalized distribution
         pa.field("sampling_support", pa.list_(pa.list_(pa.int32()))),  # the token ids the engine sampled from
+        # Schema 1.2: each MoE layer's top-k expert ids at every forwarded position (store/routing.py); null for a
+        # dense model or an engine not asked; absent from older shards.
+        pa.field("routed_experts", pa.binary()),
     ]
 )
-# Columns a shard of an older 1.x schema may lack (read as nulls).
+# The schema 1.1 sampling pair: both present or both absent (a 1.0 shard, read as nulls).
 OPTIONAL_COLUMNS = ("sampling_logprobs", "sampling_support")
+# Every column a shard of an older 1.x schema may lack (read as nulls): the sampling pair and the 1.2 routing.
+ADDED_COLUMNS = (*OPTIONAL_COLUMNS, ROUTING_COLUMN)
+# Per-token columns (never dictionary-encoded).
 LIST_COLUMNS = (
-    "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "weight_versions", *OPTIONAL_COLUMNS,
+    "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask", "weight_versions", *ADDED_COLUMNS,
 )
 
 
@@ -167,6 +174,7 @@ class Row:
     created_at: dt.datetime | None = None
     sampling_logprobs: Sequence[float] | None = None  # schema 1.1, see ROW_SCHEMA
     sampling_support: Sequence[Sequence[int]] | None = None
+    routed_experts: bytes | None = None  # schema 1.2, see store/routing.py (RoutingShape.encode makes it)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict in the schema's column types (shallow: token lists are not copied)."""
@@ -232,12 +240,12 @@ def rows_to_table(rows: Iterable[Row | dict[str, Any]]) -> pa.Table:
 def cast_table(table: pa.Table) -> pa.Table:
     """Cast any table with the schema's columns to :data:`ROW_SCHEMA` (column order, types).
 
-    :data:`OPTIONAL_COLUMNS` a table lacks (one of an older 1.x schema) are filled with nulls.
+    :data:`ADDED_COLUMNS` a table lacks (one of an older 1.x schema) are filled with nulls.
     """
     if table.schema.equals(ROW_SCHEMA, check_metadata=False):  # already the schema: no select, no cast
         return table if table.schema.metadata is None else table.replace_schema_metadata(None)
     names = set(table.column_names)
-    for name in OPTIONAL_COLUMNS:
+    for name in ADDED_COLUMNS:
         if name not in names:
             table = table.append_column(ROW_SCHEMA.field(name), pa.nulls(table.num_rows, ROW_SCHEMA.field(name).type))
     names = set(table.column_names)
@@ -256,7 +264,7 @@ def cast_table(table: pa.Table) -> pa.Table:
 def data_bytes(table: pa.Table) -> int:
     """Arrow bytes of ``table`` without its all-null optional columns: the writer cuts a row group of rows
     without a sampling support where a schema 1.0 writer cut it."""
-    unused = [n for n in OPTIONAL_COLUMNS if n in table.column_names and table.column(n).null_count == table.num_rows]
+    unused = [n for n in ADDED_COLUMNS if n in table.column_names and table.column(n).null_count == table.num_rows]
     return table.nbytes - sum(table.column(n).nbytes for n in unused)
 
 
@@ -270,17 +278,20 @@ def _flat(list_array: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.nd
     return values, (offsets - offsets[0]).astype(np.int64)
 
 
-def check_table(table: pa.Table, *, limit: int = 20) -> list[Problem]:
+def check_table(table: pa.Table, *, limit: int = 20, routing: RoutingShape | None = None) -> list[Problem]:
     """Every invariant break in a table of :data:`ROW_SCHEMA` rows (at most ``limit`` reported).
 
     Written for the common case of a clean table: a screen of whole-column reductions
     (:func:`_clean`), and the per-row detail of :func:`_check` only for a table it does not pass.
+    ``routing``: the dataset's routing shape (its run config's, store/routing.py), which the
+    ``routed_experts`` column is checked against; a table with routing and no shape is a problem.
     """
     has = _ALL_COLUMNS
-    return [] if _clean(table, has) else _check(table, limit, has)
+    problems = [] if _clean(table, has) else _check(table, limit, has)
+    return problems + _check_routing(table, limit - len(problems), has, routing)
 
 
-def check_projection(table: pa.Table, *, limit: int = 20) -> list[Problem]:
+def check_projection(table: pa.Table, *, limit: int = 20, routing: RoutingShape | None = None) -> list[Problem]:
     """:func:`check_table` on a projection of :data:`ROW_SCHEMA` columns (``sample_id`` among them).
 
     Each invariant is checked when the table has every column it involves; the loader,
@@ -289,7 +300,29 @@ def check_projection(table: pa.Table, *, limit: int = 20) -> list[Problem]:
     if "sample_id" not in table.column_names:
         raise ValueError("check_projection needs the sample_id column to name the rows it reports")
     has = set(table.column_names) & _ALL_COLUMNS
-    return [] if _clean(table, has) else _check(table, limit, has)
+    problems = [] if _clean(table, has) else _check(table, limit, has)
+    return problems + _check_routing(table, limit - len(problems), has, routing)
+
+
+def _check_routing(table: pa.Table, limit: int, has: set[str] | frozenset[str],
+                   routing: RoutingShape | None) -> list[Problem]:
+    """The schema 1.2 ``routed_experts`` invariants (store/routing.py), when the table has the column and the
+    token columns it is measured against."""
+    if limit <= 0 or not has.issuperset((ROUTING_COLUMN, "prompt_tokens", "response_tokens")):
+        return []
+    routed = table.column(ROUTING_COLUMN)
+    if routed.null_count == table.num_rows:
+        return []
+    problems: list[Problem] = []
+    ids = table.column("sample_id").to_pylist()
+
+    def add(rows, field, detail_of) -> None:
+        for i in list(rows)[: max(0, limit - len(problems))]:
+            problems.append(Problem(ids[int(i)], field, detail_of(int(i))))
+
+    lens = [np.diff(_flat(table.column(c))[1]) for c in ("prompt_tokens", "response_tokens")]
+    routing_problems(routed, lens[0], lens[1], routing, add)
+    return problems
 
 
 TOKEN_LISTS = ("response_tokens", "rollout_logprobs", "loss_mask")  # the columns of the length invariant

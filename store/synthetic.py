@@ -75,6 +75,7 @@ def synthetic_table(
             cols["response_text"].append(None)
             cols["metadata"].append('{"task": "synthetic"}')
             cols["created_at"].append(now)
+            cols["routed_experts"].append(None)
             if top_k is None:
                 cols["sampling_logprobs"].append(None)
                 cols["sampling_support"].append(None)

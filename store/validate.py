@@ -41,13 +41,16 @@ import pyarrow.parquet as pq
 from rollshard.store.dataset import DatasetNotFoundError
 from rollshard.store.integrity import file_digests
 from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
+from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import (
+    ADDED_COLUMNS,
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
     SchemaVersionError,
     cast_table,
     check_schema_version,
     check_table,
+    config_of,
 )
 from rollshard.store.storage import Storage
 from rollshard.store.writer import row_group_info
@@ -207,10 +210,15 @@ class Validator:
 
     def _check_content(self, pf: pq.ParquetFile, shard: ShardInfo, problem: Callable[[str, str], None]) -> None:
         check_schema_version(pf.schema_arrow.metadata, shard.path)
+        try:
+            routing = RoutingShape.from_config(config_of(pf.schema_arrow.metadata))
+        except ValueError as e:  # a routing entry rollshard cannot use: the shard's routing goes unchecked
+            problem("schema", f"run config: {e}")
+            routing = None
         expected = {f.name: f.type for f in ROW_SCHEMA}
         got = {f.name: f.type for f in pf.schema_arrow}
         # A shard of an older 1.x schema lacks the optional columns (read as nulls); the sampling pair comes whole.
-        missing = [n for n in expected if n not in got and n not in OPTIONAL_COLUMNS]
+        missing = [n for n in expected if n not in got and n not in ADDED_COLUMNS]
         alone = [n for n in OPTIONAL_COLUMNS if n in got]
         if len(alone) == 1:
             missing.append(next(n for n in OPTIONAL_COLUMNS if n not in got))
@@ -227,7 +235,7 @@ class Validator:
             except ValueError as e:
                 problem("schema", f"row group {i}: {e}")
                 return
-            for p in check_table(table, limit=PROBLEMS_PER_SHARD):
+            for p in check_table(table, limit=PROBLEMS_PER_SHARD, routing=routing):
                 if p.field == "sample_id" and p.detail == "appears more than once":
                     continue  # the dataset-wide duplicate check reports these, with the shards
                 n_invariant += 1

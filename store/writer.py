@@ -42,6 +42,7 @@ import xxhash
 
 from rollshard.store.integrity import MAGIC, file_digests, row_group_ranges
 from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
+from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import (
     LIST_COLUMNS,
     ROW_SCHEMA,
@@ -98,6 +99,7 @@ class ShardWriter:
         self.options = options or WriterOptions()
         self.config = config or {}
         self._schema = ROW_SCHEMA.with_metadata(file_metadata(self.config))
+        self._routing = RoutingShape.from_config(self.config)  # schema 1.2: the routed_experts column's shape
         self.storage.makedirs(SHARD_DIR)
         rel = Manifest.rel_path(self.writer_id)
         self._claim = self.storage.claim(self.writer_id, rel, lease_seconds=self.options.lease_seconds,
@@ -260,7 +262,7 @@ class ShardWriter:
     def _append(self, table: pa.Table, group_ids: list[str]) -> None:
         self._check_open()
         if self.options.validate:
-            problems = check_table(table)
+            problems = check_table(table, routing=self._routing)
             if problems:
                 raise RowInvariantError(problems)
         repeated = self._groups_written.intersection(group_ids)

@@ -112,7 +112,7 @@ def test_stats_json_worked_values(worked, stats_json):
     assert (st["prompt_tokens"], st["response_tokens"], st["tokens"]) == (29, 19, 48)
     assert st["bytes"] == sum(p.stat().st_size for p in (worked / "shards").glob("*.parquet"))
     assert st["status"] == {"completed": 6, "truncated": 1, "aborted": 0, "failed": 1}
-    assert st["schema_version"] == "1.1"
+    assert st["schema_version"] == "1.2"
     solver, rewriter, selector = (st["agents"][a] for a in ("solver", "rewriter", "selector"))
     # solver: 5 rows, 2 groups, response 3+5+2+2+0 = 12, trainable 3+3+2+2 = 10
     assert (solver["rows"], solver["groups"], solver["response_tokens"], solver["trainable_tokens"]) == (5, 2, 12, 10)
@@ -162,7 +162,7 @@ def test_inspect_json_matches_stats_and_worked_values(worked, stats_json):
 def test_inspect_and_stats_tables(worked, capsys):
     res = run("inspect", worked)
     assert res.returncode == 0, res.stderr
-    for needle in ("schema_version", "1.1", "engine.model", "multi_agent", "w0", "w1", "0.3750", "truncated",
+    for needle in ("schema_version", "1.2", "engine.model", "multi_agent", "w0", "w1", "0.3750", "truncated",
                    "zero reward variance", "single-member", "25.0%", "weight_version"):
         assert needle in res.stdout, needle
     assert main(["stats", str(worked)]) == 0

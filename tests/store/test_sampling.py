@@ -87,7 +87,7 @@ def expected() -> dict[str, dict]:
 def test_the_1_0_shard_is_one_and_the_writer_writes_1_1_with_both_columns(mixed):
     ds = RolloutDataset.open(mixed)
     versions = {s.writer_id: pq.read_schema(mixed / s.path).metadata[META_SCHEMA_VERSION] for s in ds.shards}
-    assert versions == {"a10": b"1.0", "b11": b"1.1", "c11": b"1.1"}
+    assert versions == {"a10": b"1.0", "b11": b"1.2", "c11": b"1.2"}
     assert "sampling_support" not in pq.read_schema(mixed / ds.shards[0].path).names
     for s in ds.shards[1:]:  # a 1.1 shard always carries both columns, null when unused
         schema = pq.read_schema(mixed / s.path)
@@ -186,7 +186,7 @@ def test_derive_of_a_mix_copies_the_1_0_shard_and_rewrites_it_as_1_1(mixed, tmp_
     derive_dataset(mixed, tmp_path / "drop", drop_first_group, operation="filter", details={}, progress=False)
     ds = RolloutDataset.open(tmp_path / "drop")
     versions = sorted(pq.read_schema(tmp_path / "drop" / s.path).metadata[META_SCHEMA_VERSION] for s in ds.shards)
-    assert versions == [b"1.1"] * 3  # the 1.0 shard, rewritten by the writer, is a 1.1 shard with null supports
+    assert versions == [b"1.2"] * 3  # the 1.0 shard, rewritten by the writer, is a current shard with null supports
     want = {k: v for k, v in expected().items() if not k.startswith("op0-")}
     assert by_id(ds.read().to_pylist()) == want
     assert validate_dataset(tmp_path / "drop").ok

@@ -167,7 +167,7 @@ def test_status_from_finish_reason():
 
 
 def test_schema_version_checks():
-    assert check_schema_version(file_metadata({}), "f") == "1.1"
+    assert check_schema_version(file_metadata({}), "f") == "1.2"
     assert check_schema_version({b"rollshard.schema_version": b"1.7"}, "f") == "1.7"
     with pytest.raises(SchemaVersionError, match="written with rollshard schema 2.0, this rollshard reads schema 1.x; upgrade"):
         check_schema_version({b"rollshard.schema_version": b"2.0"}, "f")

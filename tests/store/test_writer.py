@@ -47,7 +47,7 @@ def test_write_commit_and_manifest_counts(tmp_path):
     assert shard.sha256 == Storage(tmp_path).sha256(shard.path)
     assert ds.config == {"task": "toy"}
     meta = pq.read_schema(tmp_path / shard.path).metadata
-    assert meta[b"rollshard.schema_version"] == b"1.1"
+    assert meta[b"rollshard.schema_version"] == b"1.2"
     assert json.loads(meta[b"rollshard.config"]) == {"task": "toy"}
     assert ds.read().equals(table)
 
