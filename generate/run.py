@@ -25,6 +25,12 @@ returns them only with a finite top-k (<= its ``--sampling-mask-max-tokens``): a
 SGLang needs ``--top-k K`` or ``--sampling-support off`` (a usage error otherwise). The
 resolved setting is part of the run config a resume compares.
 
+Routed experts (``--routed-experts auto|on|off``, default auto): on a mixture-of-experts model each row
+also stores every MoE layer's top-k expert ids at every position the engine forwarded (schema 1.2
+``routed_experts``, store/routing.py), which ``rollshard-train --routing-replay`` forces in training (R3).
+auto: when the model is MoE and the engine returns them (an SGLang server needs
+``--enable-return-routed-experts``); on: refused for a dense model or an engine that does not.
+
 Resuming checks the settings (the first differing one is named) and every prompt
 already in the dataset: its stored ``prompt_hash`` (rendered prompt ids and label) must
 match the source's, so an edited or swapped prompt file is refused rather than skipped.
@@ -54,6 +60,7 @@ import json
 import math
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
@@ -86,6 +93,7 @@ from rollshard.generate.tasks import (
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.lineage import lineage_of
 from rollshard.store.model_fingerprint import model_fingerprint
+from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_config
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 from rollshard.store.gguf import gguf_source
@@ -179,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "truncates (--top-p < 1 or --top-k, temperature > 0); on: also for greedy runs, and refused when nothing "
         "truncates; off: never. SGLang returns it only with a top-k (<= its --sampling-mask-max-tokens, 4096 by "
         "default): a top-p run needs --top-k K too (default: %(default)s)",
+    )
+    s.add_argument(
+        "--routed-experts", choices=SUPPORT_MODES, default="auto",
+        help="store each MoE layer's top-k expert ids at every prompt and response position (schema 1.2), for "
+        "routing replay in training. auto: when the model is a mixture of experts and the engine returns them "
+        "(SGLang: --enable-return-routed-experts); on: refused otherwise; off: never (default: %(default)s)",
     )
     s.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per model turn (default: %(default)s)")
     s.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
@@ -448,6 +462,48 @@ def _sampling_support(args: argparse.Namespace) -> bool:
     return ask
 
 
+async def _routing(args: argparse.Namespace, engine: Engine, info: dict[str, Any],
+                   sampling: SamplingParams) -> RoutingShape | None:
+    """The routing shape the run stores (``--routed-experts``), or None: the model's (its folder's config.json),
+    when it is a mixture of experts and the engine returns routing."""
+    if args.routed_experts == "off":
+        return None
+    try:
+        shape = _model_routing(info)
+    except RoutingShapeError as e:
+        if args.routed_experts == "on":
+            raise UsageError(f"--routed-experts on: {e}") from e
+        return None
+    if shape is None:
+        if args.routed_experts == "on":
+            raise UsageError(f"--routed-experts on: the model ({info.get('model_path')}) is not a mixture of experts "
+                             "whose config.json names num_experts and num_experts_per_tok; use --routed-experts auto")
+        return None
+    returns = getattr(engine, "returns_routed_experts", None)
+    if returns is not None and not await returns(sampling):
+        if args.routed_experts == "on":
+            raise UsageError(f"--routed-experts on: engine {args.engine!r} returns no routed experts; start the SGLang "
+                             "server with --enable-return-routed-experts, or use --routed-experts auto/off")
+        print(f"{PROG}: note: the engine returns no routed experts (start SGLang with --enable-return-routed-experts "
+              "to store them for routing replay); rows are written without", file=sys.stderr)
+        return None
+    return shape
+
+
+def _model_routing(info: dict[str, Any]) -> RoutingShape | None:
+    """The routing shape of the served model, from its folder's config.json (None: dense, or not local)."""
+    path = info.get("model_path")
+    config = Path(str(path)) / "config.json" if path else None
+    if config is None or not config.is_file():
+        raise RoutingShapeError(f"the engine's model path {path!r} is not a local folder with a config.json to read "
+                                "the expert count from")
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise RoutingShapeError(f"cannot read {config}: {e}") from e
+    return shape_of_model_config(data.get("text_config", data) if isinstance(data, dict) else {})
+
+
 def _resumes_a_dataset_without_supports(out: str) -> bool:
     """Whether ``out`` holds rows generated before the sampling support was recorded (no such config key)."""
     try:
@@ -588,6 +644,10 @@ async def _generate(
         )
         if config["model"] and (source := gguf_source(config["model"])):
             config["model_source"] = source  # a .gguf file's name and sha256 (its converted folder is a cache)
+        routing = await _routing(args, engine, info, sampling)
+        if routing is not None:
+            config[ROUTING_KEY] = routing.to_config()
+            sampling = dataclasses.replace(sampling, return_routed_experts=True)
         try:  # both render prompts with the run's chat template
             _check_existing_prompts(args.out, prompts, task, tokenizer, args.chat, passes=args.repeat)
             warning = prompts and system.context_warning(
@@ -726,7 +786,8 @@ def _sampling_config(sampling: SamplingParams) -> dict[str, Any]:
     """The run config's ``sampling``: every field but the per-request seed and the support (recorded apart).
     ``ignore_eos`` only when set: configs written before it existed mean false, and the resume check compares
     the dicts key by key, so a false written out would refuse to resume every earlier dataset."""
-    out = {k: v for k, v in dataclasses.asdict(sampling).items() if k not in ("sampling_seed", "return_sampling_mask")}
+    out = {k: v for k, v in dataclasses.asdict(sampling).items()
+           if k not in ("sampling_seed", "return_sampling_mask", "return_routed_experts")}
     if not out["ignore_eos"]:
         del out["ignore_eos"]
     return out

@@ -71,6 +71,7 @@ from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.live import clear_complete, mark_complete
+from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import Row, rows_to_table
 from rollshard.store.writer import ShardWriter
 
@@ -526,6 +527,7 @@ class Runner:
                 system=self.system.name,
                 scorer=self.scorer,
                 chat=self.chat,
+                routing=RoutingShape.from_config(self.writer.config) if self.sampling.return_routed_experts else None,
             )
             try:
                 rows = await play(self.system, episode)

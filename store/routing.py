@@ -193,3 +193,11 @@ def routing_problems(
         zero_rows = np.flatnonzero(ok)[has][~per_row.all(axis=1)]
         add(zero_rows, ROUTING_COLUMN, lambda i: (
             "has a layer whose expert ids are all 0 over the row: the routing was not captured for it"))
+
+
+def find_routers(model: Any) -> list[Any]:
+    """The top-k routers of a transformers MoE model, in layer order: the submodules named ``*TopKRouter`` with
+    ``top_k`` and ``num_experts`` (transformers 5.x: ``forward(hidden) -> (logits, scores, indices)``). Empty for a
+    dense model."""
+    return [m for m in model.modules()
+            if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") and hasattr(m, "num_experts")]

@@ -39,11 +39,14 @@ import json
 from collections import Counter
 from typing import Any, ClassVar
 
+import numpy as np
+
 from rollshard.generate.chat import ChatFormat
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.rewards import Scorer, TaskScorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.generate.tasks.prompts import ID_SEPARATOR
+from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import Row, Status, WeightSpan
 from rollshard.store.tokenizer import encode
 
@@ -86,10 +89,38 @@ class AgentCall:
     # With sampling.return_sampling_mask, per response token (environment tokens: 0.0 and []); else None.
     sampling_logprobs: list[float] | None = None
     sampling_support: list[list[int]] | None = None
+    # With sampling.return_routed_experts: [positions, layers, top_k] expert ids of every position the engine
+    # forwarded for this trajectory (prompt, then each turn's tokens, the last one excepted); None when a turn
+    # came back with none (a request answered before any forward).
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         if self.sampling.return_sampling_mask and self.sampling_logprobs is None:
             self.sampling_logprobs, self.sampling_support = [], []
+
+    def _add_routing(self, result: GenerateResult, input_len: int) -> None:
+        """A turn's routing after what the call holds: the turn's request covered positions
+        ``[routed_experts_start, input_len + output - 1)``; a continuation keeps the earlier turns' routing of the
+        positions they forwarded (as the engine routed them then) and takes the turn's for the rest. A turn the
+        engine answered before any forward (an abort in its queue) leaves the call without routing."""
+        ids = result.routed_experts
+        if ids is None and result.output_ids:  # tokens without the routing that chose them: the ask was ignored
+            raise EngineError(
+                f"request for {self.sample_id} turn {self.turns}: the engine returned no routed experts although "
+                "return_routed_experts was asked for (an SGLang server needs --enable-return-routed-experts)"
+            )
+        if ids is None or (self.turns and self.routed_experts is None):
+            self.routed_experts = None
+            return
+        have = 0 if self.routed_experts is None else len(self.routed_experts)
+        start, want = result.routed_experts_start, max(input_len + len(result.output_ids) - 1, 0)
+        if start > have or start + len(ids) != want:
+            raise EngineError(
+                f"request for {self.sample_id} turn {self.turns}: the engine's routed experts cover positions "
+                f"[{start}, {start + len(ids)}), expected [{have}, {want}) or from 0"
+            )
+        new = ids[have - start :]
+        self.routed_experts = new if self.routed_experts is None else np.concatenate([self.routed_experts, new])
 
     def add_turn(self, result: GenerateResult) -> None:
         if self.sampling_support is not None:
@@ -101,6 +132,8 @@ class AgentCall:
                 )
             self.sampling_logprobs += result.sampling_logprobs
             self.sampling_support += [list(s) for s in result.sampling_support]
+        if self.sampling.return_routed_experts:
+            self._add_routing(result, len(self.prompt_ids) + len(self.response_ids))
         start = len(self.response_ids)
         self.response_ids += result.output_ids
         self.logprobs += result.logprobs
@@ -166,7 +199,10 @@ class Episode:
         system: str = "",
         scorer: Scorer | None = None,
         chat: ChatFormat | None = None,
+        routing: RoutingShape | None = None,
     ):
+        """``routing``: the dataset's routing shape (its run config's), with which a call's routed experts are
+        stored (schema 1.2); None when the run stores none."""
         if ID_SEPARATOR in prompt.prompt_id:  # load_prompts refuses these; a Prompt built in code may not
             raise ValueError(
                 f"prompt id {prompt.prompt_id!r} contains {ID_SEPARATOR!r}, which separates the parts of group and "
@@ -184,6 +220,7 @@ class Episode:
         self.system = system
         self.scorer = scorer or TaskScorer(task)
         self.chat = chat or ChatFormat()
+        self.routing = routing
         self.calls: dict[str, AgentCall] = {}  # every call made, by sample id (what check_rows holds rows to)
         self.skipped: Counter = Counter()  # optional calls skipped because their prompt did not fit, by agent
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # n samples of one conversation: render once
@@ -322,6 +359,8 @@ class Episode:
             metadata=meta,
             sampling_logprobs=_copy_logprobs(call.sampling_logprobs),
             sampling_support=_copy_support(call.sampling_support),
+            routed_experts=(self.routing.encode(call.routed_experts)
+                            if self.routing is not None and call.routed_experts is not None else None),
         )
 
     def check_rows(self, rows: list[Row]) -> None:
@@ -369,7 +408,7 @@ class Episode:
 PROVENANCE_FIELDS = (
     "prompt_id", "group_id", "agent", "round", "prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask",
     "status", "finish_reason", "weight_version", "weight_versions", "temperature", "top_p", "top_k", "prompt_text",
-    "response_text", "sampling_logprobs", "sampling_support",
+    "response_text", "sampling_logprobs", "sampling_support", "routed_experts",
 )
 LIST_FIELDS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask")
 

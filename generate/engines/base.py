@@ -52,6 +52,9 @@ class SamplingParams:
     # Not a sampling parameter: ask the engine for each output token's sampling support (SGLang's request-level
     # ``return_sampling_mask``); the result then carries sampling_logprobs and sampling_support.
     return_sampling_mask: bool = False
+    # Not a sampling parameter either: ask a MoE engine for the routed experts of every position it forwarded
+    # (SGLang's request-level ``return_routed_experts``); the result then carries routed_experts (schema 1.2).
+    return_routed_experts: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The ``sampling_params`` of a request: the set fields, plus :data:`NEUTRAL_SAMPLING` spelled out."""
@@ -65,7 +68,8 @@ class SamplingParams:
         return out
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "return_sampling_mask")
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                         if f.name not in ("return_sampling_mask", "return_routed_experts"))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -86,6 +90,12 @@ class GenerateResult:
     # truncated, renormalized distribution, and the ids of that distribution's support (the token among them).
     sampling_logprobs: list[float] | None = None
     sampling_support: list[list[int]] | None = None
+    # With SamplingParams.return_routed_experts on a MoE model: ``[positions, layers, top_k]`` expert ids of the
+    # positions from ``routed_experts_start`` to the request's last forwarded one (input and output tokens but
+    # the last output token: SGLang's ``len(tokens) - 1``); None when the engine forwarded nothing (an abort in
+    # the queue) or was not asked.
+    routed_experts: Any = None  # numpy integer array
+    routed_experts_start: int = 0
 
     def __post_init__(self) -> None:
         assert len(self.logprobs) == len(self.output_ids), "engine result must have one logprob per output token"

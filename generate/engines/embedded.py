@@ -83,6 +83,7 @@ import torch
 from rollshard.generate.engines import kv_cache
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.engines.batch import Batch
+from rollshard.generate.engines.routing import RoutingCapture
 from rollshard.generate.engines.sampler import SamplingRows, sample_tokens  # noqa: F401 (sample_tokens: re-exported)
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
 from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
@@ -133,6 +134,7 @@ class _Request:
     out_lps: list[float] = dataclasses.field(default_factory=list)
     out_support: list[list[int]] = dataclasses.field(default_factory=list)  # with sampling.return_sampling_mask
     out_sampling_lps: list[float] = dataclasses.field(default_factory=list)
+    routed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # with sampling.return_routed_experts
     finish: dict[str, Any] | None = None
     cancelled: bool = False
     abort_requested: bool = False  # set by abort() on the event loop, acted on by the worker
@@ -173,6 +175,7 @@ class EmbeddedEngine(Engine):
             raise EngineError(str(e)) from e
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
         self.model = load_causal_lm(self.model_path, device, dtype)
+        self._routing = _capture(self.model, self.model_path)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
@@ -419,7 +422,9 @@ class EmbeddedEngine(Engine):
         with self._lock:
             model, path, version, done = self._swap
             self._swap = None
+        self._routing.remove()
         self.model = model
+        self._routing = _capture(model, path)
         self.model_path = path
         self.weight_version = version
         done.set()
@@ -455,6 +460,7 @@ class EmbeddedEngine(Engine):
             [[False] * (length - len(p)) + [True] * len(p) for p in prompts], device=self.device
         )  # [u, L]
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [u, L]
+        self._routing.on = routing = self._routing.shape is not None and any(r.sampling.return_routed_experts for r in rows)
         out = self.model(
             input_ids=ids,
             attention_mask=valid.long(),
@@ -465,6 +471,11 @@ class EmbeddedEngine(Engine):
         )
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
         logits = out.logits[:, -1, :]  # [u, V]
+        if routing:  # each row's prompt positions (its left padding dropped)
+            ids = self._routing.take().view(len(prompts), length, *self._routing.shape_lk)  # [u, L, layers, top_k]
+            for req, d in zip(rows, of_row):
+                if req.sampling.return_routed_experts:
+                    req.routed.append(ids[d, length - len(req.input_ids) :])
         if len(prompts) < len(rows):
             index = torch.tensor(of_row, device=self.device)  # [n]
             layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
@@ -484,6 +495,8 @@ class EmbeddedEngine(Engine):
         mask = kv.mask[..., : kv.n + 1]  # [B, 1, 1, n + 1] prepared: transformers builds none
         if not self._full_attention:  # sliding-window layers: transformers builds their masks from the 2-D one
             mask = (mask[:, 0, 0] == 0).long()  # [B, n + 1]
+        asked = [r.sampling.return_routed_experts for r in batch.rows]
+        self._routing.on = routing = self._routing.shape is not None and any(asked)
         out = self.model(
             input_ids=batch.last[:, None],  # [B, 1]
             attention_mask=mask,
@@ -492,6 +505,11 @@ class EmbeddedEngine(Engine):
             **{self._cache_kw: kv_cache.column_cache(kv)},
         )
         batch.pos = batch.pos + 1
+        if routing:  # the position of each row's fed token
+            ids = self._routing.take()  # [B, layers, top_k]
+            for i, req in enumerate(batch.rows):
+                if asked[i]:
+                    req.routed.append(ids[i : i + 1])
         step = batch.sampling.sample(out.logits[:, -1, :])
         self._record(batch.rows, *step)
         batch.last = step[0]
@@ -566,7 +584,17 @@ class EmbeddedEngine(Engine):
             meta={"id": req.rid, "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.start},
             sampling_logprobs=list(req.out_sampling_lps) if asked else None,
             sampling_support=[list(x) for x in req.out_support] if asked else None,
+            # Prompt positions from the prefill, one more per decode step: len(input) + n - 1 (none when the
+            # request was answered before any forward).
+            routed_experts=torch.cat(req.routed).numpy() if req.routed else None,
         )
+
+
+def _capture(model, path) -> RoutingCapture:
+    try:
+        return RoutingCapture(model)
+    except ValueError as e:  # RoutingShapeError, or routers the capture cannot read
+        raise EngineError(f"model {str(path)!r}: {e}") from e
 
 
 def default_threads() -> int:
