@@ -59,6 +59,7 @@ class GenerateRequest:
     rid: str | None
     return_logprob: bool
     return_sampling_mask: bool = False
+    return_routed_experts: bool = False
 
 
 def _is_int(v: Any) -> bool:
@@ -94,7 +95,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be a JSON object, got {type(raw).__name__}")
     # return_sampling_mask is a request-level key in SGLang, unknown inside sampling_params (400 there too).
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"return_sampling_mask"}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"return_sampling_mask", "return_routed_experts"}
     unsupported = sorted(k for k in raw if k not in fields and k not in NEUTRAL_SAMPLING)
     if unsupported:
         names = ", ".join(f"sampling_params.{k}" for k in unsupported)
@@ -194,6 +195,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
         )
     if mask:
         _check_sampling_mask(sampling)
+    routed = _bool(body, "return_routed_experts", False)
     return GenerateRequest(
         input_ids=input_ids,
         text=text,
@@ -201,6 +203,7 @@ def parse_generate(body: dict[str, Any], *, context: int, text_byte_limit: int) 
         rid=rid,
         return_logprob=_bool(body, "return_logprob", False),
         return_sampling_mask=mask,
+        return_routed_experts=routed,
     )
 
 

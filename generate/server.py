@@ -17,6 +17,9 @@ real one:
   token, the ids it was sampled from) and ``output_token_sampling_logprobs`` (its logprob under that
   renormalized support), refused as SGLang refuses it without a finite top_k (see
   :mod:`rollshard.generate.serve_requests`);
+* ``return_routed_experts: true`` (top level), on a server started with ``--enable-return-routed-experts``
+  (a MoE model), adds ``meta_info.routed_experts`` as SGLang 0.5.23 sends it: base64 of the little-endian
+  int32 ids ``[input + output - 1, layers, top_k]``; without the flag the key is absent, as there;
 * ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"}`` ->
   ``{"success", "message", "num_paused_requests"}``;
 * ``POST /update_weight_version`` ``{"new_version"}``; ``/flush_cache``.
@@ -37,6 +40,7 @@ huge request cannot stall ``/health`` or the other requests.
 from __future__ import annotations
 
 import argparse
+import base64
 import asyncio
 import dataclasses
 import json
@@ -107,8 +111,9 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 class Server:
     """aiohttp application around one :class:`EmbeddedEngine`."""
 
-    def __init__(self, engine: EmbeddedEngine) -> None:
+    def __init__(self, engine: EmbeddedEngine, *, routed_experts: bool = False) -> None:
         self.engine = engine
+        self.routed_experts = routed_experts  # --enable-return-routed-experts
         token_bytes = longest_token_bytes(engine.tokenizer)
         self.text_byte_limit = engine.context * token_bytes  # more bytes than this is more tokens than the context
         limit = body_limit(engine.context, token_bytes, engine.model.config.vocab_size)
@@ -138,8 +143,12 @@ class Server:
         if input_ids is None:
             input_ids = await asyncio.to_thread(encode, self.engine.tokenizer, req.text)
         start = time.perf_counter()
+        # SGLang answers return_routed_experts only when started with --enable-return-routed-experts (silently
+        # nothing otherwise), and only for a MoE model (a dense one does not start with the flag).
+        routed = req.return_routed_experts and self.routed_experts
+        sampling = dataclasses.replace(req.sampling, return_routed_experts=True) if routed else req.sampling
         try:
-            result = await self.engine.generate(input_ids, req.sampling, rid=req.rid)
+            result = await self.engine.generate(input_ids, sampling, rid=req.rid)
         except EngineError as e:
             return _error(400, str(e))
         meta: dict[str, Any] = {
@@ -159,6 +168,8 @@ class Server:
             meta["output_token_sampling_mask"] = result.sampling_support or []
             meta["output_token_sampling_logprobs"] = result.sampling_logprobs or []
             meta["output_token_sampling_mask_length"] = len(result.sampling_support or [])
+        if routed and result.routed_experts is not None:  # SGLang 0.5.23's wire format: base64 of int32 ids
+            meta["routed_experts"] = base64.b64encode(result.routed_experts.astype("<i4").tobytes()).decode()
         return web.json_response({"text": result.text, "output_ids": result.output_ids, "meta_info": meta})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -230,7 +241,10 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version,
         threads=args.threads,
     )
-    server = Server(engine)
+    if args.enable_return_routed_experts and engine.routing_shape is None:
+        await engine.close()
+        raise EngineError(f"--enable-return-routed-experts: model {args.model} is not a mixture of experts")
+    server = Server(engine, routed_experts=args.enable_return_routed_experts)
     runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -266,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows decoded together (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch threads of the decode (default: the machine's cores less one, at least 1)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer return_routed_experts requests with meta_info.routed_experts (SGLang's flag and "
+                        "wire format: base64 of int32 [input + output - 1, layers, top_k]); a MoE model only")
     parser.add_argument(
         "--weight-version", default=None,
         help="weight_version reported (default: the checkpoint's own, from its trainer_state.json; else 0)",

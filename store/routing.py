@@ -83,8 +83,11 @@ class RoutingShape:
         return cls(**entry)
 
     def encode(self, ids: np.ndarray) -> bytes:
-        """``[positions, layers, top_k]`` ids -> the column's bytes (checked to fit the shape and the type)."""
+        """``[positions, layers, top_k]`` (or ``[positions, layers x top_k]``, as an SGLang client without the
+        model's config holds them) ids -> the column's bytes (checked to fit the shape and the type)."""
         ids = np.asarray(ids)
+        if ids.ndim == 2 and ids.shape[1] == self.width:
+            ids = ids.reshape(-1, self.layers, self.top_k)
         if ids.ndim != 3 or ids.shape[1:] != (self.layers, self.top_k):
             raise RoutingShapeError(
                 f"routed experts of shape {tuple(ids.shape)}; this dataset stores [positions, {self.layers}, "

@@ -293,6 +293,11 @@ class EmbeddedEngine(Engine):
             "eos_token_ids": list(self.eos_ids),
         }
 
+    @property
+    def routing_shape(self):
+        """The served model's :class:`~rollshard.store.routing.RoutingShape` (None: a dense model)."""
+        return self._routing.shape
+
     def utilization(self) -> dict[str, float]:
         """``busy_seconds`` (the worker's time on a non-empty batch: prefill and decode) and ``uptime_seconds``
         (since the model was loaded): their ratio is the engine's busy share, for a run's summary."""

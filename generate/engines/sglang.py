@@ -307,6 +307,8 @@ class SGLangEngine(Engine):
         }
         if sampling.return_sampling_mask:  # a request-level key in SGLang, refused inside sampling_params
             payload["return_sampling_mask"] = True
+        if sampling.return_routed_experts:  # request-level too; a server without the flag just omits the answer
+            payload["return_routed_experts"] = True
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         _, sem = self._http()
         breaker = self.breaker
@@ -341,7 +343,8 @@ class SGLangEngine(Engine):
             if not isinstance(body, dict):
                 raise EngineError(f"request {rid}: /generate answered {type(body).__name__}, expected one JSON object")
             try:
-                return parse_response(body, rid=rid, sampling_mask=sampling.return_sampling_mask)
+                return parse_response(body, rid=rid, sampling_mask=sampling.return_sampling_mask,
+                                      routed_experts_of=len(input_ids) if sampling.return_routed_experts else None)
             except TransientAbortError as e:
                 errors.append(f"{url}/generate aborted it with status_code {e.status_code} ({e.reason})")
         raise EngineError(f"request {rid}: gave up after {cfg.max_retries + 1} attempts; last error: {errors[-1]}")
@@ -366,6 +369,23 @@ class SGLangEngine(Engine):
         infos = await self._on_every_server(check)
         self.breaker.reset()
         return infos
+
+    async def returns_routed_experts(self, sampling: SamplingParams) -> bool:
+        """Whether every server answers ``return_routed_experts`` (SGLang sends ``meta_info.routed_experts`` only
+        when started with ``--enable-return-routed-experts``; otherwise the key is absent, with no error): one
+        request of one token each."""
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
+        probe = dataclasses.replace(sampling, max_new_tokens=1, sampling_seed=0, return_sampling_mask=False)
+        payload = {"input_ids": [0], "sampling_params": probe.to_json(), "return_routed_experts": True}
+
+        async def answers(url: str) -> bool:
+            try:
+                body = await self._post(url, "/generate", payload, timeout)
+            except (_Retryable, EngineError) as e:
+                raise EngineError(f"SGLang server {url}: a one-token return_routed_experts request failed: {e}") from e
+            return isinstance(body, dict) and "routed_experts" in (body.get("meta_info") or {})
+
+        return all(await self._on_every_server(answers))
 
     async def _check_sampling_mask(self, url: str, sampling: SamplingParams) -> None:
         """Refuse a top_k the server's ``--sampling-mask-max-tokens`` (``/get_server_info``) would refuse on every

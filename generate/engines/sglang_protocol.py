@@ -20,6 +20,8 @@ server, or a proxy in between, passes them as a 200 answer, which is why the bod
 
 from __future__ import annotations
 
+import base64
+
 import json
 from typing import Any
 
@@ -95,11 +97,15 @@ def abort_status(finish: dict[str, Any]) -> int | None:
         return None
 
 
-def parse_response(body: dict[str, Any], *, rid: str, sampling_mask: bool = False) -> GenerateResult:
+def parse_response(body: dict[str, Any], *, rid: str, sampling_mask: bool = False,
+                   routed_experts_of: int | None = None) -> GenerateResult:
     """Validate one ``/generate`` response and turn it into a :class:`GenerateResult` (see :mod:`.sglang`).
 
     ``sampling_mask``: the request asked for ``return_sampling_mask``; the response must then carry one
     support and one sampling logprob per response token (:func:`_sampling_support`).
+
+    ``routed_experts_of``: the request asked for ``return_routed_experts`` with this many input tokens; the
+    result carries the routing the server sent (:func:`_routed_experts`), None where it sent none.
 
     ``meta["weight_versions_sent"]`` is the server's ``weight_versions`` as sent (None when it sent
     none: the result's single span was then made from ``weight_version``)."""
@@ -199,7 +205,36 @@ def parse_response(body: dict[str, Any], *, rid: str, sampling_mask: bool = Fals
         meta=extra,
         sampling_logprobs=sampling_lps if sampling_mask else None,
         sampling_support=supports if sampling_mask else None,
+        routed_experts=(None if routed_experts_of is None else
+                        _routed_experts(meta.get("routed_experts"), rid, routed_experts_of, sent, n)),
     )
+
+
+def _routed_experts(raw: Any, rid: str, input_len: int, sent: int, kept: int) -> np.ndarray | None:
+    """SGLang's ``meta_info.routed_experts`` (0.5.23, ``--enable-return-routed-experts``): base64 of the
+    little-endian int32 ids ``[input + output - 1, layers, top_k]`` (every position forwarded but the last output
+    token), sent when the request finishes. Returned as ``[positions, layers x top_k]`` (the client does not know
+    the model's layers), cut to the ``kept`` output tokens of an abort; None when the server sent none (no
+    ``--enable-return-routed-experts``, or a request aborted in its queue)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise EngineError(f"request {rid}: meta_info.routed_experts is {type(raw).__name__}, expected a base64 string")
+    try:
+        ids = np.frombuffer(base64.b64decode(raw, validate=True), "<i4")
+    except (ValueError, TypeError) as e:  # binascii.Error is a ValueError; a length not a multiple of 4 too
+        raise EngineError(f"request {rid}: meta_info.routed_experts is not base64 of int32 ids: {e}") from e
+    rows = max(input_len + sent - 1, 0)
+    if rows == 0 or ids.size % rows or not ids.size:
+        if rows == 0 and ids.size == 0:
+            return ids.reshape(0, 0)
+        raise EngineError(
+            f"request {rid}: meta_info.routed_experts holds {ids.size} ids, not a whole number of rows for the "
+            f"{rows} positions forwarded ({input_len} input + {sent} output tokens - 1)"
+        )
+    if ids.min() < 0:
+        raise EngineError(f"request {rid}: meta_info.routed_experts holds a negative expert id")
+    return ids.reshape(rows, -1)[: max(input_len + kept - 1, 0)]
 
 
 def _sampling_fields(meta: dict[str, Any], rid: str, *, asked: bool, aborted: bool) -> tuple[list, list]:
