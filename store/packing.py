@@ -91,6 +91,9 @@ class PackedBatch:
     has_support: torch.Tensor | None = None  # [T] bool, response positions (loss_mask 1) whose row has a support
     support_ids: torch.Tensor | None = None  # [N] int64, the supports of positions t, flat
     support_offsets: torch.Tensor | None = None  # [T+1] int64: position t's support is support_ids[o[t]:o[t+1]]
+    # Schema 1.2 routed experts (LoaderConfig.routed_experts); None when no row of the micro-batch has them.
+    routed_experts: torch.Tensor | None = None  # [T, layers x top_k] uint8 (int32 over 256 experts), 0 where not valid
+    routed_valid: torch.Tensor | None = None  # [T] bool: position t has its row's stored routing (not a row's last)
 
     @property
     def num_sequences(self) -> int:
@@ -142,6 +145,8 @@ class Sequences:
     # Schema 1.1, None when no sequence has a support; else per sequence None (no support) or its arrays.
     sampling_logprobs: list[np.ndarray | None] | None = None  # S arrays of float32, one per response token
     support: list[tuple[np.ndarray, np.ndarray] | None] | None = None  # S (ids int32 [n], sizes [R] per token)
+    # Schema 1.2, None when no sequence has routing; else per sequence None or its [P + R - 1, layers x top_k] ids.
+    routing: list[np.ndarray | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt)
@@ -253,6 +258,7 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
             PackedBatch(
                 **{name: t[lo:hi] for name, t in flat.items()},
                 **_supports(seqs, ids, (cu[first:last] - lo + p_len[first:last]).tolist(), loss_mask[lo:hi]),
+                **_routing(seqs, ids, hi - lo),
                 cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
                 temperatures=temperatures[first:last],
                 response_start=torch.from_numpy(response_start[first:last] - lo),
@@ -320,6 +326,31 @@ def _supports(seqs: Sequences, ids: list[int], starts: list[int], loss_mask: np.
         "support_ids": torch.from_numpy(support_ids),
         "support_offsets": torch.from_numpy(offsets),
     }
+
+
+def _routing(seqs: Sequences, ids: list[int], T: int) -> dict[str, torch.Tensor]:
+    """``routed_experts`` and ``routed_valid`` of one micro-batch (PackedBatch), or none when no sequence of it
+    has routing: each sequence's stored ``P + R - 1`` positions in place, its last position (and every position of
+    a sequence without routing) not valid."""
+    if seqs.routing is None:
+        return {}
+    rows = [seqs.routing[i] for i in ids]
+    stored = [r for r in rows if r is not None]
+    if not stored:
+        return {}
+    width, dtype = stored[0].shape[1], np.int32 if stored[0].dtype.itemsize > 1 else np.uint8
+    if any(r.shape[1] != width for r in stored):
+        raise ValueError(f"rows of one micro-batch store routing of {sorted({r.shape[1] for r in stored})} ids per "
+                         "position; train on datasets of one model's routing")
+    ids_out, valid = np.zeros((T, width), dtype), np.zeros(T, bool)
+    start = 0
+    for i, r in zip(ids, rows):
+        n = len(seqs.prompt[i]) + len(seqs.response[i])
+        if r is not None:
+            ids_out[start : start + len(r)] = r
+            valid[start : start + len(r)] = True
+        start += n
+    return {"routed_experts": torch.from_numpy(ids_out), "routed_valid": torch.from_numpy(valid)}
 
 
 def _pooled(n: int, dtype) -> np.ndarray:

@@ -131,7 +131,7 @@ def shape_of_model_config(config: Any) -> RoutingShape | None:
     return RoutingShape(layers=int(get("num_hidden_layers")), top_k=int(top_k), experts=int(experts))
 
 
-def _flat_bytes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def flat_bytes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A binary column's bytes (flat uint8, no copy for one chunk), its ``[rows + 1]`` offsets from 0 and
     ``[rows]`` validity."""
     arr = col if isinstance(col, pa.Array) else (col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
@@ -155,7 +155,7 @@ def routing_problems(
     invariant of the module docstring. ``prompt_lens``, ``response_lens``: ``[rows]`` token counts."""
     if routed.null_count == len(routed):
         return
-    data, off, valid = _flat_bytes(routed)
+    data, off, valid = flat_bytes(routed)
     if shape is None:
         add(np.flatnonzero(valid), ROUTING_COLUMN, lambda i: (
             f"is present, but the dataset's run config names no routing shape ({CONFIG_KEY!r}: layers, top_k, "

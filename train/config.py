@@ -138,6 +138,12 @@ class ModelConfig:
     logprob_chunk_mib: float = _f(
         512.0, "MiB of fp32 logits computed at once (chunks of response positions; beyond one chunk, backward recomputes)"
     )
+    routing_replay: Literal["auto", "on", "off"] = _f(
+        "auto",
+        "mixture-of-experts routing replay (R3): force each MoE layer's top-k to the experts the engine chose, as "
+        "stored in the rows (rollshard-generate --routed-experts). auto: wherever a row has them; on: also refuse a "
+        "dense model or a row without them; off: never (the agreement is still measured)",
+    )
 
     def __post_init__(self):
         # Resolved here, so the config logged with the run and stored next to checkpoints names the kernel used.

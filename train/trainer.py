@@ -64,6 +64,7 @@ from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.loggers import MetricsLogger
 from rollshard.train.metrics import MetricAccumulator, mean_std, to_host
+from rollshard.train.routing import reads_routing
 from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
@@ -108,6 +109,8 @@ def build_loader(config: TrainConfig, env: DistEnv):
         prefetch=d.prefetch,
         tail=d.tail,
         pin_memory=torch.cuda.is_available(),
+        # A MoE policy reads the rows' stored routing (schema 1.2) for replay and the agreement (train/routing.py).
+        routed_experts=reads_routing(config.model.path),
     )
     if d.follow:
         return FollowLoader(d.path, loader_cfg, wait_s=d.follow_wait, world_size=env.world_size)
@@ -583,6 +586,9 @@ class Trainer:
         self._data_metrics(step, host, acc)
         merged = MetricAccumulator.merged(self.env.all_gather_json(acc.state())).result()
         out = self._finish_metrics(merged, optim_metrics)
+        same, pairs = self.env.all_reduce(list(self.backend.routing_agreement()))  # MoE rows with routing (R3)
+        if pairs:
+            out["routing/agreement"] = same / pairs
         if self.step == 0 and "mismatch/abs_diff_max" in out:
             self.initial_mismatch = initial or (
                 out["data/loss_tokens"], out["mismatch/abs_diff_mean"], out["mismatch/abs_diff_max"]

@@ -31,6 +31,7 @@ from rollshard.store.errors import DataError
 from rollshard.store.integrity import check_column_types, open_shard
 from rollshard.store.loader.config import SAMPLING_COLUMNS, SCAN_THREADS, SMALL_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.manifest import group_hash
+from rollshard.store.routing import ROUTING_COLUMN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ def _read_group_ids(pf: pq.ParquetFile, where: str, row_groups=None) -> list[lis
 def _scan_shard(dataset: RolloutDataset, i: int, check_types: bool) -> _Scanned:
     shard, footer = dataset.shards[i], dataset.footer(i)
     if check_types:
-        columns = SMALL_COLUMNS + TOKEN_COLUMNS + SAMPLING_COLUMNS
+        columns = SMALL_COLUMNS + TOKEN_COLUMNS + SAMPLING_COLUMNS + [ROUTING_COLUMN]
         check_column_types(footer.schema.to_arrow_schema(), columns, shard.path)
     if shard.row_groups is not None:  # the manifest's: nothing to read (open_shard checked them against the footer)
         hashes = [np.frombuffer(bytes.fromhex(r.group_hashes), "<i8") for r in shard.row_groups]

@@ -83,6 +83,8 @@ class LoaderConfig:
     # Checksums, exact column types and row invariants (package docstring). Off only to measure what they
     # cost: a damaged shard then reaches the trainer.
     verify_data: bool = True
+    # Read the schema 1.2 routed_experts column (store/routing.py) where a shard has it: PackedBatch.routed_experts.
+    routed_experts: bool = False
 
     def check(self) -> None:
         for name in ("groups_per_step", "micro_batch_tokens", "shuffle_window", "prefetch"):

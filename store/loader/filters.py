@@ -37,6 +37,7 @@ class _Filters:
     agents: pa.Array | None
     staleness: bool
     drop_zero_variance: bool
+    routing: bool = False  # read the schema 1.2 routed_experts column where a shard has it
 
     @classmethod
     def of(cls, cfg: LoaderConfig) -> "_Filters":
@@ -45,6 +46,7 @@ class _Filters:
             agents=None if cfg.agents is None else pa.array(list(cfg.agents), pa.string()),
             staleness=cfg.max_staleness is not None,
             drop_zero_variance=cfg.drop_zero_variance,
+            routing=cfg.routed_experts,
         )
 
 

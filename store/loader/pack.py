@@ -102,6 +102,7 @@ def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequen
             support = bd.row_support(row)
             cols["support"].append(support)
             cols["sampling_logprobs"].append(None if support is None else bd.row_tokens("sampling_logprobs", row))
+            cols["routing"].append(bd.row_routing(row))
     any_support = any(s is not None for s in cols["support"])
     seqs = Sequences(
         prompt=cols["prompt"],
@@ -116,6 +117,7 @@ def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequen
         weight_version=cols["weight_version"],
         sampling_logprobs=cols["sampling_logprobs"] if any_support else None,
         support=cols["support"] if any_support else None,
+        routing=cols["routing"] if any(r is not None for r in cols["routing"]) else None,
     )
     return seqs, zero_var
 

@@ -17,7 +17,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollshard.store.errors import DataError
-from rollshard.store.integrity import check_rows, sampling_columns
+from rollshard.store.integrity import VALIDATE, check_rows, sampling_columns
+from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
+from rollshard.store.schema import config_of
 from rollshard.store.loader.blocks import _Block, _one_line
 from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.loader.filters import _Filters, _oldest_versions
@@ -57,6 +59,8 @@ class _BlockData:
         self.needs_tokens = bool(passing.any())
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self.support: tuple[np.ndarray, ...] | None = None
+        self.routing: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (bytes, offsets [rows + 1], valid [rows])
+        self.routing_shape: RoutingShape | None = None
 
     def set_tokens(self, table: pa.Table) -> None:
         self.tokens = {}
@@ -70,6 +74,18 @@ class _BlockData:
             inner = sup.values  # [tokens] one support per token (the offsets below index it as they are)
             self.support = (sup.is_valid().to_numpy(zero_copy_only=False), inner.values.to_numpy(),
                             inner.offsets.to_numpy(), sup.offsets.to_numpy())
+
+    def set_routing(self, table: pa.Table, shape: RoutingShape | None) -> None:
+        if shape is not None and ROUTING_COLUMN in table.column_names and table.column(ROUTING_COLUMN).null_count < table.num_rows:
+            self.routing, self.routing_shape = flat_bytes(table.column(ROUTING_COLUMN)), shape
+
+    def row_routing(self, row: int) -> np.ndarray | None:
+        """The row's routed experts as ``[positions, layers x top_k]`` ids (a view of the block's bytes), or None."""
+        if self.routing is None or not self.routing[2][row]:
+            return None
+        data, off, _ = self.routing
+        shape = self.routing_shape
+        return data[off[row] : off[row + 1]].view(shape.dtype).reshape(-1, shape.width)
 
     def row_tokens(self, name: str, row: int) -> np.ndarray:
         values, offsets = self.tokens[name]
@@ -104,15 +120,19 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
     try:
         small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS + (SPAN_COLUMNS if filters.staleness else [])))
         tokens = None
+        routing = None
         if _passes(small, filters).any():  # the sampling columns only from a shard that has them (not a 1.0 one)
             token_columns = TOKEN_COLUMNS + sampling_columns(pf.schema_arrow, shard)
+            if filters.routing and pf.schema_arrow.get_field_index(ROUTING_COLUMN) >= 0:
+                token_columns.append(ROUTING_COLUMN)
+                routing = _routing_shape(pf, where)
             tokens = _one_chunk(pf.read_row_groups(rgs, columns=token_columns))
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{where}: not readable: {_one_line(e)}") from e
     if check:  # one check of the columns read (a block none of whose rows passes reaches no step)
         columns = {**{n: small.column(n) for n in SMALL_COLUMNS}, **({} if tokens is None else
                    {n: tokens.column(n) for n in tokens.column_names})}
-        check_rows(pa.table(columns), where)
+        check_rows(pa.table(columns), where, routing)
     try:
         data = _BlockData(small, filters)
     except DataError:
@@ -122,7 +142,16 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
     assert data.needs_tokens == (tokens is not None)
     if tokens is not None:
         data.set_tokens(tokens)
+        data.set_routing(tokens, routing)
     return data
+
+
+def _routing_shape(pf: pq.ParquetFile, where: str) -> RoutingShape | None:
+    """The routing shape a shard's run config names (its routed_experts column is read against it)."""
+    try:
+        return RoutingShape.from_config(config_of(pf.schema_arrow.metadata))
+    except ValueError as e:
+        raise DataError(f"{where}: {e}; {VALIDATE}") from e
 
 
 def _one_chunk(table: pa.Table) -> pa.Table:

@@ -48,6 +48,7 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import PackedPolicy, Support, check_model, chunk_rows, packed_logprobs
+from rollshard.train.routing import HFRouting, batch_routing, check_mode, model_routing
 from rollshard.train.sharded import load_sharded, save_gathered, save_sharded, tied_aliases
 
 # Files of a model folder that are weights (rewritten by a checkpoint); everything else
@@ -82,6 +83,9 @@ class HFBackend:
         chunk = chunk_rows(model.get_output_embeddings().weight.shape[0], model_cfg.logprob_chunk_mib)
         # Before sharding: the check runs the whole fp32 model (every rank holds it at this point anyway).
         self.model_check = check_model(model, chunk_tokens=chunk)
+        self.routing_shape = model_routing(self.source)  # schema 1.2 routing replay (train/routing.py)
+        check_mode(model_cfg.routing_replay, self.routing_shape, str(self.source))
+        self.routing = self._routing(model)
         fp32_head = model_cfg.fp32_lm_head
         self.policy = self._wrap(PackedPolicy(model, chunk_tokens=chunk, fp32_head=fp32_head))
         if model_cfg.gradient_checkpointing:
@@ -94,13 +98,21 @@ class HFBackend:
             eps=optim_cfg.adam_eps,
             weight_decay=optim_cfg.weight_decay,
         )
-        self.reference = None
+        self.reference = self.ref_routing = None
         if need_reference:
             ref = self._load(self.source)
             ref.requires_grad_(False)
+            self.ref_routing = self._routing(ref)
             self.reference = self._wrap(PackedPolicy(ref, chunk_tokens=chunk, fp32_head=fp32_head))
 
     # -- setup ---------------------------------------------------------------------------------
+
+    def _routing(self, model: nn.Module) -> HFRouting | None:
+        if self.routing_shape is None:
+            return None
+        routing = HFRouting(model, self.routing_shape)
+        routing.replay = self.cfg.routing_replay != "off"
+        return routing
 
     def _use_bf16(self, dtype: str) -> bool:
         supported = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -175,6 +187,9 @@ class HFBackend:
         if sup is not None:
             sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
         cu, T = batch.cu_seqlens.to(dev), batch.num_tokens
+        routing = self.ref_routing if reference else self.routing
+        if routing is not None:  # the batch's stored routing, in force until the next call (and its backward)
+            routing.set(batch_routing(batch, self.routing_shape, self.cfg.routing_replay, dev))
         with torch.set_grad_enabled(grad), self._autocast():
             out = packed_logprobs(
                 module,
@@ -186,6 +201,11 @@ class HFBackend:
                 support=sup,
             )
         return (*out, None) if support and sup is None else out
+
+    def routing_agreement(self) -> tuple[float, float]:
+        """(pairs whose own top-k equals the stored one, pairs with stored routing) of the policy's forwards since
+        the last call (train/routing.py); (0, 0) for a dense model or data without routing."""
+        return (0.0, 0.0) if self.routing is None else self.routing.agreement.take()
 
     def set_gradient_sync(self, sync: bool) -> None:
         """Under FSDP, reduce gradients only on the last micro-batch of an update."""

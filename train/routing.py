@@ -1,0 +1,170 @@
+"""Routing replay (R3) from the dataset: the trainer's MoE layers use the experts the engine chose.
+
+A row of a MoE model may store its routing (schema 1.2 ``routed_experts``, store/routing.py): each MoE layer's
+top-k expert ids at every position the engine forwarded. The loader packs them per micro-batch
+(``PackedBatch.routed_experts [T, layers x top_k]``, ``routed_valid [T]``: a row's last position, which no
+engine forward fed, and rows without routing are not valid). With replay on, each router's top-k at a valid
+position is replaced by the stored one; the gate weights are still the router's, computed over the forced set
+(Qwen3-MoE and Mixtral: the softmax over every expert gathered at the forced ids, renormalized over them when the
+router renormalizes its top-k), so gradients reach the router. Elsewhere the router's own choice stands: nothing
+scored depends on a row's last position.
+
+``--routing-replay auto|on|off`` (:func:`replay_mode`): auto forces the stored routing wherever a batch has it;
+on also refuses a dense model at start and a micro-batch of a row without routing (one line naming the row);
+off never forces. In every mode, a batch with routing measures the **routing agreement**: the share of (valid
+position, MoE layer) pairs where the trainer's own top-k set equals the stored one (``routing/agreement`` in the
+step metrics and the audit).
+
+:class:`HFRouting` does this on transformers models by wrapping each top-k router's ``forward``; the megatron
+backend uses megatron-core's ``RouterReplay`` (train/backends/megatron/routing.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_config
+
+ReplayMode = Literal["auto", "on", "off"]
+
+
+class RoutingReplayError(ValueError):
+    """Routing replay cannot run as asked (a dense model, a row without routing, another routing shape)."""
+
+
+def model_routing(model_path: str | Path) -> RoutingShape | None:
+    """The routing shape of the model folder's ``config.json`` (None: a dense model)."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # the backend's own loading names what is wrong with the folder
+    try:
+        return shape_of_model_config(config.get("text_config", config))
+    except RoutingShapeError as e:
+        raise RoutingReplayError(str(e)) from e
+
+
+def reads_routing(model_path: str | Path) -> bool:
+    """Whether a trainer of this model reads the rows' stored routing: a MoE model, in every mode (off measures
+    the agreement); a model the backend will refuse reads none (the backend says why)."""
+    try:
+        return model_routing(model_path) is not None
+    except RoutingReplayError:
+        return False
+
+
+def check_mode(mode: str, shape: RoutingShape | None, model_path: str) -> None:
+    if mode == "on" and shape is None:
+        raise RoutingReplayError(
+            f"--routing-replay on: model {model_path} is not a mixture of experts (its config.json names no "
+            "num_experts and num_experts_per_tok); use --routing-replay auto or off"
+        )
+
+
+def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids [T, layers, top_k] int64, valid [T] bool)`` of a micro-batch on ``device``, or None without routing
+    (refused under mode ``on``)."""
+    ids = getattr(batch, "routed_experts", None)
+    if ids is None:
+        if mode == "on" and batch.num_loss_tokens:  # (a rank's dummy batch trains nothing)
+            raise RoutingReplayError(
+                f"--routing-replay on: row {batch.sample_ids[0]!r} has no routed experts; generate the dataset with "
+                "--routed-experts on (an SGLang server with --enable-return-routed-experts), or use --routing-replay "
+                "auto (replay where stored) or off"
+            )
+        return None
+    if ids.shape[1] != shape.width:
+        raise RoutingReplayError(
+            f"row {batch.sample_ids[0]!r} stores {ids.shape[1]} expert ids per position; the model routes "
+            f"{shape.layers} layers x top-{shape.top_k} = {shape.width}: the dataset is of another model"
+        )
+    return (ids.to(device=device, dtype=torch.long).view(-1, shape.layers, shape.top_k),
+            batch.routed_valid.to(device))
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[..., k]`` x2 -> ``[...]`` bool: the two top-k hold the same experts (in any order)."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+class Agreement:
+    """Running count of (position, layer) pairs whose own top-k equals the stored one."""
+
+    def __init__(self) -> None:
+        self.same = 0.0
+        self.pairs = 0.0
+
+    def add(self, own: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:  # [T, K], [T, K], [T]
+        self.same += float((same_sets(own, stored) & valid).sum())
+        self.pairs += float(valid.sum())
+
+    def take(self) -> tuple[float, float]:
+        out = (self.same, self.pairs)
+        self.same = self.pairs = 0.0
+        return out
+
+
+class HFRouting:
+    """Routing replay and agreement on a transformers MoE model (see the module docstring).
+
+    :meth:`set` before a forward gives the micro-batch's stored routing (or None); it stays in force for the
+    backward's recomputation under gradient checkpointing. With :attr:`record`, :attr:`used` holds the ids each
+    layer's experts were given in the last forward (what the tests compare with the stored ones)."""
+
+    def __init__(self, model: torch.nn.Module, shape: RoutingShape) -> None:
+        routers = find_routers(model)
+        if len(routers) != shape.layers or any(r.top_k != shape.top_k or r.num_experts != shape.experts
+                                                for r in routers):
+            raise RoutingReplayError(
+                f"{type(model).__name__}: {len(routers)} top-k routers found for {shape.layers} MoE layers of top-"
+                f"{shape.top_k} of {shape.experts} experts; rollshard replays routing on transformers MoE models "
+                "whose routers (*TopKRouter) return their top-k ids"
+            )
+        self.shape = shape
+        self.replay = True
+        self.record = False
+        self.used: list[torch.Tensor | None] = [None] * len(routers)
+        self.agreement = Agreement()
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._counted = [False] * len(routers)
+        for layer, router in enumerate(routers):
+            router.forward = self._wrap(router, router.forward, layer)
+
+    def set(self, routing: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._batch = routing
+        self._counted = [False] * len(self._counted)
+
+    def _wrap(self, router: torch.nn.Module, forward, layer: int):
+        renormalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalizes its top-k
+
+        def replayed(hidden_states: torch.Tensor):
+            logits, scores, own = forward(hidden_states)
+            idx = own
+            if self._batch is not None:
+                ids, valid = self._batch
+                stored = ids[:, layer]  # [T, K]
+                if stored.shape[0] != own.shape[0]:
+                    raise RoutingReplayError(f"MoE layer {layer} routes {own.shape[0]} tokens; the batch stores "
+                                             f"routing for {stored.shape[0]}")
+                if not self._counted[layer]:  # once per forward (not again in a checkpointed layer's recompute)
+                    self.agreement.add(own, stored, valid)
+                    self._counted[layer] = True
+                if self.replay:
+                    idx = torch.where(valid[:, None], stored, own)
+                    probs = F.softmax(logits, dim=-1, dtype=torch.float)  # as the router: over every expert
+                    weights = probs.gather(-1, idx)
+                    if renormalize:
+                        weights = weights / weights.sum(dim=-1, keepdim=True)
+                    scores = weights.to(scores.dtype)
+            if self.record:
+                self.used[layer] = idx.detach()
+            return logits, scores, idx
+
+        return replayed
