@@ -165,3 +165,11 @@ def s3_dataset(s3_endpoint, request) -> Iterator[str]:
         name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
         boto3.client("s3").create_bucket(Bucket=name)
         yield f"s3://{name}/data"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE model folder (2 layers of 4 experts, top-2)."""
+    from rollshard.generate.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)

@@ -19,6 +19,7 @@ from rollshard.store.manifest import Manifest, ShardInfo
 from rollshard.store.schema import (
     META_CONFIG,
     META_SCHEMA_VERSION,
+    ADDED_COLUMNS,
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
     Row,
@@ -35,11 +36,11 @@ ROW_GROUPS = WriterOptions(row_group_bytes=4_000)  # several row groups per shar
 
 
 def register_v10_shard(root: Path, writer_id: str, table: pa.Table, row_group_size: int = 4) -> str:
-    """A real schema 1.0 shard: a table without the two sampling columns, schema_version 1.0 in its footer,
+    """A real schema 1.0 shard: a table without the two sampling columns (nor 1.2's routing), schema_version 1.0 in its footer,
     listed in a manifest of its own with the right size, checksum and counts (no rollshard writer)."""
     rel = f"shards/{writer_id}-00000.parquet"
     (root / "shards").mkdir(parents=True, exist_ok=True)
-    old = table.drop_columns(list(OPTIONAL_COLUMNS)).replace_schema_metadata(
+    old = table.drop_columns(list(ADDED_COLUMNS)).replace_schema_metadata(
         {META_SCHEMA_VERSION: b"1.0", META_CONFIG: b"{}"})
     pq.write_table(old, root / rel, row_group_size=row_group_size)
     storage = Storage(root)
