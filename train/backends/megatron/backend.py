@@ -18,6 +18,9 @@
   own heads only (megatron-core's ``finalize_model_grads`` does the same).
 * MoE under tensor parallelism (no sequence parallelism): the allgather token dispatcher gives each expert the
   tokens of every tensor-parallel rank, tp copies of the same tokens, so expert gradients are divided by tp.
+* MoE routing replay (R3, ``--routing-replay``): the micro-batch's stored routing is set on the routers of the
+  model that runs (policy or reference), this stage's layers, for the forward (:mod:`.routing`); the routing
+  agreement of the policy's forwards is summed over the pipeline stages (:meth:`MegatronBackend.routing_agreement`).
 * Data parallel: gradients are summed over the data-parallel group before the update (each rank's loss
   is normalized by the global token count, so the sum is the global gradient); expert gradients over the
   expert-data-parallel group (the ranks holding the same experts; under ``--ep`` the others hold other ones); the tied embedding's
@@ -51,6 +54,7 @@ from rollshard.train.backends.megatron import weights as W
 from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
 from rollshard.train.backends.megatron.model import arch_of, build_model, check_layout, transformer_config
 from rollshard.train.backends.megatron.parallel import ParallelEnv
+from rollshard.train.backends.megatron.routing import MegatronRouting
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import (
@@ -61,6 +65,7 @@ from rollshard.train.logprobs import (
     sampling_temperature,
     support_elements,
 )
+from rollshard.train.routing import batch_routing, check_mode, model_routing
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -128,17 +133,21 @@ class MegatronBackend:
         self.bf16 = self.device.type == "cuda" and model_cfg.dtype in ("auto", "bfloat16") and torch.cuda.is_bf16_supported()
         self.mcfg = transformer_config(self.arch, tp=env.tp, pp=env.pp, ep=env.ep, bf16=self.bf16)
         self.chunk = chunk_rows(self.arch.vocab // env.tp, model_cfg.logprob_chunk_mib)
+        self.routing_shape = model_routing(self.source) if self.arch.moe else None  # routing replay (.routing)
+        check_mode(model_cfg.routing_replay, self.routing_shape, str(self.source))
         self.model = self._load(Path(weights_from) if weights_from else self.source)
+        self.routing = self._routing(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = {p: n for n, p in self.model.named_parameters()}
         self.optimizer = torch.optim.AdamW(
             self.params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.adam_eps,
             weight_decay=optim_cfg.weight_decay,
         )
-        self.reference = None
+        self.reference = self.ref_routing = None
         if need_reference:
             self.reference = self._load(self.source)
             self.reference.requires_grad_(False)
+            self.ref_routing = self._routing(self.reference)
         self._freqs = self.model.rotary_pos_emb(self.arch.max_positions)  # [P, 1, 1, D]
         self._pending: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # (stage input, stage output)
 
@@ -152,6 +161,12 @@ class MegatronBackend:
         )
         self._assign(model, piece)
         return model
+
+    def _routing(self, model) -> MegatronRouting | None:
+        """Each model its own routers' replay (policy and reference), this stage's layers."""
+        if self.routing_shape is None:
+            return None
+        return MegatronRouting(model, self.routing_shape, replay=self.cfg.routing_replay != "off")
 
     def _assign(self, model, piece: dict[str, torch.Tensor]) -> None:
         from rollshard.train.backends.megatron.model import have_transformer_engine
@@ -200,6 +215,14 @@ class MegatronBackend:
         if sup is not None:
             sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
             rows_ids = support_elements(sup, at, ids.index_select(0, at))  # [M], [M]
+        routing = self.ref_routing if reference else self.routing
+        if routing is not None:  # the batch's stored routing on this stage's routers for this forward
+            stored = getattr(batch, "routed_experts", None)
+            if stored is not None and stored.numel() and stored.device.type == "cpu" \
+                    and int(stored.max()) >= self.routing_shape.experts:  # megatron checks no ids (scatter)
+                raise ValueError(f"row {batch.sample_ids[0]!r}: stored expert ids up to {int(stored.max())}, the "
+                                 f"model has {self.routing_shape.experts} experts: the dataset is of another model")
+            routing.set(batch_routing(batch, self.routing_shape, self.cfg.routing_replay, dev))
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(grad), autocast:
             inp = None
@@ -208,7 +231,11 @@ class MegatronBackend:
                 self._p2p(inp, send=False, peer_stage=self.pp_rank - 1)
                 inp.requires_grad_(grad)
                 model.set_input_tensor(inp)
-            out = stage_hidden(model, ids, pos, batch.cu_seqlens, self._freqs)  # [T, 1, H]
+            try:
+                out = stage_hidden(model, ids, pos, batch.cu_seqlens, self._freqs)  # [T, 1, H]
+            finally:
+                if routing is not None:
+                    routing.set(None)  # no recompute in this backend: the backward needs no routing state
             if not self.last:
                 self._p2p(out.detach().float().contiguous(), send=True, peer_stage=self.pp_rank + 1)
                 K = at.numel()
@@ -242,6 +269,22 @@ class MegatronBackend:
             return lp, ent, None
         has = sup.has_support & (mask > 0)  # [T]
         return lp, ent, SupportLogprobs(logp=scatter(results[2]), mass=scatter(results[3]), has_support=has)
+
+    def routing_agreement(self) -> tuple[float, float]:
+        """(pairs whose own top-k equals the stored one, pairs with stored routing) of the policy's forwards since
+        the last call (train/routing.py); (0, 0) for a dense model or data without routing. Collective over the
+        pipeline group (each stage counts its own layers; the tensor-parallel ranks of a stage count the same pairs,
+        once); the caller sums over data-parallel ranks."""
+        if self.routing is None:
+            return (0.0, 0.0)
+        same, pairs = self.routing.agreement.take()
+        if self.env.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            t = torch.tensor([same, pairs], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+            same, pairs = t.tolist()
+        return same, pairs
 
     def set_gradient_sync(self, sync: bool) -> None:
         """Gradients are summed over the data-parallel group in :meth:`optimizer_step`, once per update."""
