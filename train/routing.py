@@ -115,8 +115,7 @@ class HFRouting:
     """Routing replay and agreement on a transformers MoE model (see the module docstring).
 
     :meth:`set` before a forward gives the micro-batch's stored routing (or None); it stays in force for the
-    backward's recomputation under gradient checkpointing. With :attr:`record`, :attr:`used` holds the ids each
-    layer's experts were given in the last forward (what the tests compare with the stored ones)."""
+    backward's recomputation under gradient checkpointing."""
 
     def __init__(self, model: torch.nn.Module, shape: RoutingShape) -> None:
         routers = find_routers(model)
@@ -129,8 +128,6 @@ class HFRouting:
             )
         self.shape = shape
         self.replay = True
-        self.record = False
-        self.used: list[torch.Tensor | None] = [None] * len(routers)
         self.agreement = Agreement()
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._counted = [False] * len(routers)
@@ -163,8 +160,6 @@ class HFRouting:
                     if renormalize:
                         weights = weights / weights.sum(dim=-1, keepdim=True)
                     scores = weights.to(scores.dtype)
-            if self.record:
-                self.used[layer] = idx.detach()
             return logits, scores, idx
 
         return replayed
