@@ -45,6 +45,7 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
 from rollshard.train.corrections import AUDIT_DEFAULTS, counterfactual
 from rollshard.train.losses import LOG_RATIO_CLAMP
+from rollshard.train.routing import check_datasets, reads_routing
 from rollshard.train.segments import segment_sum
 
 PROG = "rollshard-train audit"
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_help(DataConfig, "micro_batch_tokens") + "; changes no number, only memory")
     p.add_argument("--logprob-chunk-mib", type=float, default=ModelConfig().logprob_chunk_mib, metavar="MIB",
                    help=_help(ModelConfig, "logprob_chunk_mib"))
+    p.add_argument("--routing-replay", choices=("auto", "on", "off"), default="auto",
+                   help=_help(ModelConfig, "routing_replay") + "; on MoE rows with stored routing the audit also "
+                   "recomputes every token the other way and reports both mismatches and the routing agreement")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="progress bar on stderr (default: on)")
     group = p.add_argument_group(
@@ -184,6 +188,7 @@ class AuditResult:
     report: str | None  # where the report was written
     info: dict  # what was audited: data, model, device, dtype, seconds, rows
     corrections: list[dict] = dataclasses.field(default_factory=list)  # CorrectionTally.summary()
+    routing: dict | None = None  # RoutingTally.summary(): MoE rows with stored routing only
 
 
 def run_audit(args: argparse.Namespace) -> AuditResult:
@@ -208,13 +213,16 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
 
         hf_logging.disable_progress_bar()
     model_cfg = ModelConfig(path=model, dtype=args.dtype, attn_implementation=args.attn_implementation,
-                            fp32_lm_head=args.fp32_lm_head, logprob_chunk_mib=args.logprob_chunk_mib)
+                            fp32_lm_head=args.fp32_lm_head, logprob_chunk_mib=args.logprob_chunk_mib,
+                            routing_replay=args.routing_replay)
     from rollshard.train.backends import build_backend
 
     started = time.perf_counter()
     backend = build_backend(TrainConfig(model=model_cfg), env=OneDevice(where=str(device)), total_updates=None)
+    check_datasets(list(datasets.values()), backend.routing_shape)
     tally = CorrectionTally(loss)
-    batches, rows = _stream(backend, datasets, args, model=model, tally=tally)
+    routing = RoutingTally() if backend.routing is not None else None
+    batches, rows = _stream(backend, datasets, args, model=model, tally=tally, routing=routing)
     table = pa.Table.from_batches(batches, schema=AUDIT_SCHEMA)
     if table.num_rows == 0:
         raise ValueError(
@@ -235,7 +243,8 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
             raise ValueError(f"cannot write --out {args.out} ({e}); choose another path") from e
     worst = worst_tokens(table, args.top)
     worst = worst_with_context(worst, datasets, model)
-    return AuditResult(summary=summarize(table), worst=worst, report=report, info=info, corrections=tally.summary())
+    return AuditResult(summary=summarize(table), worst=worst, report=report, info=info, corrections=tally.summary(),
+                       routing=routing.summary() if routing is not None and routing.tokens else None)
 
 
 def _loss_config(args: argparse.Namespace) -> LossConfig:
@@ -270,6 +279,50 @@ class CorrectionTally:
              "rows": rows, "row_share": rows / max(self.rows, 1)}
             for name, (words, tokens, rows) in self.hits.items()
         ]
+
+
+class RoutingTally:
+    """MoE rows with stored routing (train/routing.py): the routing agreement of the trainer's own forward, and
+    |logp - rollout_logp| over their trained tokens with and without replay."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.same = self.pairs = 0.0
+        self.sums = {"replay": 0.0, "no_replay": 0.0}
+        self.highs = {"replay": 0.0, "no_replay": 0.0}
+
+    def add(self, diffs: dict[str, torch.Tensor], agreement: tuple[float, float]) -> None:
+        self.tokens += int(diffs["replay"].numel())
+        for key, d in diffs.items():
+            self.sums[key] += float(d.sum())
+            self.highs[key] = max(self.highs[key], float(d.max())) if d.numel() else self.highs[key]
+        self.same += agreement[0]
+        self.pairs += agreement[1]
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "agreement": self.same / self.pairs if self.pairs else None,
+                **{f"{key}_mean": self.sums[key] / self.tokens for key in self.sums},
+                **{f"{key}_max": self.highs[key] for key in self.highs}}
+
+
+def _routing_pass(backend, mb, routing: RoutingTally) -> torch.Tensor:
+    """``logp [T]`` of a micro-batch with stored routing as the audit's mode computes it, the tally given both
+    ways: without replay first (the agreement of the trainer's own routing), then with."""
+    out, diffs = {}, {}
+    mode = backend.routing.replay
+    on = mb.loss_mask > 0
+    try:
+        for key, replay in (("no_replay", False), ("replay", True)):
+            backend.routing.replay = replay
+            out[key] = backend.logprobs(mb.to(backend.device), grad=False)[0].float().cpu()  # [T]
+            diffs[key] = (out[key] - mb.rollout_logprobs.float())[on].abs()
+            agreement = backend.routing_agreement() if key == "no_replay" else agreement
+            if key == "replay":
+                backend.routing_agreement()  # (on replayed inputs: not the figure reported)
+    finally:
+        backend.routing.replay = mode
+    routing.add(diffs, agreement)
+    return out["replay" if mode else "no_replay"]
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -317,12 +370,12 @@ def _loader_config(args: argparse.Namespace):
     return LoaderConfig(
         groups_per_step=GROUPS_PER_STEP if args.max_rows is None else 1, micro_batch_tokens=args.micro_batch_tokens,
         shuffle=False, num_epochs=1, tail="partial", statuses=_names(args.statuses),
-        agents=_names(args.agents) if args.agents else None,
+        agents=_names(args.agents) if args.agents else None, routed_experts=reads_routing(args.model),
     )
 
 
-def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str,
-            tally: CorrectionTally) -> tuple[list[pa.RecordBatch], int]:
+def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str, tally: CorrectionTally,
+            routing: RoutingTally | None = None) -> tuple[list[pa.RecordBatch], int]:
     """Every row of every source through the backend: the report's batches and the rows audited."""
     from tqdm import tqdm
 
@@ -344,7 +397,7 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str,
                     for step in loader:
                         for mb, adv in zip(step.micro_batches, _advantages(step)):
                             batches.append(audit_batch(backend, mb, step.group_ids, source=name, vocab=vocab,
-                                                       model=model, advantages=adv, tally=tally))
+                                                       model=model, advantages=adv, tally=tally, routing=routing))
                             rows += mb.num_sequences
                             bar.update(mb.num_sequences)
                         if args.max_rows is not None and rows >= args.max_rows:
@@ -366,7 +419,8 @@ def _advantages(step) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, model: str,
-                advantages: torch.Tensor | None = None, tally: "CorrectionTally | None" = None) -> pa.RecordBatch:
+                advantages: torch.Tensor | None = None, tally: "CorrectionTally | None" = None,
+                routing: RoutingTally | None = None) -> pa.RecordBatch:
     """The report rows of one packed micro-batch: each trained token's stored and recomputed logprob; with a
     ``tally``, what each off-policy correction would do to its tokens (``advantages [T]``, the step's GRPO ones)."""
     cu = mb.cu_seqlens.long()  # [S+1]
@@ -377,8 +431,11 @@ def audit_batch(backend, mb, group_ids: list[str], *, source: str, vocab: int, m
             f"sample {mb.sample_ids[s]} holds token id {top}, outside the vocabulary of --model {model} ({vocab} "
             "ids); audit with the model (and tokenizer) that generated the data"
         )
-    logp, _ = backend.logprobs(mb.to(backend.device), grad=False)  # [T] 0 off the loss mask
-    logp = logp.float().cpu()  # [T]
+    if routing is not None and mb.routed_experts is not None:  # MoE rows with routing: both ways
+        logp = _routing_pass(backend, mb, routing)
+    else:
+        logp, _ = backend.logprobs(mb.to(backend.device), grad=False)  # [T] 0 off the loss mask
+        logp = logp.float().cpu()  # [T]
     if tally is not None:
         tally.add(logp, mb, advantages)
     at = torch.nonzero(mb.loss_mask > 0).flatten()  # [K] trained positions

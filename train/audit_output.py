@@ -42,7 +42,7 @@ def exceeded(summary: dict, *, max_abs_diff: float, max_mean_abs_diff: float | N
 def print_json(result, file=None) -> None:
     """One JSON object: what was audited, the report's path, the summary and the worst tokens."""
     obj: dict[str, Any] = {**result.info, "report": result.report, **result.summary, "worst": result.worst,
-                           "corrections": result.corrections}
+                           "corrections": result.corrections, "routing": result.routing}
     print(json.dumps(_finite(obj), allow_nan=False, default=str), file=file or sys.stdout)
 
 
@@ -70,6 +70,8 @@ def print_tables(result, file=None) -> None:
         f"of {o['sequences']:,} rows in {i['seconds']:.1f} s; {where}", soft_wrap=True,
     )
     console.print(_stats_table(result.summary))
+    if result.routing:
+        console.print(_routing_table(result.routing))
     if result.corrections:
         console.print(_corrections_table(result.corrections))
     if result.worst:
@@ -99,6 +101,21 @@ def _stats_table(summary: dict):
             continue  # one dataset: the same row as overall
         for n, (value, s) in enumerate(entries.items()):
             add(title if n == 0 else "", value, s, end=n == len(entries) - 1)
+    return t
+
+
+def _routing_table(r: dict):
+    """MoE routing replay (R3): the agreement, and the mismatch of the rows with stored routing both ways."""
+    from rich.table import Table
+
+    agreement = "-" if r["agreement"] is None else f"{r['agreement']:.2%}"
+    t = Table(title=f"MoE routing ({r['tokens']:,} tokens): own top-k = engine's on {agreement} of (position, layer)",
+              title_justify="left")
+    t.add_column("forward")
+    t.add_column("mean |logp - rollout_logp|", justify="right")
+    t.add_column("max", justify="right")
+    for key, name in (("no_replay", "own routing"), ("replay", "engine's routing replayed")):
+        t.add_row(name, _num(r[f"{key}_mean"]), _num(r[f"{key}_max"]))
     return t
 
 

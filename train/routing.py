@@ -16,7 +16,7 @@ position, MoE layer) pairs where the trainer's own top-k set equals the stored o
 step metrics and the audit).
 
 :class:`HFRouting` does this on transformers models by wrapping each top-k router's ``forward``; the megatron
-backend uses megatron-core's ``RouterReplay`` (train/backends/megatron/routing.py).
+backend through the replay hook of megatron-core's routers (train/backends/megatron/routing.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,25 @@ def check_mode(mode: str, shape: RoutingShape | None, model_path: str) -> None:
         )
 
 
+def check_datasets(datasets: list[Any] | None, shape: RoutingShape | None) -> None:
+    """Refuse a dataset whose rows store the routing of another model (another layer count, top-k or expert count
+    in its run config) than the MoE model trained; a dense model ignores stored routing."""
+    if shape is None:
+        return
+    for ds in datasets or []:
+        for manifest in ds.manifests:
+            try:
+                stored = RoutingShape.from_config(manifest.config)
+            except RoutingShapeError as e:
+                raise RoutingReplayError(f"dataset {ds.storage.uri}: {e}") from e
+            if stored is not None and stored != shape:
+                raise RoutingReplayError(
+                    f"dataset {ds.storage.uri} stores the routing of {stored.layers} layers x top-{stored.top_k} of "
+                    f"{stored.experts} experts; the model routes {shape.layers} x top-{shape.top_k} of {shape.experts}: "
+                    "train the model that generated it"
+                )
+
+
 def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(ids [T, layers, top_k] int64, valid [T] bool)`` of a micro-batch on ``device``, or None without routing
@@ -84,6 +103,11 @@ def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.devi
         raise RoutingReplayError(
             f"row {batch.sample_ids[0]!r} stores {ids.shape[1]} expert ids per position; the model routes "
             f"{shape.layers} layers x top-{shape.top_k} = {shape.width}: the dataset is of another model"
+        )
+    if ids.numel() and ids.device.type == "cpu" and int(ids.max()) >= shape.experts:  # (the loader's batches are)
+        raise RoutingReplayError(
+            f"row {batch.sample_ids[0]!r} stores expert ids up to {int(ids.max())}; the model has {shape.experts} "
+            "experts: the dataset is of another model"
         )
     return (ids.to(device=device, dtype=torch.long).view(-1, shape.layers, shape.top_k),
             batch.routed_valid.to(device))

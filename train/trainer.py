@@ -64,7 +64,7 @@ from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
 from rollshard.train.loggers import MetricsLogger
 from rollshard.train.metrics import MetricAccumulator, mean_std, to_host
-from rollshard.train.routing import reads_routing
+from rollshard.train.routing import check_datasets, reads_routing
 from rollshard.train.support import policy_logprobs, rollout_logprobs, support_metrics
 from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (prepare_config: the trainer's API)
 
@@ -233,6 +233,7 @@ class Trainer:
             hf_logging.disable_progress_bar()  # its loading/writing bars would break --no-progress output
         total = tr.max_steps * tr.mini_batches if tr.max_steps is not None else None
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
+        check_datasets(self._datasets(), self.backend.routing_shape)  # stored MoE routing of this model (R3)
         if ckpt:
             ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
         self.logger = self._open_logger(resume_step=self.step if ckpt else None)

@@ -157,3 +157,44 @@ def test_train_reports_agreement_and_refuses_on_without_routing(tiny_moe, tmp_pa
     res = _run("--data", str(tmp_path / "without"), "--out", str(tmp_path / "run2"), "--routing-replay", "on", *common)
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "--routing-replay on: row" in res.stderr and "has no routed experts" in res.stderr
+
+
+def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
+    """Rows whose stored routing is the router's own (an fp32 engine): agreement 1, the same mismatch both ways.
+    The same rows with routing the router never chose: agreement 0, and replaying it moves the logprobs away from
+    the stored ones (which the engine computed with its own routing)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from rollshard.store.routing import RoutingShape
+    from rollshard.store.writer import ShardWriter
+
+    res = subprocess.run([sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy",
+                          "--limit", "4", "--n-samples", "2", "--max-new-tokens", "6", "--no-progress", "--out",
+                          str(tmp_path / "own")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    shape = RoutingShape(layers=LAYERS, top_k=TOP_K, experts=EXPERTS)
+    table = pq.read_table(next((tmp_path / "own" / "shards").glob("*.parquet")))
+    other = []
+    for raw in table.column("routed_experts").to_pylist():
+        ids = shape.decode(raw)
+        other.append(shape.encode(np.stack([[[e for e in range(EXPERTS) if e not in pair][:TOP_K] for pair in pos]
+                                            for pos in ids])))
+    table = table.set_column(table.schema.get_field_index("routed_experts"), "routed_experts", [other])
+    with ShardWriter(tmp_path / "other", config={"routed_experts": shape.to_config()}) as w:
+        w.write_groups(table)
+
+    def audit(data: str) -> dict:
+        out = _run("audit", "--data", str(tmp_path / data), "--model", str(tiny_moe), "--json", "--no-progress",
+                   "--max-abs-diff", "100")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    own, forced = audit("own"), audit("other")
+    r = own["routing"]
+    assert r["tokens"] == own["overall"]["tokens"] and r["agreement"] == 1.0
+    assert abs(r["replay_mean"] - r["no_replay_mean"]) < 1e-7 and r["replay_max"] < 1e-5
+    r = forced["routing"]
+    assert r["agreement"] == 0.0 and r["no_replay_max"] < 1e-5 and r["replay_mean"] > 1e-3
+    assert forced["overall"]["mean"] == pytest.approx(r["replay_mean"], rel=1e-5)  # auto: the report is replayed

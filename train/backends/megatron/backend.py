@@ -217,11 +217,6 @@ class MegatronBackend:
             rows_ids = support_elements(sup, at, ids.index_select(0, at))  # [M], [M]
         routing = self.ref_routing if reference else self.routing
         if routing is not None:  # the batch's stored routing on this stage's routers for this forward
-            stored = getattr(batch, "routed_experts", None)
-            if stored is not None and stored.numel() and stored.device.type == "cpu" \
-                    and int(stored.max()) >= self.routing_shape.experts:  # megatron checks no ids (scatter)
-                raise ValueError(f"row {batch.sample_ids[0]!r}: stored expert ids up to {int(stored.max())}, the "
-                                 f"model has {self.routing_shape.experts} experts: the dataset is of another model")
             routing.set(batch_routing(batch, self.routing_shape, self.cfg.routing_replay, dev))
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(grad), autocast:
