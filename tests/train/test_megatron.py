@@ -26,16 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollshard.generate.models import init_model
 
 HERE = Path(__file__).parent
 LR = 1e-3
 LOGPROB_TOL = 1e-5
 
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)
 
 
 def run_worker(model: Path, data: Path, out: Path, tp: int, pp: int, ep: int) -> dict:

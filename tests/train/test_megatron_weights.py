@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
-from rollshard.generate.models import init_model
 from rollshard.train.backends.megatron import weights as W
 from rollshard.train.backends.megatron.model import arch_of, check_layout
 
@@ -30,10 +29,6 @@ def random_weights(config) -> dict[str, torch.Tensor]:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
 
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)
 
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]

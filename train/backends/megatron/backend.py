@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -215,9 +216,20 @@ class MegatronBackend:
         if sup is not None:
             sup = Support(has_support=sup.has_support.to(dev), ids=sup.ids.to(dev), offsets=sup.offsets.to(dev))
             rows_ids = support_elements(sup, at, ids.index_select(0, at))  # [M], [M]
+        pad = self._expert_parallel_pad(T)
         routing = self.ref_routing if reference else self.routing
         if routing is not None:  # the batch's stored routing on this stage's routers for this forward
-            routing.set(batch_routing(batch, self.routing_shape, self.cfg.routing_replay, dev))
+            stored = batch_routing(batch, self.routing_shape, self.cfg.routing_replay, dev)
+            if stored is not None and pad:  # the padding tokens route on their own
+                stored = (F.pad(stored[0], (0, 0, 0, 0, 0, pad)), F.pad(stored[1], (0, pad)))
+            routing.set(stored)
+        # Under --ep the padding is one sequence of its own after the batch's (attention never crosses into it);
+        # its outputs are cut off below, so nothing depends on it and no gradient flows from it.
+        ids_f, pos_f, cu_f = ids, pos, batch.cu_seqlens
+        if pad:
+            ids_f = F.pad(ids, (0, pad))
+            pos_f = torch.cat([pos, torch.arange(pad, device=dev, dtype=pos.dtype)])
+            cu_f = torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([T + pad])])
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(grad), autocast:
             inp = None
@@ -225,9 +237,9 @@ class MegatronBackend:
                 inp = torch.empty(T, 1, self.arch.hidden, device=dev, dtype=torch.float32)
                 self._p2p(inp, send=False, peer_stage=self.pp_rank - 1)
                 inp.requires_grad_(grad)
-                model.set_input_tensor(inp)
+                model.set_input_tensor(F.pad(inp, (0, 0, 0, 0, 0, pad)) if pad else inp)
             try:
-                out = stage_hidden(model, ids, pos, batch.cu_seqlens, self._freqs)  # [T, 1, H]
+                out = stage_hidden(model, ids_f, pos_f, cu_f, self._freqs)[:T]  # [T, 1, H]
             finally:
                 if routing is not None:
                     routing.set(None)  # no recompute in this backend: the backward needs no routing state
@@ -264,6 +276,18 @@ class MegatronBackend:
             return lp, ent, None
         has = sup.has_support & (mask > 0)  # [T]
         return lp, ent, SupportLogprobs(logp=scatter(results[2]), mass=scatter(results[3]), has_support=has)
+
+    def _expert_parallel_pad(self, T: int) -> int:
+        """Tokens to add so that every rank of the tensor x expert-parallel group forwards as many: the allgather
+        token dispatcher gathers equal shares (megatron-core 0.16.1 passes it no split sizes), and under --ep the
+        ranks hold different micro-batches. Collective over that group; 0 without expert parallelism."""
+        if not (self.arch.moe and self.env.ep > 1):
+            return 0
+        from megatron.core import parallel_state as ps
+
+        most = torch.tensor([T], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+        return int(most) - T
 
     def routing_agreement(self) -> tuple[float, float]:
         """(pairs whose own top-k equals the stored one, pairs with stored routing) of the policy's forwards since
