@@ -50,6 +50,7 @@ def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
     argv = [
         "--tiny", "--device", "cpu", "--server", "serve", "--prompts", "2", "--n-samples", "2", "--concurrency", "4",
         "--max-new-tokens", "8", "--repeat", "1", "--batch", "4", "--new-tokens", "8", "--out", str(tmp_path),
+        "--steps", "generate,train,embedded,async",  # moe: the test below
     ]  # fmt: skip
     assert check.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -62,3 +63,16 @@ def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
     assert train["abs_diff_max"] <= 1e-5 and train["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     for wl in ("equal", "mixed"):
         assert report["embedded"][wl]["generate_tok_s"] > 0 and report["embedded"][wl]["embedded_tok_s"] > 0
+
+
+def test_the_moe_step_stores_routing_audits_and_replays_at_tiny_size(check, tmp_path, capsys):
+    argv = ["--tiny", "--device", "cpu", "--server", "serve", "--steps", "moe", "--prompts", "2", "--n-samples", "2",
+            "--concurrency", "4", "--max-new-tokens", "8", "--out", str(tmp_path)]  # fmt: skip
+    assert check.main(argv) == 0
+    moe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["moe"]
+    assert moe["routing"] == {"experts": 4, "layers": 2, "top_k": 2} and moe["layers_x_top_k"] == 4
+    assert 0 < moe["column_bytes_per_position"] <= 4
+    # serve in fp32 on the CPU: the trainer routes as the engine did, so replay changes nothing.
+    audit = moe["audit"]
+    assert audit["agreement"] == 1.0 and audit["replay_max"] < 1e-4 and audit["no_replay_max"] < 1e-4
+    assert moe["train"]["routing/agreement"] == 1.0 and moe["train"]["mismatch/abs_diff_max"] < 1e-4

@@ -21,6 +21,11 @@ venv). Then, in under 8 minutes on one GPU, printing one JSON object::
 6. async: ``rollshard-loop --async`` against the server of 2 (``--async-steps`` steps at eta 1, a checkpoint
    pushed every 2 steps): steps per hour, rows generated and trained, the staleness of the trained rows and the
    trainer's busy share (``--steps async`` alone runs it with a server of its own).
+7. moe: routing replay (R3) end to end on a random Qwen3-MoE (8 layers x 1024 hidden, top-4 of 32 experts of
+   512, ~0.4B parameters, bf16; ``--tiny``: tiny-qwen3-moe): the server started with
+   ``--enable-return-routed-experts``, ``rollshard-generate --routed-experts on`` (routing stored, its column's
+   bytes per position), ``rollshard-train audit`` (the routing agreement and |logp - rollout_logp| with and
+   without replay) and one replayed training step (``--routing-replay on``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "bench"))  # bench_engines, bench_generate: the same measurements
 
+# A Qwen3-MoE of ~0.4B parameters (the MoE step): Qwen3-30B-A3B's router (softmax top-k, renormalized) at a small size.
+QWEN3_MOE = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=512,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+)
 # Qwen3-0.6B's shape with the local 1024-token vocabulary: ~0.44B parameters.
 QWEN3_HALF_B = dict(
     hidden_size=1024,
@@ -57,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny-qwen3 test model instead of the ~0.5B one")
     ap.add_argument("--device", default="cuda", help="torch device of the training step and the embedded engine")
     ap.add_argument("--server", choices=["sglang", "serve"], default="sglang", help="the server of steps 2-4")
-    ap.add_argument("--steps", default="generate,train,embedded,async", help="comma-separated steps to run after the model")
+    ap.add_argument("--steps", default="generate,train,embedded,async,moe",
+                    help="comma-separated steps to run after the model")
     ap.add_argument("--async-steps", type=int, default=8, help="async step: optimizer steps of the run")
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the generate step (x --n-samples requests)")
     ap.add_argument("--n-samples", type=int, default=8)
@@ -70,9 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="working folder (default: a new temporary one)")
     args = ap.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
-    unknown = sorted(set(args.steps) - {"generate", "train", "embedded", "async"})
+    unknown = sorted(set(args.steps) - {"generate", "train", "embedded", "async", "moe"})
     if unknown:
-        ap.error(f"unknown step(s) {unknown}; steps are generate, train, embedded, async")
+        ap.error(f"unknown step(s) {unknown}; steps are generate, train, embedded, async, moe")
     if "train" in args.steps and "generate" not in args.steps:
         ap.error("the train step trains on the generate step's rows: keep generate in --steps")
     if min(args.prompts, args.n_samples, args.concurrency, args.max_new_tokens, args.batch, args.repeat) < 1:
@@ -121,7 +140,80 @@ def _params(path: Path) -> int:
     return sum(t.numel() for t in load_file(str(path / "model.safetensors")).values())
 
 
-def start_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
+def build_moe_model(root: Path, tiny: bool, device: str) -> Path:
+    """tiny-qwen3-moe, or its tokenizer under :data:`QWEN3_MOE`; weights in bf16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollshard.generate.models import init_model
+
+    base = init_model(root / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)
+    if tiny:
+        return base
+    d = {**AutoConfig.from_pretrained(base).to_dict(), **QWEN3_MOE}
+    d.pop("layer_types", None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d), dtype=torch.bfloat16)
+    path = root / "qwen3-moe"
+    model.save_pretrained(path)
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (path / f.name).write_bytes(f.read_bytes())
+    cfg_file = path / "config.json"
+    cfg_json = json.loads(cfg_file.read_text())
+    cfg_json.setdefault("torch_dtype", cfg_json.get("dtype", "bfloat16"))
+    cfg_file.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def step_moe(args, url: str, model: Path, root: Path) -> dict:
+    """Routing stored by the server, audited both ways, and one replayed training step."""
+    import pyarrow.parquet as pq
+    import torch
+
+    data, out = root / "moe-data", {}
+    gen = subprocess.run(
+        [sys.executable, "-m", "rollshard.generate", "--engine", url, "--task", "math", "--limit", str(args.prompts),
+         "--n-samples", str(args.n_samples), "--max-new-tokens", str(args.max_new_tokens), "--routed-experts", "on",
+         "--concurrency", str(args.concurrency), "--out", str(data), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True)
+    if gen.returncode != 0:
+        return {"exit": gen.returncode, "stderr": gen.stderr[-2000:]}
+    stored = positions = 0
+    for f in sorted((data / "shards").glob("*.parquet")):
+        pf = pq.ParquetFile(f)
+        shape = json.loads(pf.schema_arrow.metadata[b"rollshard.config"])["routed_experts"]
+        for rg in range(pf.metadata.num_row_groups):
+            meta = pf.metadata.row_group(rg)
+            stored += sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
+                          if meta.column(c).path_in_schema == "routed_experts")
+        t = pf.read(columns=["prompt_tokens", "response_tokens"])
+        positions += sum(len(p) + len(r) - 1 for p, r in zip(t.column(0).to_pylist(), t.column(1).to_pylist()))
+    out["routing"] = shape
+    out["column_bytes_per_position"] = round(stored / positions, 2)
+    out["layers_x_top_k"] = shape["layers"] * shape["top_k"]
+    audit = subprocess.run(
+        [sys.executable, "-m", "rollshard.train", "audit", "--data", str(data), "--model", str(model), "--device",
+         args.device, "--json", "--no-progress", "--max-abs-diff", "100"], cwd=REPO, capture_output=True, text=True)
+    if audit.returncode != 0:
+        return {**out, "audit_exit": audit.returncode, "stderr": audit.stderr[-2000:]}
+    out["audit"] = json.loads(audit.stdout)["routing"]
+    bf16 = args.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    train = subprocess.run(
+        [sys.executable, "-m", "rollshard.train", "--data", str(data), "--model", str(model), "--out",
+         str(root / "moe-train"), "--max-steps", "1", "--groups-per-step", str(args.prompts), "--routing-replay", "on",
+         "--lr", "1e-6", "--no-progress", "--no-tensorboard", "--dtype", "bfloat16" if bf16 else "float32"],
+        cwd=REPO, capture_output=True, text=True)
+    if train.returncode != 0:
+        return {**out, "train_exit": train.returncode, "stderr": train.stderr[-2000:]}
+    m0 = json.loads((root / "moe-train" / "metrics.jsonl").read_text().splitlines()[0])
+    out["train"] = {k: m0.get(k) for k in ("routing/agreement", "mismatch/abs_diff_mean", "mismatch/abs_diff_max",
+                                           "ratio/mean", "optim/grad_norm")}
+    return out
+
+
+def start_server(args, model: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str, float]:
     """(process, URL, start-up seconds) of the real SGLang server on the GPU, or of ``rollshard-generate serve``."""
     import socket
     import urllib.request
@@ -138,11 +230,12 @@ def start_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, str, f
         cmd = [
             str(python), "-m", "sglang.launch_server", "--model-path", str(model), "--dtype", "bfloat16",
             "--mem-fraction-static", "0.4", "--host", "127.0.0.1", "--port", str(port), *args.sglang_args.split(),
+            *extra,
         ]  # fmt: skip
     else:
         cmd = [
             sys.executable, "-m", "rollshard.generate", "serve", "--model", str(model), "--port", str(port),
-            "--device", args.device, "--max-batch-size", str(args.batch),
+            "--device", args.device, "--max-batch-size", str(args.batch), *extra,
         ]  # fmt: skip
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -338,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
         proc, url, _ = start_server(args, model, root / f"{args.server}-async.log")
         try:
             report["async"] = step_async(args, url, model, root)
+        finally:
+            stop_server(proc)
+    if "moe" in args.steps:
+        moe = build_moe_model(root, args.tiny, args.device)
+        proc, url, _ = start_server(args, moe, root / f"{args.server}-moe.log", "--enable-return-routed-experts")
+        try:
+            report["moe"] = step_moe(args, url, moe, root)
         finally:
             stop_server(proc)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
