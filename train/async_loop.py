@@ -55,6 +55,7 @@ from rollshard.store.storage import Storage
 from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 from rollshard.train.metrics import read_metrics
+from rollshard.train.routing import reads_routing
 
 POLL_S = 0.05  # how often the loop looks at its children and the trainer's checkpoints
 PUSH_TIMEOUT_S = 600.0  # one /update_weights_from_disk (the engine drains its running batch first)
@@ -272,17 +273,23 @@ class AsyncLoop:
                   "fix it and rerun the same command to continue")
         return base.EXIT_USAGE if code == base.EXIT_USAGE else base.EXIT_FAILED
 
+    def serve_command(self, policy: str, version: str) -> list[str]:
+        """The embedded engine's server: ``rollshard-generate serve`` on a free port."""
+        command = [sys.executable, "-m", "rollshard.generate", "serve", "--model", policy, "--port", "0",
+                   "--weight-version", version, "--seed", str(self.settings["seed"])]  # fmt: skip
+        if self.settings["serve_threads"]:
+            command += ["--threads", str(self.settings["serve_threads"])]
+        if reads_routing(policy):  # a MoE: the engine returns its routing, the rows store it, the trainer replays it
+            command.append("--enable-return-routed-experts")
+        return command
+
     def _start_engine(self) -> str | None:
         """The engine's URL(s): the given SGLang servers (loaded with the newest policy), or a serve child."""
         policy, version = self._newest_policy()
         if self.settings["engine"] != "embedded":
             self._push(self.settings["engine"], policy, version)
             return self.settings["engine"]
-        command = [sys.executable, "-m", "rollshard.generate", "serve", "--model", policy, "--port", "0",
-                   "--weight-version", version, "--seed", str(self.settings["seed"])]  # fmt: skip
-        if self.settings["serve_threads"]:
-            command += ["--threads", str(self.settings["serve_threads"])]
-        child = self._start("serve", command, stdout=subprocess.PIPE)
+        child = self._start("serve", self.serve_command(policy, version), stdout=subprocess.PIPE)
         for line in child.stdout:  # the server says where it listens once it is ready (or ends)
             found = READY.search(line)
             if found:

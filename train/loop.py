@@ -201,6 +201,8 @@ def _main_async(args: argparse.Namespace) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         engine = "http://127.0.0.1:PORT" if args.engine == "embedded" else args.engine  # serve picks the port
+        if args.engine == "embedded":
+            print(shlex.join(loop.serve_command(str(model), "0")))
         print(shlex.join([sys.executable, "-m", "rollshard.generate", *loop.generate_args(engine, groups_per_step)]))
         print(shlex.join([sys.executable, "-m", "rollshard.train", *loop.train_args()]))
         return EXIT_OK

@@ -242,13 +242,20 @@ def test_a_run_folder_keeps_its_mode(tmp_path):
             {"settings": {**settings, "mode": "async"}})
 
 
-def test_dry_run_prints_the_two_commands_and_writes_nothing(tiny_gpt2, tmp_path):
+def test_dry_run_prints_the_three_commands_and_writes_nothing(tiny_gpt2, tiny_moe, tmp_path):
     out = tmp_path / "r"
     argv = command(tiny_gpt2, out)
     argv.remove("--json")
     done = subprocess.run([*argv, "--dry-run"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    generate, train = done.stdout.splitlines()
+    serve, generate, train = done.stdout.splitlines()
+    assert f"-m rollshard.generate serve --model {tiny_gpt2} --port 0 --weight-version 0" in serve
+    assert "--enable-return-routed-experts" not in serve
     assert f"--repeat --max-ahead {ETA} --step-episodes {B} --first-version 0 --commit-every {B}" in generate
     assert f"--follow --model {tiny_gpt2} --out {out / 'train'} --max-steps {STEPS} --export-every {EVERY}" in train
     assert not out.exists()
+    # A mixture of experts: the engine returns its routing (the generator's auto stores it, the trainer replays it).
+    argv = command(tiny_moe, out)
+    argv.remove("--json")
+    done = subprocess.run([*argv, "--dry-run"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.splitlines()[0].endswith("--enable-return-routed-experts")
