@@ -356,6 +356,10 @@ def _totals_table(st: dict[str, Any]) -> Table:
         _row(t, key, _fmt(st[key]))
     if st["rows_with_support"]:
         _row(t, "rows with a sampling support", f"{st['rows_with_support']:,} ({st['support_fraction']:.1%})")
+    if st["rows_with_routing"]:
+        shapes = ", ".join(f"{r['layers']} layers x top-{r['top_k']} of {r['experts']} experts" for r in st["routing"])
+        _row(t, "rows with MoE routing", f"{st['rows_with_routing']:,} ({st['rows_with_routing'] / st['rows']:.1%}; "
+             f"{shapes})")
     return t
 
 

@@ -24,6 +24,8 @@ written before these keys carry none; a ``rescore`` adds the selector's).
 
 from __future__ import annotations
 
+import json
+
 import math
 import os
 from typing import Any
@@ -33,6 +35,7 @@ import polars as pl
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.groups import REWARD_STD_DDOF, group_flags
 from rollshard.store.lineage import lineage_of
+from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY
 from rollshard.store.schema import STATUS_VALUES, Status
 
 RESPONSE_LEN = pl.col("loss_mask").list.len().cast(pl.Int64)
@@ -57,7 +60,7 @@ def _reward_aggs() -> list[pl.Expr]:
 def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
     """Totals from the manifests; rows by status; rows, tokens and reward by agent."""
     lf = ds.scan()
-    status, by_agent, supports, parsed = pl.collect_all(
+    status, by_agent, supports, parsed, routed = pl.collect_all(
         [
             lf.group_by("status").agg(pl.len().alias("rows")),
             lf.group_by("agent")
@@ -70,8 +73,12 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
             .sort("agent"),
             lf.select(pl.col("sampling_support").is_not_null().sum().cast(pl.Int64).alias("rows")),
             _parse_counts(lf),
+            lf.select(pl.col("routed_experts").is_not_null().sum().cast(pl.Int64).alias("rows")),
         ]
     )
+    with_routing = int(routed["rows"][0]) if routed.height else 0
+    shapes = sorted({json.dumps(m.config[ROUTING_KEY], sort_keys=True) for m in ds.manifests
+                     if isinstance(m.config, dict) and m.config.get(ROUTING_KEY)})
     with_support = int(supports["rows"][0]) if supports.height else 0
     status_counts = {s: 0 for s in STATUS_VALUES}
     status_counts.update({r["status"]: r["rows"] for r in status.iter_rows(named=True)})
@@ -97,6 +104,9 @@ def dataset_stats(ds: RolloutDataset) -> dict[str, Any]:
         # schema 1.1: rows that carry the sampling support of their tokens (none in a 1.0 dataset)
         "rows_with_support": with_support,
         "support_fraction": with_support / ds.num_rows if ds.num_rows else None,
+        # schema 1.2: rows that carry their MoE routing, and the routing shapes the writers' configs name
+        "rows_with_routing": with_routing,
+        "routing": [json.loads(x) for x in shapes],
     }
 
 

@@ -144,6 +144,12 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
     for row in table.to_pylist():
         n = len(row["prompt_tokens"]) + len(row["response_tokens"]) - 1
         assert len(row["routed_experts"]) == n * 4
+    stats = subprocess.run([sys.executable, "-m", "rollshard.store", "stats", str(tmp_path / "moe"), "--json"],
+                           capture_output=True, text=True, timeout=300)
+    import json
+
+    st = json.loads(stats.stdout)
+    assert st["rows_with_routing"] == 4 and st["routing"] == [SHAPE.to_config()]
     off = _generate("--engine", f"embedded:{tiny_moe}", "--out", str(tmp_path / "off"), "--routed-experts", "off")
     assert off.returncode == 0 and pq.read_table(next((tmp_path / "off" / "shards").glob("*.parquet"))).column(
         "routed_experts").null_count == 4
