@@ -34,6 +34,8 @@ HF_GROUP_SCHEMA = pa.schema(
         # schema 1.1, per row (None for a row without a support, every row of a 1.0 shard)
         ("sampling_logprobs", pa.list_(pa.list_(pa.float32()))),
         ("sampling_support", pa.list_(pa.list_(pa.list_(pa.int32())))),
+        # schema 1.2 with LoaderConfig.routed_experts, per row: [P + R - 1, layers x top_k] expert ids, or None
+        ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ]
 )
 
@@ -100,5 +102,6 @@ def _hf_shard_groups(pf: pq.ParquetFile, shard: str, filters: _Filters, threshol
                 "sampling_logprobs": [None if bd.row_support(r) is None else bd.row_tokens("sampling_logprobs", r).tolist()
                                       for r in rows],
                 "sampling_support": [bd.row_support_lists(r) for r in rows],
+                "routed_experts": [None if (ids := bd.row_routing(r)) is None else ids.tolist() for r in rows],
             }
 

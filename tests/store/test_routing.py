@@ -120,3 +120,16 @@ def test_a_shard_without_the_column_reads_as_before(tmp_path):
     assert ds.read().column("routed_experts").null_count == 8
     steps = list(RolloutLoader(ds, LoaderConfig(groups_per_step=2, shuffle=False, routed_experts=True)))
     assert steps and all(mb.routed_experts is None for st in steps for mb in st.micro_batches)
+
+
+def test_hf_groups_carry_the_routing_when_asked(tmp_path):
+    from rollshard.store.loader.hf import hf_groups
+
+    rows = [_row(0, "a"), _row(1, "a", routed=None)]
+    with ShardWriter(tmp_path / "ds", config={"routed_experts": SHAPE.to_config()}) as w:
+        w.write_group(rows)
+    (group,) = list(hf_groups(tmp_path / "ds", LoaderConfig(routed_experts=True)))
+    stored = SHAPE.decode(rows[0].routed_experts).reshape(-1, 4).tolist()
+    assert dict(zip(group["sample_id"], group["routed_experts"])) == {"a/0": stored, "a/1": None}
+    (group,) = list(hf_groups(tmp_path / "ds"))
+    assert group["routed_experts"] == [None, None]
