@@ -46,6 +46,21 @@ def test_the_half_billion_config_builds_the_parameters_worked_out(check, tiny_qw
     assert model.config.model_type == "qwen3" and model.config.vocab_size == 1024
 
 
+def test_the_moe_config_builds_the_parameters_worked_out(check, tiny_moe):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollshard.store.routing import RoutingShape, shape_of_model_config
+
+    config = check.moe_config(tiny_moe)
+    assert shape_of_model_config(config) == RoutingShape(layers=8, top_k=4, experts=32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # Per layer: q and o 1024 x 2048, k and v 1024 x 512, 32 experts of 3 x 1024 x 512, the router 32 x 1024, q/k
+    # norms 2 x 128, two RMSNorms 2 x 1024 = 55,609,600; x 8 layers, + tied embeddings 1024 x 1024 + final norm 1024.
+    assert sum(p.numel() for p in model.parameters()) == 445_926_400
+
+
 def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
     argv = [
         "--tiny", "--device", "cpu", "--server", "serve", "--prompts", "2", "--n-samples", "2", "--concurrency", "4",

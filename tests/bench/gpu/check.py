@@ -22,7 +22,7 @@ venv). Then, in under 8 minutes on one GPU, printing one JSON object::
    pushed every 2 steps): steps per hour, rows generated and trained, the staleness of the trained rows and the
    trainer's busy share (``--steps async`` alone runs it with a server of its own).
 7. moe: routing replay (R3) end to end on a random Qwen3-MoE (8 layers x 1024 hidden, top-4 of 32 experts of
-   512, ~0.4B parameters, bf16; ``--tiny``: tiny-qwen3-moe): the server started with
+   512, ~0.45B parameters, bf16; ``--tiny``: tiny-qwen3-moe): the server started with
    ``--enable-return-routed-experts``, ``rollshard-generate --routed-experts on`` (routing stored, its column's
    bytes per position), ``rollshard-train audit`` (the routing agreement and |logp - rollout_logp| with and
    without replay) and one replayed training step (``--routing-replay on``).
@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "bench"))  # bench_engines, bench_generate: the same measurements
 
-# A Qwen3-MoE of ~0.4B parameters (the MoE step): Qwen3-30B-A3B's router (softmax top-k, renormalized) at a small size.
+# A Qwen3-MoE of ~0.45B parameters (the MoE step): Qwen3-30B-A3B's router (softmax top-k, renormalized) at a small size.
 QWEN3_MOE = dict(
     hidden_size=1024,
     num_hidden_layers=8,
@@ -113,16 +113,20 @@ def build_model(root: Path, tiny: bool, device: str) -> tuple[Path, int]:
     torch.manual_seed(0)
     with torch.device(device):  # initializing 0.44B parameters on a CPU takes a while
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    path = root / "qwen3-0.5b"
+    return save_with_tokenizer(model, base, root / "qwen3-0.5b"), sum(p.numel() for p in model.parameters())
+
+
+def save_with_tokenizer(model, base: Path, path: Path) -> Path:
+    """``model`` saved at ``path`` with ``base``'s tokenizer, chat template and generation config."""
     model.save_pretrained(path)
-    for f in base.iterdir():  # tokenizer, chat template, generation config
+    for f in base.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":
             (path / f.name).write_bytes(f.read_bytes())
     cfg_file = path / "config.json"
     cfg_json = json.loads(cfg_file.read_text())
     cfg_json.setdefault("torch_dtype", cfg_json.get("dtype", "bfloat16"))  # what the SGLang venv's transformers reads
     cfg_file.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    return path, sum(p.numel() for p in model.parameters())
+    return path
 
 
 def half_b_config(base: Path):
@@ -143,28 +147,28 @@ def _params(path: Path) -> int:
 def build_moe_model(root: Path, tiny: bool, device: str) -> Path:
     """tiny-qwen3-moe, or its tokenizer under :data:`QWEN3_MOE`; weights in bf16."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rollshard.generate.models import init_model
 
     base = init_model(root / "tiny-qwen3-moe", preset="tiny-qwen3-moe", seed=0)
     if tiny:
         return base
-    d = {**AutoConfig.from_pretrained(base).to_dict(), **QWEN3_MOE}
-    d.pop("layer_types", None)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d), dtype=torch.bfloat16)
-    path = root / "qwen3-moe"
-    model.save_pretrained(path)
-    for f in base.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            (path / f.name).write_bytes(f.read_bytes())
-    cfg_file = path / "config.json"
-    cfg_json = json.loads(cfg_file.read_text())
-    cfg_json.setdefault("torch_dtype", cfg_json.get("dtype", "bfloat16"))
-    cfg_file.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    return path
+        model = AutoModelForCausalLM.from_config(moe_config(base), dtype=torch.bfloat16)
+    return save_with_tokenizer(model, base, root / "qwen3-moe")
+
+
+def moe_config(base: Path):
+    """tiny-qwen3-moe's config (tokenizer ids, tied embeddings) at :data:`QWEN3_MOE`."""
+    from transformers import AutoConfig
+
+    d = AutoConfig.from_pretrained(base).to_dict()
+    d.pop("num_local_experts", None)  # transformers 5's name of num_experts: it would win over ours
+    d = {**d, **QWEN3_MOE}
+    d.pop("layer_types", None)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
 def step_moe(args, url: str, model: Path, root: Path) -> dict:
