@@ -219,7 +219,7 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
 
     started = time.perf_counter()
     backend = build_backend(TrainConfig(model=model_cfg), env=OneDevice(where=str(device)), total_updates=None)
-    check_datasets(list(datasets.values()), backend.routing_shape)
+    check_datasets(list(datasets.values()), backend.routing_shape, args.routing_replay)
     tally = CorrectionTally(loss)
     routing = RoutingTally() if backend.routing is not None else None
     batches, rows = _stream(backend, datasets, args, model=model, tally=tally, routing=routing)

@@ -67,12 +67,18 @@ def check_mode(mode: str, shape: RoutingShape | None, model_path: str) -> None:
         )
 
 
-def check_datasets(datasets: list[Any] | None, shape: RoutingShape | None) -> None:
+def check_datasets(datasets: list[Any] | None, shape: RoutingShape | None, mode: str = "auto") -> None:
     """Refuse a dataset whose rows store the routing of another model (another layer count, top-k or expert count
-    in its run config) than the MoE model trained; a dense model ignores stored routing."""
+    in its run config) than the MoE model trained, and under mode ``on`` one whose writers stored none (a dataset
+    being written, with no writer yet, is judged by its rows); a dense model ignores stored routing."""
     if shape is None:
         return
     for ds in datasets or []:
+        if mode == "on" and ds.manifests and not any(RoutingShape.from_config(m.config) for m in ds.manifests):
+            raise RoutingReplayError(
+                f"--routing-replay on: dataset {ds.storage.uri} stores no routed experts (its run config names no "
+                "routed_experts); generate it with --routed-experts on, or use --routing-replay auto or off"
+            )
         for manifest in ds.manifests:
             try:
                 stored = RoutingShape.from_config(manifest.config)

@@ -233,7 +233,7 @@ class Trainer:
             hf_logging.disable_progress_bar()  # its loading/writing bars would break --no-progress output
         total = tr.max_steps * tr.mini_batches if tr.max_steps is not None else None
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
-        check_datasets(self._datasets(), self.backend.routing_shape)  # stored MoE routing of this model (R3)
+        check_datasets(self._datasets(), self.backend.routing_shape, config.model.routing_replay)  # MoE routing (R3)
         if ckpt:
             ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
         self.logger = self._open_logger(resume_step=self.step if ckpt else None)

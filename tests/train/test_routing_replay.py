@@ -155,8 +155,10 @@ def test_train_reports_agreement_and_refuses_on_without_routing(tiny_moe, tmp_pa
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["routing/agreement"] for s in steps if "routing/agreement" in s] == [1.0, 1.0]  # fp32 engine, fp32 trainer
     res = _run("--data", str(tmp_path / "without"), "--out", str(tmp_path / "run2"), "--routing-replay", "on", *common)
-    assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "--routing-replay on: row" in res.stderr and "has no routed experts" in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr and not (tmp_path / "run2").exists()
+    assert res.stderr.strip() == (f"rollshard-train: error: --routing-replay on: dataset {tmp_path / 'without'} stores "
+                                  "no routed experts (its run config names no routed_experts); generate it with "
+                                  "--routed-experts on, or use --routing-replay auto or off")
 
 
 def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
