@@ -462,22 +462,24 @@ def _sampling_support(args: argparse.Namespace) -> bool:
     return ask
 
 
-async def _routing(args: argparse.Namespace, engine: Engine, info: dict[str, Any],
+async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str | None],
                    sampling: SamplingParams) -> RoutingShape | None:
-    """The routing shape the run stores (``--routed-experts``), or None: the model's (its folder's config.json),
-    when it is a mixture of experts and the engine returns routing."""
+    """The routing shape the run stores (``--routed-experts``), or None: the model's (the config.json of the
+    engine's model folder, else of the tokenizer's), when it is a mixture of experts and the engine returns
+    routing."""
     if args.routed_experts == "off":
         return None
     try:
-        shape = _model_routing(info)
+        shape = _model_routing(folders)
     except RoutingShapeError as e:
         if args.routed_experts == "on":
             raise UsageError(f"--routed-experts on: {e}") from e
+        print(f"{PROG}: note: {e}; rows are written without routed experts", file=sys.stderr)
         return None
     if shape is None:
         if args.routed_experts == "on":
-            raise UsageError(f"--routed-experts on: the model ({info.get('model_path')}) is not a mixture of experts "
-                             "whose config.json names num_experts and num_experts_per_tok; use --routed-experts auto")
+            raise UsageError(f"--routed-experts on: the model ({folders[0]}) is not a mixture of experts whose "
+                             "config.json names num_experts and num_experts_per_tok; use --routed-experts auto")
         return None
     returns = getattr(engine, "returns_routed_experts", None)
     if returns is not None and not await returns(sampling):
@@ -490,18 +492,20 @@ async def _routing(args: argparse.Namespace, engine: Engine, info: dict[str, Any
     return shape
 
 
-def _model_routing(info: dict[str, Any]) -> RoutingShape | None:
-    """The routing shape of the served model, from its folder's config.json (None: dense, or not local)."""
-    path = info.get("model_path")
-    config = Path(str(path)) / "config.json" if path else None
-    if config is None or not config.is_file():
-        raise RoutingShapeError(f"the engine's model path {path!r} is not a local folder with a config.json to read "
-                                "the expert count from")
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise RoutingShapeError(f"cannot read {config}: {e}") from e
-    return shape_of_model_config(data.get("text_config", data) if isinstance(data, dict) else {})
+def _model_routing(folders: list[str | None]) -> RoutingShape | None:
+    """The routing shape of the served model, from the first of ``folders`` with a config.json (None: dense)."""
+    for folder in folders:
+        config = Path(str(folder)) / "config.json" if folder else None
+        if config is not None and config.is_file():
+            try:
+                data = json.loads(config.read_text())
+            except (OSError, ValueError) as e:
+                raise RoutingShapeError(f"cannot read {config}: {e}") from e
+            return shape_of_model_config(data.get("text_config", data) if isinstance(data, dict) else {})
+    raise RoutingShapeError(
+        f"no config.json in the engine's model folder {folders[0]!r} (nor in the tokenizer's) to tell whether the "
+        "model is a mixture of experts; pass --tokenizer with the model's local folder"
+    )
 
 
 def _resumes_a_dataset_without_supports(out: str) -> bool:
@@ -644,7 +648,7 @@ async def _generate(
         )
         if config["model"] and (source := gguf_source(config["model"])):
             config["model_source"] = source  # a .gguf file's name and sha256 (its converted folder is a cache)
-        routing = await _routing(args, engine, info, sampling)
+        routing = await _routing(args, engine, [info.get("model_path"), tokenizer_path], sampling)
         if routing is not None:
             config[ROUTING_KEY] = routing.to_config()
             sampling = dataclasses.replace(sampling, return_routed_experts=True)

@@ -157,3 +157,14 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
     assert dense.returncode == 2 and not (tmp_path / "dense").exists()
     assert dense.stderr.strip().splitlines()[-1].startswith("rollshard-generate: error: --routed-experts on: the model")
     assert "Traceback" not in dense.stderr
+
+
+def test_the_shape_comes_from_the_model_folder_or_the_tokenizers(tiny_moe, tiny_qwen3, tmp_path):
+    from rollshard.generate.run import _model_routing
+    from rollshard.store.routing import RoutingShapeError
+
+    assert _model_routing([str(tiny_moe), None]) == SHAPE
+    assert _model_routing(["/a/remote/server/path", str(tiny_moe)]) == SHAPE  # --tokenizer's local folder
+    assert _model_routing([str(tiny_qwen3)]) is None
+    with pytest.raises(RoutingShapeError, match="no config.json in the engine's model folder '/remote'.*pass --tokenizer"):
+        _model_routing(["/remote", None])
