@@ -86,6 +86,8 @@ from rollshard.store.loader import (
     STATE_VERSION,
     LoaderConfig,
     LoaderStateError,
+    NoStepError,
+    NoStepWarning,
     RolloutLoader,
     Step,
     _BlockData,
@@ -301,12 +303,20 @@ class MixtureLoader(_StepLoader):
             raise ValueError("a mixture needs two sources or more; read one dataset with RolloutLoader")
         self.names = tuple(s.name for s in self.sources)
         self.weights = integer_weights([s.weight for s in self.sources])
-        self.datasets = [RolloutDataset.open(s.path) for s in self.sources]
-        self._streams = [open_stream(ds, config, rank, world_size) for ds in self.datasets]
-        self.num_groups = sum(st.num_groups for st in self._streams)
+        self._datasets = [RolloutDataset.open(s.path) for s in self.sources]
+        self._streams = [open_stream(ds, config, rank, world_size) for ds in self._datasets]
+        self._num_groups = sum(st.num_groups for st in self._streams)
         self._cursor = _MixCursor(sources=tuple(_SourceCursor() for _ in self.sources))
         self._epoch_counts: dict[str, float] = {}
         self._init_common()
+
+    @property
+    def datasets(self) -> list[RolloutDataset]:
+        return self._datasets
+
+    @property
+    def num_groups(self) -> int:
+        return self._num_groups
 
     @property
     def groups_before_end(self) -> int | None:
@@ -481,6 +491,7 @@ class _Mixer:
                     f"the mixture yields no step: source {self.names[i]} ran out after {cur[i]['taken']} groups, a "
                     f"step needs {full} (groups_per_step); loosen the filters, lower groups_per_step, "
                     "or set tail='partial'",
+                    NoStepWarning,
                     stacklevel=2,
                 )
             end = self._cursor(cur, step, ended=True)
@@ -498,7 +509,7 @@ class _Mixer:
             if isinstance(g, _EpochEnd):
                 name = self.names[i]
                 if c["kept"] == 0 and self.cfg.num_epochs is None:
-                    raise ValueError(
+                    raise NoStepError(
                         f"source {name}: epoch {g.epoch} yields no group: none of its {g.num_groups} groups pass the "
                         "filters; loosen the filters or leave the source out"
                     )

@@ -59,7 +59,6 @@ DEFAULT_TOP = 10
 # --micro-batch-tokens); the audit takes no optimizer step, so it changes no number. With --max-rows a step is
 # one group, so the audit stops at the first whole group that reaches N rows.
 GROUPS_PER_STEP = 16
-LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
 # The trainer's loss flags the audit takes: the parameters of the corrections it counts.
 CORRECTION_FLAGS = (
     "eps_low", "eps_high", "dual_clip_c", "tis_c", "sapo_tau_pos", "sapo_tau_neg", "dppo_mask_low", "dppo_mask_high",
@@ -309,18 +308,18 @@ def _routing_pass(backend, mb, routing: RoutingTally) -> torch.Tensor:
     """``logp [T]`` of a micro-batch with stored routing as the audit's mode computes it, the tally given both
     ways: without replay first (the agreement of the trainer's own routing), then with."""
     out, diffs = {}, {}
-    mode = backend.routing.replay
+    mode = backend.set_routing_replay(False)
     on = mb.loss_mask > 0
     try:
         for key, replay in (("no_replay", False), ("replay", True)):
-            backend.routing.replay = replay
+            backend.set_routing_replay(replay)
             out[key] = backend.logprobs(mb.to(backend.device), grad=False)[0].float().cpu()  # [T]
             diffs[key] = (out[key] - mb.rollout_logprobs.float())[on].abs()
             agreement = backend.routing_agreement() if key == "no_replay" else agreement
             if key == "replay":
                 backend.routing_agreement()  # (on replayed inputs: not the figure reported)
     finally:
-        backend.routing.replay = mode
+        backend.set_routing_replay(mode)
     routing.add(diffs, agreement)
     return out["replay" if mode else "no_replay"]
 
@@ -379,12 +378,12 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str, ta
     """Every row of every source through the backend: the report's batches and the rows audited."""
     from tqdm import tqdm
 
-    from rollshard.store.loader import RolloutLoader
+    from rollshard.store.loader import NoStepWarning, RolloutLoader
 
     cfg = _loader_config(args)
     cfg.check()
     total = sum(ds.num_rows for ds in datasets.values())
-    vocab = backend.hf_model.get_input_embeddings().weight.shape[0]
+    vocab = backend.vocab_size
     batches, rows = [], 0
     bar = tqdm(total=min(total, args.max_rows or total), unit="row", file=sys.stderr, disable=not args.progress,
                dynamic_ncols=True, desc="audit")
@@ -393,7 +392,7 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str, ta
             loader = RolloutLoader(ds, cfg)
             try:
                 with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=LOADER_NO_STEP)  # nothing passes: said below
+                    warnings.filterwarnings("ignore", category=NoStepWarning)  # nothing passes: said below
                     for step in loader:
                         for mb, adv in zip(step.micro_batches, _advantages(step)):
                             batches.append(audit_batch(backend, mb, step.group_ids, source=name, vocab=vocab,

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from rollshard.store.loader import FILTER_KEYS
+from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, StepLoader
 from rollshard.store.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
@@ -73,16 +73,8 @@ from rollshard.train.setup import prepare_config, run_norm_len  # noqa: F401  (p
 LOADER_PER_RANK = frozenset(
     {"groups", "sequences", "tokens", "loss_tokens", "micro_batches", "zero_variance_groups", *FILTER_KEYS}
 )
-# The loader's warning for an epoch (or a mixture) without a step; the trainer says it in flags instead (NoStepError).
-LOADER_NO_STEP = r"(epoch \d+|the mixture) yields no step"
-
-
 class NonFiniteError(RuntimeError):
     """A loss or gradient of a step is not finite; the run stops before that update is saved."""
-
-
-class NoStepError(ValueError):
-    """The data holds no whole step under the settings."""
 
 
 def build_loader(config: TrainConfig, env: DistEnv):
@@ -117,11 +109,10 @@ def build_loader(config: TrainConfig, env: DistEnv):
     return open_loader(d.path, loader_cfg, rank=env.rank, world_size=env.world_size, sync=_agreement(env))
 
 
-def check_same_data(loader, env: DistEnv) -> None:
+def check_same_data(loader: StepLoader, env: DistEnv) -> None:
     """Every rank deals the shares from its own open of the dataset: refuse ranks that opened different ones (a
     writer committed between their opens, or paths that differ per node), which would deal different shares."""
-    datasets = [loader.dataset] if hasattr(loader, "dataset") else list(getattr(loader, "datasets", []))
-    mine = [d.fingerprint for d in datasets]
+    mine = [d.fingerprint for d in loader.datasets]
     every = env.all_gather_json(mine)
     differ = [r for r, other in enumerate(every) if other != mine]
     if differ:
@@ -213,7 +204,7 @@ class _StopSignals:
 class Trainer:
     """Builds the loader, backend and logger from a config (resuming when asked) and runs the loop."""
 
-    def __init__(self, config: TrainConfig, *, env: DistEnv | None = None, loader: Any = None):
+    def __init__(self, config: TrainConfig, *, env: DistEnv | None = None, loader: StepLoader | None = None):
         self.cfg = config = prepare_config(config)
         self.env = env or DistEnv()
         tr = config.trainer
@@ -222,6 +213,9 @@ class Trainer:
         ckpt = self._resume_point()
         self.step = ckpt.step if ckpt else 0
         self.loader = loader if loader is not None else build_loader(config, self.env)
+        if not isinstance(self.loader, StepLoader):
+            raise TypeError(f"loader is a {type(self.loader).__name__}; the trainer takes a "
+                            "rollshard.store.loader.StepLoader")
         check_same_data(self.loader, self.env)
         if ckpt:
             self.loader.load_state_dict(ckpt.loader_states[self.env.rank])
@@ -323,12 +317,9 @@ class Trainer:
         self.cfg = dataclasses.replace(self.cfg, loss=dataclasses.replace(loss, norm_len=length))  # in the saved config
         return float(length)
 
-    def _datasets(self) -> list[Any] | None:
-        """The datasets the loader reads (one, or a mixture's sources); None for a loader that does not say."""
-        datasets = getattr(self.loader, "datasets", None)
-        if datasets is None and getattr(self.loader, "dataset", None) is not None:
-            datasets = [self.loader.dataset]
-        return datasets
+    def _datasets(self) -> list[Any]:
+        """The datasets the loader reads (one, or a mixture's sources)."""
+        return self.loader.datasets
 
     def _say(self, message: str) -> None:
         if self.env.is_main:
@@ -362,11 +353,11 @@ class Trainer:
         """Steps of the whole run, for the progress bar: ``--max-steps``, capped by the steps the data holds when
         the epochs are bounded (from its group count before filtering: an upper bound when filters drop groups)."""
         tr, d = self.cfg.trainer, self.cfg.data
-        groups = getattr(self.loader, "num_groups", None)
+        groups = self.loader.num_groups
         if groups is None or d.num_epochs is None:
             return tr.max_steps
         full = d.groups_per_step * self.env.world_size
-        mixed = getattr(self.loader, "groups_before_end", None)  # a mixture: one run until a source runs out
+        mixed = self.loader.groups_before_end  # a mixture: one run until a source runs out
         if mixed is not None:
             in_data = mixed // full if d.tail == "drop" else -(-mixed // full)
             return in_data if tr.max_steps is None else min(tr.max_steps, in_data)
@@ -392,7 +383,7 @@ class Trainer:
         signal_checked = False  # after the first step's rows were read: a damaged shard is said alone, first
         try:
             with _StopSignals(self.loader.stop_waiting) as stop, warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=LOADER_NO_STEP)
+                warnings.filterwarnings("ignore", category=NoStepWarning)  # said in flags below (NoStepError)
                 it = iter(self.loader)
                 while tr.max_steps is None or self.step < tr.max_steps:
                     # The boundary: every rank agrees (FSDP's collectives), and the loader cursor is that of
@@ -437,15 +428,12 @@ class Trainer:
     def _next_step(self, it):
         try:
             return next(it, None)
-        except ValueError as e:
-            # With --num-epochs none the loader raises for an epoch without a step; say it in flags.
-            if "yields no step" in str(e):
-                raise NoStepError(self._no_step_message()) from e
-            raise
+        except NoStepError as e:  # an endless loader's epoch without a step: say it in flags
+            raise NoStepError(self._no_step_message()) from e
 
     def _no_step_message(self) -> str:
         d, w = self.cfg.data, self.env.world_size
-        stats = getattr(self.loader, "epoch_stats", None) or {}
+        stats = self.loader.epoch_stats
         if "groups_examined" in stats:
             kept = stats["groups_examined"] - stats.get("filtered_groups/empty", 0) - stats.get(
                 "filtered_groups/zero_variance", 0
@@ -453,7 +441,7 @@ class Trainer:
             share = " of this process's share" if w > 1 else ""
             have = f"{kept:.0f} of {stats['groups_examined']:.0f} groups{share} pass the filters"
         else:
-            have = f"the dataset holds {getattr(self.loader, 'num_groups', '?')} groups"
+            have = f"the dataset holds {self.loader.num_groups if self.loader.num_groups is not None else '?'} groups"
         takes = f"--groups-per-step {d.groups_per_step}" + (f" x {w} processes" if w > 1 else "")
         return (
             f"no step to train: {have} and a step takes {d.groups_per_step * w} ({takes}); lower --groups-per-step, "
@@ -497,9 +485,7 @@ class Trainer:
 
     def close(self) -> None:
         self.logger.close(exit_code=1 if self.exit_status is None else self.exit_status)
-        close = getattr(self.loader, "close", None)
-        if close is not None:
-            close()
+        self.loader.close()
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -119,6 +119,7 @@ from rollshard.store.loader.filters import _Filters, _parse_version, _Segment, _
 from rollshard.store.loader.hf import HF_GROUP_SCHEMA, hf_groups  # noqa: F401
 from rollshard.store.loader.pack import make_step  # noqa: F401
 from rollshard.store.loader.plan import _Cursor, _EpochEnd, _EpochPlan, _Item, _random_keys, deal  # noqa: F401
+from rollshard.store.loader.protocol import NoStepError, NoStepWarning, StepLoader, WrappedLoader  # noqa: F401
 from rollshard.store.loader.read import _BlockData, _read_block  # noqa: F401
 from rollshard.store.loader.steps import (  # noqa: F401
     RolloutLoader,
@@ -131,4 +132,5 @@ from rollshard.store.loader.steps import (  # noqa: F401
 from rollshard.store.loader.stream import _Stream  # noqa: F401
 from rollshard.store.packing import PackedBatch  # noqa: F401
 
-__all__ = ["DataError", "LoaderConfig", "LoaderStateError", "PackedBatch", "RolloutLoader", "Step", "hf_groups"]
+__all__ = ["DataError", "LoaderConfig", "LoaderStateError", "NoStepError", "NoStepWarning", "PackedBatch",
+           "RolloutLoader", "Step", "StepLoader", "WrappedLoader", "hf_groups"]

@@ -43,6 +43,7 @@ from rollshard.store.loader.blocks import _Block
 from rollshard.store.loader.config import LoaderConfig, LoaderStateError, Step
 from rollshard.store.loader.filters import _Filters, _parse_version, _Segment
 from rollshard.store.loader.pack import make_step
+from rollshard.store.loader.protocol import StepLoader
 from rollshard.store.loader.read import _BlockData, _read_block
 from rollshard.store.manifest import ShardInfo, load_manifests
 from rollshard.store.storage import Storage
@@ -57,14 +58,12 @@ class FollowTimeoutError(ValueError):
     """No shard was committed for ``wait_s`` seconds while the follower needed one."""
 
 
-class FollowLoader:
+class FollowLoader(StepLoader):
     """Iterable of :class:`Step` over a dataset being written: whole groups in commit order, packed.
 
     One process (``world_size`` 1). ``num_epochs`` and ``shuffle`` of the config do not apply: each
     committed group is used once, in commit order. ``max_steps`` is the caller's (the trainer's).
     """
-
-    num_groups = None  # unknown: the dataset grows while it is read
 
     def __init__(
         self,
@@ -94,7 +93,7 @@ class FollowLoader:
         self._threshold: int | None = None
         self._version_text: str | None = None
         self._stop = False
-        self.epoch_stats: dict[str, float] = {}
+        self._epoch_stats: dict[str, float] = {}
         self.polls = 0  # reads of the manifests that found nothing new (each followed by a wait of poll_s)
         self._dataset: RolloutDataset | None = None  # the last snapshot read
         if config.current_version is not None:
@@ -116,6 +115,11 @@ class FollowLoader:
     @property
     def current_version(self) -> str | None:
         return self._version_text
+
+    @property
+    def epoch_stats(self) -> dict[str, float]:
+        """The counts of the run so far (its one pass has no epochs)."""
+        return self._epoch_stats
 
     def stop_waiting(self) -> None:
         """End a wait for commits at its next poll (safe from a signal handler): the iteration then ends."""
@@ -199,7 +203,7 @@ class FollowLoader:
             counts = {}
         elif pending:
             counts["tail_dropped_groups"] = float(len(pending))
-        self.epoch_stats = counts
+        self._epoch_stats = counts
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -30,10 +30,11 @@ from rollshard.store.loader.config import (
 )
 from rollshard.store.loader.filters import _parse_version, _Version, _VersionBox
 from rollshard.store.loader.plan import _Cursor, _Item
+from rollshard.store.loader.protocol import StepLoader
 from rollshard.store.loader.stream import _Stream
 
 
-class _StepLoader:
+class _StepLoader(StepLoader):
     """What every loader of steps shares: the producer thread, iteration from the cursor, the policy version.
 
     A subclass sets ``config``, ``rank``, ``world_size``, ``_cursor``, ``_epoch_counts`` and implements
@@ -63,7 +64,7 @@ class _StepLoader:
         self._version = _VersionBox()
         if self.config.current_version is not None:
             self.set_current_version(self.config.current_version)
-        self.epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
+        self._epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
         self._producer: _Background | None = None
         self._held: dict = {}  # the producer's current window of blocks (reused by a restart)
 
@@ -85,8 +86,9 @@ class _StepLoader:
     def current_version(self) -> str | None:
         return self._version.current.text
 
-    def stop_waiting(self) -> None:
-        """Nothing to do: this loader never waits for data to be written (store/loader/follow.py does)."""
+    @property
+    def epoch_stats(self) -> dict[str, float]:
+        return self._epoch_stats
 
     def close(self) -> None:
         """Stop the background threads (iteration can start again later from the cursor)."""
@@ -191,7 +193,7 @@ class _StepLoader:
         self._cursor = item.cursor
         self._epoch_counts = item.epoch_counts if item.counts_after is None else dict(item.counts_after)
         if item.step is None:
-            self.epoch_stats = {k: float(v) for k, v in item.epoch_counts.items()}
+            self._epoch_stats = {k: float(v) for k, v in item.epoch_counts.items()}
 
 
 def own_state(state: Any, rank: int, world_size: int) -> Any:
@@ -283,10 +285,18 @@ class RolloutLoader(_StepLoader):
         config = self._set_placement(config, rank, world_size, sync)
         self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
         self._stream = open_stream(self.dataset, config, rank, world_size)
-        self.num_groups = self._stream.num_groups
+        self._num_groups = self._stream.num_groups
         self._cursor = _Cursor()
         self._epoch_counts: dict[str, int] = {}
         self._init_common()
+
+    @property
+    def datasets(self) -> list[RolloutDataset]:
+        return [self.dataset]
+
+    @property
+    def num_groups(self) -> int:
+        return self._num_groups
 
     def state_dict(self) -> dict:
         """The cursor after the last step taken, and what it is valid for (JSON-serializable)."""

@@ -46,6 +46,7 @@ from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_C
 from rollshard.store.loader.filters import _Filters, _Segment, _VersionBox
 from rollshard.store.loader.pack import make_step
 from rollshard.store.loader.plan import _Cursor, _EpochEnd, _EpochPlan, _Item
+from rollshard.store.loader.protocol import NoStepError, NoStepWarning
 from rollshard.store.loader.read import _BlockData, _read_block
 
 
@@ -313,8 +314,8 @@ class _Stream:
             "or set tail='partial'"
         )
         if self.cfg.num_epochs is None:
-            raise ValueError(msg)
-        warnings.warn(msg, stacklevel=2)
+            raise NoStepError(msg)  # repeating it forever would loop without a step
+        warnings.warn(msg, NoStepWarning, stacklevel=2)
 
     def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts, left: int) -> _Item:
         step = make_step(pending, seg.counts, epoch=epoch, index=index, cfg=self.cfg)

@@ -61,8 +61,7 @@ def mismatch(model: Path, data: Path) -> dict:
     batches = [mb for step in RolloutLoader(RolloutDataset.open(data), cfg) for mb in step.micro_batches]
     out = {}
     for mode in ("off", "on") if backend.routing is not None else ("off",):
-        if backend.routing is not None:
-            backend.routing.replay = mode == "on"
+        backend.set_routing_replay(mode == "on")
         parts = []
         for mb in batches:
             with torch.no_grad():

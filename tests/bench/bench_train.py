@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from rollshard.store.loader import LoaderConfig, RolloutLoader
+from rollshard.store.loader import LoaderConfig, RolloutLoader, StepLoader
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.train.attention import VARLEN
 from rollshard.train.config import TrainConfig
@@ -105,13 +105,17 @@ def train_config(data: Path, model: Path, out: Path, args, *, steps: int | None 
     ).validate()
 
 
-class ListLoader:
+class ListLoader(StepLoader):
     """Pre-read steps, replayed: the trainer's loop without data loading. ``before(i, step)`` runs each time
     the loop asks for step ``i``, which it does once the previous step is trained, logged and saved."""
 
     def __init__(self, steps, before=None):
         self.steps = steps
         self.before = before or (lambda i, step: None)
+
+    @property
+    def datasets(self) -> list:
+        return []
 
     def __iter__(self):
         for i, step in enumerate(self.steps):

@@ -434,9 +434,43 @@ def test_zero_variance_groups_counted_and_optionally_dropped(tmp_path):
 
 
 def test_an_epoch_without_a_step_raises_when_looping_forever(dataset):
+    from rollshard.store.loader import NoStepError, NoStepWarning
+
     config = cfg(agents=("nobody",), num_epochs=None)
-    with pytest.raises(ValueError, match="epoch 0 yields no step: 0 of 60 groups pass the filters"):
+    with pytest.raises(NoStepError, match="epoch 0 yields no step: 0 of 60 groups pass the filters"):
         next(iter(RolloutLoader(dataset, config)))
+    # Bounded epochs: the run ends without a step, said by a warning of its own type (never matched by text).
+    with pytest.warns(NoStepWarning, match="epoch 0 yields no step"), RolloutLoader(dataset, cfg(agents=("nobody",))) as it:
+        assert list(it) == []
+
+
+def test_every_loader_is_a_step_loader_and_names_its_datasets(dataset, tmp_path):
+    from rollshard.store.loader import StepLoader
+    from rollshard.store.loader.follow import FollowLoader
+    from rollshard.store.mixture import open_loader
+
+    import shutil
+
+    copy = shutil.copytree(dataset.storage.root, tmp_path / "copy")
+    one = RolloutLoader(dataset, cfg())
+    mixed = open_loader(f"a={dataset.storage.root}:0.5,b={copy}:0.5", cfg())
+    follow = FollowLoader(dataset.storage.root, cfg())
+    for loader in (one, mixed, follow):
+        assert isinstance(loader, StepLoader)
+        assert [d.fingerprint for d in loader.datasets] in ([dataset.fingerprint], [dataset.fingerprint] * 2)
+        loader.close()
+    assert one.num_groups == 60 and mixed.num_groups == 120 and follow.num_groups is None
+    assert one.groups_before_end is None and mixed.groups_before_end is not None
+
+
+def test_the_trainer_takes_a_step_loader_only(tiny_gpt2, tmp_path):
+    from rollshard.train.config import TrainConfig
+    from rollshard.train.trainer import Trainer
+
+    config = TrainConfig.from_dict({"data": {"path": str(tmp_path / "data")}, "model": {"path": str(tiny_gpt2)},
+                                    "trainer": {"out": str(tmp_path / "out")}})
+    with pytest.raises(TypeError, match="loader is a list; the trainer takes a rollshard.store.loader.StepLoader"):
+        Trainer(config, loader=[])
 
 
 def test_bad_config_raises():

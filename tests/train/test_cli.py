@@ -249,15 +249,11 @@ def test_data_errors_from_the_loader_are_one_line(tiny_dataset, tiny_gpt2, tmp_p
 
     real = trainer_mod.build_loader
 
-    class Failing:
-        def __init__(self, loader):
-            self.loader = loader
+    from rollshard.store.loader import WrappedLoader
 
-        def __getattr__(self, name):
-            return getattr(self.loader, name)
-
+    class Failing(WrappedLoader):
         def __iter__(self):
-            for i, step in enumerate(self.loader):
+            for i, step in enumerate(self.inner):
                 if i == 1:
                     raise DataError("shards/w-00001.parquet: corrupt row group 3\n  (Parquet: invalid page header)")
                 yield step

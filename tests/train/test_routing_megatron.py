@@ -183,9 +183,19 @@ def single(tiny_moe):
         r["hf_router_grads"] = {l: hf.hf_model.model.layers[l].mlp.gate.weight.grad.detach().clone() for l in range(L)}
         for h in cap.hooks:
             h.remove()
+        from rollshard.train.backends.base import Backend
+
+        r["backends"] = [(type(b).__name__, isinstance(b, Backend), b.vocab_size, b.set_routing_replay(False),
+                          b.set_routing_replay(True)) for b in (mg, hf)]
         return r
     finally:
         close_parallel()
+
+
+def test_both_backends_are_the_trainers_backend(single):
+    # What the trainer and the audit use of a backend, the same on both: the vocabulary, the replay switch (which
+    # says the setting it replaces: replay was on, then off).
+    assert single["backends"] == [("MegatronBackend", True, 1024, True, False), ("HFBackend", True, 1024, True, False)]
 
 
 def test_megatron_replays_the_stored_routing(single):

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from rollshard.store.loader import WrappedLoader
 from rollshard.train.config import LossConfig
 from rollshard.train.logprobs import SupportLogprobs
 from rollshard.train.losses import policy_loss
@@ -186,14 +187,12 @@ def with_supports(mb, table):
     return dataclasses.replace(mb, sampling_logprobs=sampling, has_support=has, support_ids=ids, support_offsets=offsets)
 
 
-class SupportLoader:
+class SupportLoader(WrappedLoader):
     """The store loader with each micro-batch's supports filled in from ``table``."""
 
     def __init__(self, inner, table):
-        self.inner, self.table = inner, table
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.table = table
 
     def __iter__(self):
         for step in self.inner:

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
+from rollshard.train.backends.base import Backend
 from rollshard.train.backends.distributed import DistEnv
-from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import PackedPolicy, Support, check_model, chunk_rows, packed_logprobs
 from rollshard.train.routing import HFRouting, batch_routing, check_mode, model_routing
@@ -58,7 +58,7 @@ SAFE_WEIGHTS = "model.safetensors"
 POLICY_PREFIX = "model."  # PackedPolicy holds the transformers model as .model; checkpoints use transformers names
 
 
-class HFBackend:
+class HFBackend(Backend):
     """Policy (and optional reference) model, optimizer and the update step."""
 
     def __init__(
@@ -71,12 +71,8 @@ class HFBackend:
         weights_from: str | Path | None = None,
         need_reference: bool = False,
     ):
-        self.cfg, self.optim_cfg, self.env = model_cfg, optim_cfg, env
-        self.source = Path(model_cfg.path)
-        self.device = env.device()
+        super().__init__(model_cfg, optim_cfg, env=env, total_updates=total_updates)
         self.bf16 = self._use_bf16(model_cfg.dtype)
-        self.total_updates = total_updates
-        self.updates = 0
 
         model = self._load(weights_from or self.source).to(self.device)
         self.hf_model = model
@@ -202,6 +198,10 @@ class HFBackend:
             )
         return (*out, None) if support and sup is None else out
 
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_model.get_input_embeddings().weight.shape[0]
+
     def routing_agreement(self) -> tuple[float, float]:
         """(pairs whose own top-k equals the stored one, pairs with stored routing) of the policy's forwards since
         the last call (train/routing.py); (0, 0) for a dense model or data without routing."""
@@ -215,12 +215,6 @@ class HFBackend:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's share of the global loss (scaled for FSDP's gradient average)."""
         (loss * self.env.world_size if self.env.enabled else loss).backward()
-
-    def lr(self, update: int | None = None) -> float:
-        o = self.optim_cfg
-        total = o.decay_steps if o.decay_steps is not None else self.total_updates
-        u = self.updates if update is None else update
-        return o.lr * lr_factor(u, warmup=o.warmup_steps, total=total, decay=o.lr_decay, min_ratio=o.min_lr_ratio)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step (unless the gradient norm is not finite), zero the gradients."""

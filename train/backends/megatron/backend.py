@@ -51,12 +51,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
+from rollshard.train.backends.base import Backend
 from rollshard.train.backends.megatron import weights as W
 from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
 from rollshard.train.backends.megatron.model import arch_of, build_model, check_layout, transformer_config
 from rollshard.train.backends.megatron.parallel import ParallelEnv
 from rollshard.train.backends.megatron.routing import MegatronRouting
-from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import (
     Support,
@@ -102,7 +102,7 @@ def _shard_file(rank: int) -> str:
     return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
 
 
-class MegatronBackend:
+class MegatronBackend(Backend):
     """Policy (and optional reference) model split over tensor/pipeline ranks, AdamW, and the update step."""
 
     def __init__(
@@ -118,10 +118,7 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        self.cfg, self.optim_cfg, self.env = model_cfg, optim_cfg, env
-        self.source = Path(model_cfg.path)
-        self.device = env.device()
-        self.total_updates, self.updates = total_updates, 0
+        super().__init__(model_cfg, optim_cfg, env=env, total_updates=total_updates)
         try:
             self.hf_config = AutoConfig.from_pretrained(str(self.source))
         except (OSError, ValueError) as e:
@@ -289,6 +286,10 @@ class MegatronBackend:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
         return int(most) - T
 
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab
+
     def routing_agreement(self) -> tuple[float, float]:
         """(pairs whose own top-k equals the stored one, pairs with stored routing) of the policy's forwards since
         the last call (train/routing.py); (0, 0) for a dense model or data without routing. Collective over the
@@ -320,12 +321,6 @@ class MegatronBackend:
         if not self.first:
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             self._p2p(g.contiguous(), send=True, peer_stage=self.pp_rank - 1)
-
-    def lr(self, update: int | None = None) -> float:
-        o = self.optim_cfg
-        total = o.decay_steps if o.decay_steps is not None else self.total_updates
-        u = self.updates if update is None else update
-        return o.lr * lr_factor(u, warmup=o.warmup_steps, total=total, decay=o.lr_decay, min_ratio=o.min_lr_ratio)
 
     def _is_tied_copy(self, name: str) -> bool:
         """The last stage's copy of a tied embedding (pp > 1): counted on the first stage only."""
