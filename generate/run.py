@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--routed-experts", choices=SUPPORT_MODES, default="auto",
-        help="store each MoE layer's top-k expert ids at every prompt and response position (schema 1.2), for "
-        "routing replay in training. auto: when the model is a mixture of experts and the engine returns them "
+        help="store each MoE layer's top-k expert ids at every prompt and response position but the last (schema "
+        "1.2), for routing replay in training. auto: when the model is a mixture of experts and the engine returns "
+        "them "
         "(SGLang: --enable-return-routed-experts); on: refused otherwise; off: never (default: %(default)s)",
     )
     s.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per model turn (default: %(default)s)")
@@ -465,8 +466,8 @@ def _sampling_support(args: argparse.Namespace) -> bool:
 async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str | None],
                    sampling: SamplingParams) -> RoutingShape | None:
     """The routing shape the run stores (``--routed-experts``), or None: the model's (the config.json of the
-    engine's model folder, else of the tokenizer's), when it is a mixture of experts and the engine returns
-    routing."""
+    engine's model folder, else of the tokenizer's), when it is a mixture of experts and the engine returns routing
+    of that shape."""
     if args.routed_experts == "off":
         return None
     try:
@@ -481,14 +482,24 @@ async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str |
             raise UsageError(f"--routed-experts on: the model ({folders[0]}) is not a mixture of experts whose "
                              "config.json names num_experts and num_experts_per_tok; use --routed-experts auto")
         return None
-    returns = getattr(engine, "returns_routed_experts", None)
-    if returns is not None and not await returns(sampling):
+    try:
+        width = await engine.routed_experts_width(sampling)
+    except EngineError as e:
+        raise UsageError(str(e)) from e
+    if width is None:
+        why = engine.routing_reason or (
+            f"engine {args.engine!r} returns no routed experts (start the SGLang server with "
+            "--enable-return-routed-experts)")
         if args.routed_experts == "on":
-            raise UsageError(f"--routed-experts on: engine {args.engine!r} returns no routed experts; start the SGLang "
-                             "server with --enable-return-routed-experts, or use --routed-experts auto/off")
-        print(f"{PROG}: note: the engine returns no routed experts (start SGLang with --enable-return-routed-experts "
-              "to store them for routing replay); rows are written without", file=sys.stderr)
+            raise UsageError(f"--routed-experts on: {why}; or use --routed-experts auto/off")
+        print(f"{PROG}: note: {why}; rows are written without routed experts", file=sys.stderr)
         return None
+    if width != shape.width:
+        raise UsageError(
+            f"the engine returns {width} expert ids per position, but {folders} describes {shape.layers} layers x "
+            f"top-{shape.top_k} = {shape.width}: the local config.json is of another model; pass --tokenizer with "
+            "the served model's folder, or --routed-experts off"
+        )
     return shape
 
 

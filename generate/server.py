@@ -243,7 +243,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     if args.enable_return_routed_experts and engine.routing_shape is None:
         await engine.close()
-        raise EngineError(f"--enable-return-routed-experts: model {args.model} is not a mixture of experts")
+        why = engine.routing_reason or "it is not a mixture of experts"
+        raise EngineError(f"--enable-return-routed-experts: model {args.model}: {why}")
     server = Server(engine, routed_experts=args.enable_return_routed_experts)
     runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()

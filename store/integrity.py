@@ -47,7 +47,14 @@ import xxhash
 from rollshard.store.errors import DataError
 from rollshard.store.manifest import ShardInfo
 from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import ADDED_COLUMNS, OPTIONAL_COLUMNS, ROW_SCHEMA, SCHEMA_VERSION, check_projection, check_schema_version
+from rollshard.store.schema import (
+    ADDED_COLUMNS,
+    OPTIONAL_COLUMNS,
+    ROW_SCHEMA,
+    SCHEMA_VERSION,
+    check_projection,
+    check_schema_version,
+)
 from rollshard.store.storage import Storage
 
 __all__ = ["Checksums", "DataError", "FileDigests", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
@@ -270,7 +277,7 @@ def _type(t: pa.DataType) -> str:
 def check_rows(table: pa.Table, where: str, routing: RoutingShape | None = None) -> None:
     """Raise for the first row of ``table`` (a projection of the schema's columns) that breaks an invariant;
     ``routing``: the shard's routing shape (its config's), for a ``routed_experts`` column."""
-    problems = check_projection(table, limit=1, routing=routing)  # the first is all the message shows; the rest cost detail work
+    problems = check_projection(table, limit=1, routing=routing)  # the first is all the message shows
     if problems:
         p = problems[0]
         raise DataError(f"{where}: sample {p.sample_id!r}: {p.field}: {p.detail}; {VALIDATE}")

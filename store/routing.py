@@ -8,15 +8,15 @@ response tokens stores ``P + R - 1`` positions. The shape is the dataset's: its 
 ``routed_experts`` entry (:class:`RoutingShape`: layers, top_k, experts) names it, and every shard of the
 dataset carries that config in its metadata.
 
-Why bytes and not a nested or flat list of integers (``tests/bench/bench_store.py --routing``, Qwen3-30B-A3B's
+Why bytes and not a nested or flat list of integers (``tests/bench/bench_routing.py``, Qwen3-30B-A3B's
 48 layers x top-8 of 128 experts): Parquet has no 8-bit integer, so a ``list<uint8>`` is stored as 32-bit
 integers, dictionary- or zstd-coded; the bytes, zstd-coded, take fewer bytes on disk than either and are read
 into numpy without a per-value decode (the README's Performance pages give the figures).
 
 Invariants of a row with routing (:func:`routing_problems`): its byte length is ``(P + R - 1) x layers x top_k``
-ids; every id is below ``experts``; the ``top_k`` ids of one (position, layer) are distinct (a top-k never
-picks an expert twice); and no layer's ids are all zero over the row's positions (slime's check: a capture
-that never wrote its buffer).
+ids; every id is below ``experts``; and the ``top_k`` ids of one (position, layer) are distinct (a top-k never
+picks an expert twice). With ``top_k > 1`` a top-k of all zeros is named apart: slime's check for a layer the
+capture never wrote (top-1 routing may send every token to expert 0, and is not held to it).
 """
 
 from __future__ import annotations
@@ -183,19 +183,17 @@ def routing_problems(
         add(rows_of(np.flatnonzero(bad)[:1000]), ROUTING_COLUMN, lambda i: (
             f"holds an expert id >= {shape.experts}, the model's expert count"))
     if shape.top_k > 1 and ids.size:
+        # A top-k of zeros is slime's check for a layer the capture never wrote (a top-k > 1 of real routing cannot be
+        # all one expert); other repeats are a broken top-k. Top-1 routing may well send every token to expert 0.
+        zeros = ~ids.any(axis=-1)  # [N, L]
         s = np.sort(ids, axis=-1)
-        twice = (s[..., 1:] == s[..., :-1]).any(axis=(1, 2))  # [N]
-        if twice.any():
-            add(rows_of(np.flatnonzero(twice)[:1000]), ROUTING_COLUMN, lambda i: (
-                "names one expert twice in a top-k of one position and layer; a top-k picks distinct experts"))
-    if ids.size and len(pos_rows):
-        nonzero = ids.any(axis=-1)  # [N, L]
-        starts = np.concatenate([[0], np.cumsum(n_pos[ok])[:-1]])  # [rows ok] first position of each
-        has = n_pos[ok] > 0
-        per_row = np.logical_or.reduceat(nonzero, starts[has], axis=0) if has.any() else np.zeros((0, shape.layers), bool)
-        zero_rows = np.flatnonzero(ok)[has][~per_row.all(axis=1)]
-        add(zero_rows, ROUTING_COLUMN, lambda i: (
-            "has a layer whose expert ids are all 0 over the row: the routing was not captured for it"))
+        twice = ((s[..., 1:] == s[..., :-1]).any(axis=-1) & ~zeros).any(axis=1)  # [N]
+        for bad, detail in ((zeros.any(axis=1), "has a top-k of all expert 0 at a position and layer: the routing was "
+                             "not captured there"),
+                            (twice, "names one expert twice in a top-k of one position and layer; a top-k picks "
+                             "distinct experts")):
+            if bad.any():
+                add(rows_of(np.flatnonzero(bad)[:1000]), ROUTING_COLUMN, lambda i, detail=detail: detail)
 
 
 def find_routers(model: Any) -> list[Any]:

@@ -13,7 +13,8 @@ scored depends on a row's last position.
 on also refuses a dense model at start and a micro-batch of a row without routing (one line naming the row);
 off never forces. In every mode, a batch with routing measures the **routing agreement**: the share of (valid
 position, MoE layer) pairs where the trainer's own top-k set equals the stored one (``routing/agreement`` in the
-step metrics and the audit).
+step metrics: the forwards the loss is computed on, each micro-batch once; and the audit, without replay). Under
+replay each layer's own top-k is taken on the output of the layers before it, which ran the stored experts.
 
 :class:`HFRouting` does this on transformers models by wrapping each top-k router's ``forward``; the megatron
 backend through the replay hook of megatron-core's routers (train/backends/megatron/routing.py).
@@ -48,6 +49,25 @@ def model_routing(model_path: str | Path) -> RoutingShape | None:
         return shape_of_model_config(config.get("text_config", config))
     except RoutingShapeError as e:
         raise RoutingReplayError(str(e)) from e
+
+
+# transformers routers whose gate math HFRouting reproduces over a forced set: the softmax over every expert, the
+# top-k of it, renormalized over the k when the router does (Mixtral always; the others with norm_topk_prob).
+REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
+
+
+def replay_shape(model_path: str | Path, mode: str) -> RoutingShape | None:
+    """The routing shape a backend replays: the model's; None for a dense model, and under ``auto``/``off`` for a
+    MoE whose routing rollshard does not replay (dense layers between the MoE ones), which ``on`` refuses in one
+    line."""
+    try:
+        shape = model_routing(model_path)
+    except RoutingReplayError as e:
+        if mode == "on":
+            raise RoutingReplayError(f"--routing-replay on: {e}") from e
+        return None
+    check_mode(mode, shape, str(model_path))
+    return shape
 
 
 def reads_routing(model_path: str | Path) -> bool:
@@ -87,8 +107,8 @@ def check_datasets(datasets: list[Any] | None, shape: RoutingShape | None, mode:
             if stored is not None and stored != shape:
                 raise RoutingReplayError(
                     f"dataset {ds.storage.uri} stores the routing of {stored.layers} layers x top-{stored.top_k} of "
-                    f"{stored.experts} experts; the model routes {shape.layers} x top-{shape.top_k} of {shape.experts}: "
-                    "train the model that generated it"
+                    f"{stored.experts} experts; the model routes {shape.layers} x top-{shape.top_k} of "
+                    f"{shape.experts}: train the model that generated it"
                 )
 
 
@@ -110,6 +130,15 @@ def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.devi
             f"row {batch.sample_ids[0]!r} stores {ids.shape[1]} expert ids per position; the model routes "
             f"{shape.layers} layers x top-{shape.top_k} = {shape.width}: the dataset is of another model"
         )
+    if mode == "on":  # every row trained on replays: one without routing among rows with it is refused too
+        cu = batch.cu_seqlens.long().cpu()
+        bare = torch.nonzero((_per_sequence(batch.routed_valid, cu) == 0) & (_per_sequence(batch.loss_mask, cu) > 0))
+        if bare.numel():
+            raise RoutingReplayError(
+                f"--routing-replay on: row {batch.sample_ids[int(bare[0])]!r} has no routed experts; generate the "
+                "dataset with --routed-experts on (an SGLang server with --enable-return-routed-experts), or use "
+                "--routing-replay auto (replay where stored) or off"
+            )
     if ids.numel() and ids.device.type == "cpu" and int(ids.max()) >= shape.experts:  # (the loader's batches are)
         raise RoutingReplayError(
             f"row {batch.sample_ids[0]!r} stores expert ids up to {int(ids.max())}; the model has {shape.experts} "
@@ -117,6 +146,12 @@ def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.devi
         )
     return (ids.to(device=device, dtype=torch.long).view(-1, shape.layers, shape.top_k),
             batch.routed_valid.to(device))
+
+
+def _per_sequence(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[S]``: the sum of each packed sequence's values (``cu``: its ``[S+1]`` boundaries)."""
+    total = F.pad(values.double().cpu().cumsum(0), (1, 0))  # [T + 1]
+    return total[cu[1:]] - total[cu[:-1]]
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -155,6 +190,12 @@ class HFRouting:
                 f"{type(model).__name__}: {len(routers)} top-k routers found for {shape.layers} MoE layers of top-"
                 f"{shape.top_k} of {shape.experts} experts; rollshard replays routing on transformers MoE models "
                 "whose routers (*TopKRouter) return their top-k ids"
+            )
+        other = sorted({type(r).__name__ for r in routers} - set(REPLAYABLE_ROUTERS))
+        if other:
+            raise RoutingReplayError(
+                f"{type(model).__name__}'s routers ({', '.join(other)}) compute their gate weights in a way routing "
+                f"replay does not reproduce; it replays {', '.join(REPLAYABLE_ROUTERS)}"
             )
         self.shape = shape
         self.replay = True

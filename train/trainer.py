@@ -514,6 +514,9 @@ class Trainer:
         # the step comes before it, with more a forward of its own does.
         initial = self._pre_update_mismatch(mbs, n_passes, prox) if self.step == 0 and len(parts) > 1 else None
         norms = mini_batch_norms(host, parts, self.env, norm_len=self.norm_len)
+        # The routing agreement is that of the forwards the loss is computed on: each micro-batch once, at the weights
+        # it is trained at (not the proximal, reference or step-0 passes above).
+        self.backend.routing_agreement()
         optim_metrics = []
         for k, (part, norm, share) in enumerate(zip(parts, norms, loss_shares(norms, cfg.loss.agg))):
             n_part = int(self.env.all_reduce([float(len(part))], "max")[0])

@@ -117,7 +117,8 @@ class AgentCall:
         if start > have or start + len(ids) != want:
             raise EngineError(
                 f"request for {self.sample_id} turn {self.turns}: the engine's routed experts cover positions "
-                f"[{start}, {start + len(ids)}), expected [{have}, {want}) or from 0"
+                f"[{start}, {start + len(ids)}); they must end at {want} (input + output - 1) and start at or before "
+                f"{have} (what the call holds)"
             )
         new = ids[have - start :]
         self.routed_experts = new if self.routed_experts is None else np.concatenate([self.routed_experts, new])

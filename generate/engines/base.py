@@ -130,6 +130,14 @@ class Engine(abc.ABC):
     async def model_info(self) -> dict[str, Any]:
         """``/get_model_info``-shaped dict (``model_path``, ``weight_version``, ...); raises EngineError if unreachable."""
 
+    # Why a MoE model's routing is not returned, where the engine knows (the embedded engine); else None.
+    routing_reason: str | None = None
+
+    async def routed_experts_width(self, sampling: SamplingParams) -> int | None:
+        """Expert ids per position (layers x top_k) the engine returns for ``return_routed_experts`` (schema 1.2),
+        or None when it returns none; an engine without routing says None."""
+        return None
+
     async def health_check(self, sampling: SamplingParams | None = None) -> list[dict[str, Any]]:
         """One ``model_info`` per server behind the engine; raises EngineError (one line) if one is unreachable."""
         return [await self.model_info()]

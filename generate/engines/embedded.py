@@ -175,7 +175,7 @@ class EmbeddedEngine(Engine):
             raise EngineError(str(e)) from e
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_path)
         self.model = load_causal_lm(self.model_path, device, dtype)
-        self._routing = _capture(self.model, self.model_path)
+        self._routing = RoutingCapture(self.model)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
@@ -295,8 +295,17 @@ class EmbeddedEngine(Engine):
 
     @property
     def routing_shape(self):
-        """The served model's :class:`~rollshard.store.routing.RoutingShape` (None: a dense model)."""
+        """The served model's :class:`~rollshard.store.routing.RoutingShape` (None: a dense model, or a MoE whose
+        routing is not captured: :attr:`routing_reason` says why)."""
         return self._routing.shape
+
+    @property
+    def routing_reason(self) -> str | None:
+        return self._routing.reason
+
+    async def routed_experts_width(self, sampling: SamplingParams) -> int | None:
+        """Expert ids per position this engine returns for ``return_routed_experts`` (None: it returns none)."""
+        return None if self._routing.shape is None else self._routing.shape.width
 
     def utilization(self) -> dict[str, float]:
         """``busy_seconds`` (the worker's time on a non-empty batch: prefill and decode) and ``uptime_seconds``
@@ -429,7 +438,7 @@ class EmbeddedEngine(Engine):
             self._swap = None
         self._routing.remove()
         self.model = model
-        self._routing = _capture(model, path)
+        self._routing = RoutingCapture(model)
         self.model_path = path
         self.weight_version = version
         done.set()
@@ -465,7 +474,8 @@ class EmbeddedEngine(Engine):
             [[False] * (length - len(p)) + [True] * len(p) for p in prompts], device=self.device
         )  # [u, L]
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [u, L]
-        self._routing.on = routing = self._routing.shape is not None and any(r.sampling.return_routed_experts for r in rows)
+        routing = self._routing.shape is not None and any(r.sampling.return_routed_experts for r in rows)
+        self._routing.on = routing
         out = self.model(
             input_ids=ids,
             attention_mask=valid.long(),
@@ -479,8 +489,8 @@ class EmbeddedEngine(Engine):
         if routing:  # each row's prompt positions (its left padding dropped)
             ids = self._routing.take().view(len(prompts), length, *self._routing.shape_lk)  # [u, L, layers, top_k]
             for req, d in zip(rows, of_row):
-                if req.sampling.return_routed_experts:
-                    req.routed.append(ids[d, length - len(req.input_ids) :])
+                if req.sampling.return_routed_experts:  # a copy: a view would keep the whole forward's ids alive
+                    req.routed.append(ids[d, length - len(req.input_ids) :].clone())
         if len(prompts) < len(rows):
             index = torch.tensor(of_row, device=self.device)  # [n]
             layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
@@ -514,7 +524,7 @@ class EmbeddedEngine(Engine):
             ids = self._routing.take()  # [B, layers, top_k]
             for i, req in enumerate(batch.rows):
                 if asked[i]:
-                    req.routed.append(ids[i : i + 1])
+                    req.routed.append(ids[i : i + 1].clone())
         step = batch.sampling.sample(out.logits[:, -1, :])
         self._record(batch.rows, *step)
         batch.last = step[0]
@@ -593,13 +603,6 @@ class EmbeddedEngine(Engine):
             # request was answered before any forward).
             routed_experts=torch.cat(req.routed).numpy() if req.routed else None,
         )
-
-
-def _capture(model, path) -> RoutingCapture:
-    try:
-        return RoutingCapture(model)
-    except ValueError as e:  # RoutingShapeError, or routers the capture cannot read
-        raise EngineError(f"model {str(path)!r}: {e}") from e
 
 
 def default_threads() -> int:

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import torch
 
-from rollshard.store.routing import RoutingShape, find_routers, shape_of_model_config
+from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_config
 
 
 class RoutingCapture:
-    """Hooks on the routers of ``model`` (none on a dense model: :attr:`shape` is then None)."""
+    """Hooks on the routers of ``model``. None on a dense model, nor on a MoE whose routing rollshard does not
+    store (dense layers between the MoE ones, routers that do not return their top-k): :attr:`shape` is then None
+    and :attr:`reason` says why (for a MoE); the model is served as before, without routing."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.shape: RoutingShape | None = shape_of_model_config(model.config)
+        self.reason: str | None = None
+        try:
+            self.shape: RoutingShape | None = shape_of_model_config(model.config)
+        except RoutingShapeError as e:
+            self.shape, self.reason = None, str(e)
         routers = find_routers(model) if self.shape is not None else []
         if self.shape is not None and len(routers) != self.shape.layers:
-            raise ValueError(
-                f"{type(model).__name__} has {len(routers)} top-k routers for {self.shape.layers} MoE layers; "
-                "rollshard captures the routing of transformers MoE models whose routers return their top-k ids"
-            )
+            self.reason = (f"{type(model).__name__} has {len(routers)} top-k routers for {self.shape.layers} MoE "
+                           "layers; rollshard captures the routing of transformers MoE models whose every layer's "
+                           "router returns its top-k ids")
+            self.shape, routers = None, []
         self.shape_lk = (self.shape.layers, self.shape.top_k) if self.shape is not None else ()
         self.on = False
         self._ids: list[torch.Tensor | None] = [None] * len(routers)

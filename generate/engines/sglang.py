@@ -370,22 +370,32 @@ class SGLangEngine(Engine):
         self.breaker.reset()
         return infos
 
-    async def returns_routed_experts(self, sampling: SamplingParams) -> bool:
-        """Whether every server answers ``return_routed_experts`` (SGLang sends ``meta_info.routed_experts`` only
-        when started with ``--enable-return-routed-experts``; otherwise the key is absent, with no error): one
-        request of one token each."""
+    async def routed_experts_width(self, sampling: SamplingParams) -> int | None:
+        """Expert ids per position (layers x top_k) every server returns for ``return_routed_experts``, or None when
+        one returns none (SGLang sends ``meta_info.routed_experts`` only when started with
+        ``--enable-return-routed-experts``; otherwise the key is absent, with no error): one request of one token
+        each, whose answer covers one position. Servers that disagree are an :class:`EngineError`."""
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s)
         probe = dataclasses.replace(sampling, max_new_tokens=1, sampling_seed=0, return_sampling_mask=False)
-        payload = {"input_ids": [0], "sampling_params": probe.to_json(), "return_routed_experts": True}
+        payload = {"input_ids": [0], "sampling_params": probe.to_json(), "return_logprob": True,
+                   "return_routed_experts": True}
 
-        async def answers(url: str) -> bool:
+        async def width(url: str) -> int | None:
             try:
                 body = await self._post(url, "/generate", payload, timeout)
+                result = parse_response(body, rid="routed-experts-probe", routed_experts_of=1)
             except (_Retryable, EngineError) as e:
                 raise EngineError(f"SGLang server {url}: a one-token return_routed_experts request failed: {e}") from e
-            return isinstance(body, dict) and "routed_experts" in (body.get("meta_info") or {})
+            ids = result.routed_experts
+            return None if ids is None or not len(ids) else int(ids.shape[1])
 
-        return all(await self._on_every_server(answers))
+        widths = await self._on_every_server(width)
+        if None in widths:
+            return None
+        if len(set(widths)) > 1:
+            raise EngineError(f"the SGLang servers {self.urls} return routing of {widths} expert ids per position: "
+                              "serve one model behind one engine spec")
+        return widths[0]
 
     async def _check_sampling_mask(self, url: str, sampling: SamplingParams) -> None:
         """Refuse a top_k the server's ``--sampling-mask-max-tokens`` (``/get_server_info``) would refuse on every

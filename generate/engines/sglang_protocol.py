@@ -51,6 +51,7 @@ _KNOWN_META = frozenset(
         "output_token_sampling_mask",
         "output_token_sampling_logprobs",
         "output_token_sampling_mask_length",
+        "routed_experts",  # decoded into the result (a multi-MB string is not kept twice)
     }
 )
 
@@ -225,9 +226,9 @@ def _routed_experts(raw: Any, rid: str, input_len: int, sent: int, kept: int) ->
     except (ValueError, TypeError) as e:  # binascii.Error is a ValueError; a length not a multiple of 4 too
         raise EngineError(f"request {rid}: meta_info.routed_experts is not base64 of int32 ids: {e}") from e
     rows = max(input_len + sent - 1, 0)
+    if rows == 0 and ids.size == 0:
+        return None  # nothing was forwarded before the answer: no routing (as for an abort in the queue)
     if rows == 0 or ids.size % rows or not ids.size:
-        if rows == 0 and ids.size == 0:
-            return ids.reshape(0, 0)
         raise EngineError(
             f"request {rid}: meta_info.routed_experts holds {ids.size} ids, not a whole number of rows for the "
             f"{rows} positions forwarded ({input_len} input + {sent} output tokens - 1)"

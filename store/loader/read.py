@@ -59,7 +59,8 @@ class _BlockData:
         self.needs_tokens = bool(passing.any())
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self.support: tuple[np.ndarray, ...] | None = None
-        self.routing: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (bytes, offsets [rows + 1], valid [rows])
+        # schema 1.2 with LoaderConfig.routed_experts: (bytes, offsets [rows + 1], valid [rows]) and their shape
+        self.routing: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.routing_shape: RoutingShape | None = None
 
     def set_tokens(self, table: pa.Table) -> None:
@@ -76,8 +77,9 @@ class _BlockData:
                             inner.offsets.to_numpy(), sup.offsets.to_numpy())
 
     def set_routing(self, table: pa.Table, shape: RoutingShape | None) -> None:
-        if shape is not None and ROUTING_COLUMN in table.column_names and table.column(ROUTING_COLUMN).null_count < table.num_rows:
-            self.routing, self.routing_shape = flat_bytes(table.column(ROUTING_COLUMN)), shape
+        column = table.column(ROUTING_COLUMN) if ROUTING_COLUMN in table.column_names else None
+        if shape is not None and column is not None and column.null_count < table.num_rows:
+            self.routing, self.routing_shape = flat_bytes(column), shape
 
     def row_routing(self, row: int) -> np.ndarray | None:
         """The row's routed experts as ``[positions, layers x top_k]`` ids (a view of the block's bytes), or None."""

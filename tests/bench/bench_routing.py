@@ -69,7 +69,7 @@ def mismatch(model: Path, data: Path) -> dict:
             parts.append((logp - mb.rollout_logprobs)[mb.loss_mask > 0].abs())
         d = torch.cat(parts)
         out[mode] = {"tokens": int(d.numel()), "mean": float(d.mean()), "max": float(d.max())}
-        if backend.routing is not None:  # the trainer's own top-k against the engine's (under replay: on replayed inputs)
+        if backend.routing is not None:  # the trainer's own top-k against the engine's (replay: on replayed inputs)
             same, pairs = backend.routing_agreement()
             out[mode]["agreement"] = same / pairs
     return out

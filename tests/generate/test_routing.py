@@ -100,7 +100,7 @@ def test_multi_turn_keeps_each_turns_routing_of_what_it_forwarded():
     # turn's tokens) from the second.
     assert call.routed_experts[:, 0].tolist() == [1] * 4 + [2] * 5
     call.add_environment([30], "env")
-    with pytest.raises(EngineError, match=r"cover positions \[0, 3\), expected \[9, 11\)"):
+    with pytest.raises(EngineError, match=r"cover positions \[0, 3\); they must end at 11 .* at or before 9"):
         call.add_turn(GenerateResult(output_ids=[9], logprobs=[-1.0], text="", finish_reason="stop",
                                      routed_experts=np.zeros((3, 4))))
     with pytest.raises(EngineError, match="returned no routed experts although return_routed_experts was asked"):
@@ -168,3 +168,40 @@ def test_the_shape_comes_from_the_model_folder_or_the_tokenizers(tiny_moe, tiny_
     assert _model_routing([str(tiny_qwen3)]) is None
     with pytest.raises(RoutingShapeError, match="no config.json in the engine's model folder '/remote'.*pass --tokenizer"):
         _model_routing(["/remote", None])
+
+
+class _Engine:
+    """The part of an engine ``rollshard-generate`` asks about routing."""
+
+    def __init__(self, width, reason=None, error=None):
+        self.width, self.routing_reason, self.error = width, reason, error
+
+    async def routed_experts_width(self, sampling):
+        if self.error:
+            raise EngineError(self.error)
+        return self.width
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_the_run_stores_routing_only_of_the_shape_the_engine_returns(tiny_moe, mode, capsys):
+    import argparse
+
+    from rollshard.generate.run import UsageError, _routing
+
+    def resolve(engine):
+        args = argparse.Namespace(routed_experts=mode, engine="http://127.0.0.1:9")
+        return asyncio.run(_routing(args, engine, [str(tiny_moe)], SamplingParams()))
+
+    assert resolve(_Engine(4)) == SHAPE
+    with pytest.raises(UsageError, match=r"returns 6 expert ids per position, but .* describes 2 layers x top-2 = 4"):
+        resolve(_Engine(6))
+    with pytest.raises(UsageError, match="one-token return_routed_experts request failed"):
+        resolve(_Engine(4, error="a one-token return_routed_experts request failed"))
+    for engine, why in ((_Engine(None), "start the SGLang server with --enable-return-routed-experts"),
+                        (_Engine(None, reason="Jamba has 2 top-k routers for 4 MoE layers"), "Jamba has 2 top-k")):
+        if mode == "on":
+            with pytest.raises(UsageError, match=why):
+                resolve(engine)
+        else:
+            assert resolve(engine) is None
+            assert why in capsys.readouterr().err

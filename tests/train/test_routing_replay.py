@@ -153,7 +153,9 @@ def test_train_reports_agreement_and_refuses_on_without_routing(tiny_moe, tmp_pa
     import json
 
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["routing/agreement"] for s in steps if "routing/agreement" in s] == [1.0, 1.0]  # fp32 engine, fp32 trainer
+    # fp32 engine, fp32 trainer: the same routing but where rounding decides a near tie (packed vs one at a time)
+    agreement = [s["routing/agreement"] for s in steps if "routing/agreement" in s]
+    assert len(agreement) == 2 and min(agreement) >= 0.95
     res = _run("--data", str(tmp_path / "without"), "--out", str(tmp_path / "run2"), "--routing-replay", "on", *common)
     assert res.returncode == 2 and "Traceback" not in res.stderr and not (tmp_path / "run2").exists()
     assert res.stderr.strip() == (f"rollshard-train: error: --routing-replay on: dataset {tmp_path / 'without'} stores "
@@ -162,9 +164,9 @@ def test_train_reports_agreement_and_refuses_on_without_routing(tiny_moe, tmp_pa
 
 
 def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
-    """Rows whose stored routing is the router's own (an fp32 engine): agreement 1, the same mismatch both ways.
-    The same rows with routing the router never chose: agreement 0, and replaying it moves the logprobs away from
-    the stored ones (which the engine computed with its own routing)."""
+    """Rows whose stored routing is the router's own (an fp32 engine): agreement ~1 (a near tie may round the other
+    way), and with replay the engine's logprobs to fp32 rounding. The same rows with routing the router never chose:
+    agreement 0, and replaying it moves the logprobs away from the stored ones (the engine's own routing's)."""
     import json
 
     import pyarrow.parquet as pq
@@ -195,8 +197,46 @@ def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
 
     own, forced = audit("own"), audit("other")
     r = own["routing"]
-    assert r["tokens"] == own["overall"]["tokens"] and r["agreement"] == 1.0
-    assert abs(r["replay_mean"] - r["no_replay_mean"]) < 1e-7 and r["replay_max"] < 1e-5
+    assert r["tokens"] == own["overall"]["tokens"] and r["agreement"] >= 0.95
+    assert r["replay_max"] < 1e-5 and r["no_replay_mean"] >= r["replay_mean"] - 1e-7
     r = forced["routing"]
-    assert r["agreement"] == 0.0 and r["no_replay_max"] < 1e-5 and r["replay_mean"] > 1e-3
+    assert r["agreement"] == 0.0 and r["replay_mean"] > 1e-3 and r["replay_mean"] > 100 * r["no_replay_mean"]
     assert forced["overall"]["mean"] == pytest.approx(r["replay_mean"], rel=1e-5)  # auto: the report is replayed
+
+
+def test_on_refuses_a_row_without_routing_among_rows_with_it(tiny_moe):
+    routing = [np.zeros((p + r - 1, LAYERS * TOP_K), np.uint8) + np.array([0, 1, 2, 3], np.uint8)
+               for p, r in LENGTHS]
+    routing[1] = None  # the middle row: generated without routing (a resume with --routed-experts off, say)
+    (mb,) = pack(_sequences(routing), 4096)[0]
+    with pytest.raises(RoutingReplayError, match="row 's1' has no routed experts"):
+        _backend(tiny_moe, "on").logprobs(mb, grad=False)
+    auto = _backend(tiny_moe, "auto")  # auto: replays the rows that have it, the router's own for s1
+    auto.logprobs(mb, grad=False)
+    assert auto.routing_agreement()[1] == sum(p + r - 1 for i, (p, r) in enumerate(LENGTHS) if i != 1) * LAYERS
+
+
+def test_a_moe_whose_routing_is_not_replayed_trains_under_auto_and_is_refused_under_on(tiny_moe, tmp_path):
+    """Dense layers between the MoE ones (mlp_only_layers): no routing stored or replayed, but the model serves and
+    trains as before; --routing-replay on says why it cannot replay."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollshard.generate.engines.embedded import EmbeddedEngine
+
+    config = AutoConfig.from_pretrained(tiny_moe)
+    config.mlp_only_layers = [1]
+    folder = tmp_path / "mixed"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for f in tiny_moe.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    assert json.loads((folder / "config.json").read_text())["mlp_only_layers"] == [1]
+    engine = EmbeddedEngine(folder)
+    assert engine.routing_shape is None and "dense layers between its MoE layers" in engine.routing_reason
+    backend = _backend(folder, "auto")
+    assert backend.routing is None and backend.routing_shape is None
+    with pytest.raises(RoutingReplayError, match="--routing-replay on: model type 'qwen3_moe' has dense layers"):
+        _backend(folder, "on")

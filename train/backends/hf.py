@@ -48,7 +48,7 @@ from rollshard.train.backends.base import Backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.logprobs import PackedPolicy, Support, check_model, chunk_rows, packed_logprobs
-from rollshard.train.routing import HFRouting, batch_routing, check_mode, model_routing
+from rollshard.train.routing import HFRouting, RoutingReplayError, batch_routing, replay_shape
 from rollshard.train.sharded import load_sharded, save_gathered, save_sharded, tied_aliases
 
 # Files of a model folder that are weights (rewritten by a checkpoint); everything else
@@ -79,8 +79,7 @@ class HFBackend(Backend):
         chunk = chunk_rows(model.get_output_embeddings().weight.shape[0], model_cfg.logprob_chunk_mib)
         # Before sharding: the check runs the whole fp32 model (every rank holds it at this point anyway).
         self.model_check = check_model(model, chunk_tokens=chunk)
-        self.routing_shape = model_routing(self.source)  # schema 1.2 routing replay (train/routing.py)
-        check_mode(model_cfg.routing_replay, self.routing_shape, str(self.source))
+        self.routing_shape = replay_shape(self.source, model_cfg.routing_replay)  # schema 1.2 (train/routing.py)
         self.routing = self._routing(model)
         fp32_head = model_cfg.fp32_lm_head
         self.policy = self._wrap(PackedPolicy(model, chunk_tokens=chunk, fp32_head=fp32_head))
@@ -104,9 +103,17 @@ class HFBackend(Backend):
     # -- setup ---------------------------------------------------------------------------------
 
     def _routing(self, model: nn.Module) -> HFRouting | None:
+        """The model's routing replay; None for a dense model, and under auto/off for routers replay does not
+        reproduce (the model then trains as without it; ``on`` refuses them)."""
         if self.routing_shape is None:
             return None
-        routing = HFRouting(model, self.routing_shape)
+        try:
+            routing = HFRouting(model, self.routing_shape)
+        except RoutingReplayError as e:
+            if self.cfg.routing_replay == "on":
+                raise RoutingReplayError(f"--routing-replay on: {e}") from e
+            self.routing_shape = None
+            return None
         routing.replay = self.cfg.routing_replay != "off"
         return routing
 

@@ -185,6 +185,7 @@ def step_moe(args, url: str, model: Path, root: Path) -> dict:
     if gen.returncode != 0:
         return {"exit": gen.returncode, "stderr": gen.stderr[-2000:]}
     stored = positions = 0
+    shape = None
     for f in sorted((data / "shards").glob("*.parquet")):
         pf = pq.ParquetFile(f)
         shape = json.loads(pf.schema_arrow.metadata[b"rollshard.config"])["routed_experts"]
@@ -194,6 +195,8 @@ def step_moe(args, url: str, model: Path, root: Path) -> dict:
                           if meta.column(c).path_in_schema == "routed_experts")
         t = pf.read(columns=["prompt_tokens", "response_tokens"])
         positions += sum(len(p) + len(r) - 1 for p, r in zip(t.column(0).to_pylist(), t.column(1).to_pylist()))
+    if not positions:
+        return {"rows": 0, "stderr": gen.stderr[-2000:]}
     out["routing"] = shape
     out["column_bytes_per_position"] = round(stored / positions, 2)
     out["layers_x_top_k"] = shape["layers"] * shape["top_k"]

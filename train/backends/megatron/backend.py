@@ -66,7 +66,7 @@ from rollshard.train.logprobs import (
     sampling_temperature,
     support_elements,
 )
-from rollshard.train.routing import batch_routing, check_mode, model_routing
+from rollshard.train.routing import batch_routing, replay_shape
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -131,8 +131,7 @@ class MegatronBackend(Backend):
         self.bf16 = self.device.type == "cuda" and model_cfg.dtype in ("auto", "bfloat16") and torch.cuda.is_bf16_supported()
         self.mcfg = transformer_config(self.arch, tp=env.tp, pp=env.pp, ep=env.ep, bf16=self.bf16)
         self.chunk = chunk_rows(self.arch.vocab // env.tp, model_cfg.logprob_chunk_mib)
-        self.routing_shape = model_routing(self.source) if self.arch.moe else None  # routing replay (.routing)
-        check_mode(model_cfg.routing_replay, self.routing_shape, str(self.source))
+        self.routing_shape = replay_shape(self.source, model_cfg.routing_replay)  # routing replay (.routing)
         self.model = self._load(Path(weights_from) if weights_from else self.source)
         self.routing = self._routing(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
