@@ -90,7 +90,7 @@ from rollshard.generate.runner import (
 from rollshard.generate.tasks import (
     TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts, parse_task_options,
 )
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
 from rollshard.store.lineage import lineage_of
 from rollshard.store.model_fingerprint import model_fingerprint
 from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_config
@@ -846,6 +846,11 @@ def _generation_config(args, system: AgentSystem, task: Task, scorer: Scorer, sa
 
 
 def _check_existing(out: str, config: dict[str, Any]) -> None:
+    foreign = foreign_entries(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(f"--out {out} holds {shown}: not a rollshard dataset; give a new or empty folder, or a "
+                         "dataset to resume")
     try:
         dataset = RolloutDataset.open(out)
     except DatasetNotFoundError:

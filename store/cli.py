@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args, err)
         ds = RolloutDataset.open(args.path)
+        ds.verify()  # every byte against the manifests before any figure is drawn from them
         if args.command == "stats":
             return _stats(ds, args, out, err)
         return _inspect(ds, args, out, err)
@@ -159,15 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     except AuditSchemaError as e:  # before DataError: a bad --audit file is a usage error
         _error(f"--audit: {e}")
         return EXIT_USAGE
+    # Damaged data is no answer (exit 2), as bad input is: only validate answers with its problems (exit 1).
     except RowInvariantError as e:  # a parent row the writer refuses: the parent is damaged
         _error(f"{_datasets(args)}: {e}; run `{PROG} validate {_datasets(args)}`")
-        return EXIT_PROBLEMS
+        return EXIT_USAGE
     except DataError as e:  # a damaged shard or manifest: the message names it and points at validate
         _error(f"{_datasets(args)}: {e}")
-        return EXIT_PROBLEMS
+        return EXIT_USAGE
     except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
         _error(f"cannot read {_datasets(args)}: {_one_line(e)}; run `{PROG} validate` on it")
-        return EXIT_PROBLEMS
+        return EXIT_USAGE
     except ValueError as e:  # a location pyarrow cannot open, an unreadable manifest
         _error(f"{e}")
         return EXIT_USAGE
@@ -291,6 +293,8 @@ def _report(args, err: Console) -> int:
     for path, flag in ((args.audit, "--audit"), (args.metrics, "--metrics")):
         if path is not None and "://" not in path and not os.path.isfile(path):
             raise _UsageError(f"{flag} {path}: no such file")
+    for path in args.paths:  # every byte against the manifests before any figure is drawn from them
+        RolloutDataset.open(path).verify()
     columns = (SpinnerColumn(), TextColumn("report: {task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=args.no_progress or not err.is_terminal, transient=True) as bar:
         task = bar.add_task("starting", total=None)

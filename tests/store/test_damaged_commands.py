@@ -1,0 +1,64 @@
+"""A damaged shard under every command that reads a whole dataset, and an --out that is another kind of folder:
+one line naming the shard (and its row group), exit 2, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollshard.store.dataset import RolloutDataset
+from rollshard.store.synthetic import synthetic_table
+from rollshard.store.writer import ShardWriter
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> Path:
+    """A dataset whose one byte in the middle of row group 0 is flipped (a data page: its footer still reads, so
+    only the checksums can tell)."""
+    root = tmp_path_factory.mktemp("damaged") / "ds"
+    with ShardWriter(root, config={"task": "toy"}) as w:
+        w.write_groups(synthetic_table(12, 4, seed=1, prompt_len=(20, 40), response_len=(20, 60)))
+    ds = RolloutDataset.open(root)
+    rg = ds.shards[0].row_groups[0]
+    shard = Path(ds.files[0])
+    data = bytearray(shard.read_bytes())
+    data[rg.offset + rg.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return root
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", [
+    ["rollshard.store", "stats"], ["rollshard.store", "inspect"], ["rollshard.store", "report", "--out", "{out}/r.html"],
+    ["rollshard.store", "filter", "--min-reward", "0", "--out", "{out}/f"],
+    ["rollshard.generate", "rescore", "--task", "toy", "--agents", "single", "--out", "{out}/r"],
+], ids=["stats", "inspect", "report", "filter", "rescore"])
+def test_a_damaged_shard_is_one_line_exit_2_and_nothing_written(damaged, tmp_path, command):
+    module, *rest = command
+    rest = [a.replace("{out}", str(tmp_path)) for a in rest]
+    res = _run(module, *rest[:1], str(damaged), *rest[1:])
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert "\n" not in line and "Traceback" not in res.stderr
+    assert f"{damaged}: shards/" in line and "(row group 0, bytes" in line and "xxh3" in line
+    assert "the shard was damaged or changed after it was committed" in line
+    assert list(tmp_path.iterdir()) == []  # no page, no half-written dataset
+
+
+def test_generate_refuses_an_out_that_is_another_kind_of_folder(tiny_gpt2, tmp_path):
+    model = shutil.copytree(tiny_gpt2, tmp_path / "model")
+    before = sorted(p.name for p in model.iterdir())
+    res = _run("rollshard.generate", "--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--limit", "1",
+               "--out", str(model), "--no-progress")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"rollshard-generate: error: --out {model} holds chat_template.jinja, config.json, "
+                                  f"generation_config.json and 3 more: not a rollshard dataset; give a new or empty "
+                                  "folder, or a dataset to resume")
+    assert sorted(p.name for p in model.iterdir()) == before
