@@ -30,9 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rollshard.store.errors import EXIT_OK, EXIT_USAGE
+
 PROG = "rollshard-generate eval"
 EVAL_FILE = "eval.json"
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def build_parser() -> argparse.ArgumentParser:

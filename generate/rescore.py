@@ -34,16 +34,15 @@ from typing import Any
 import pyarrow as pa
 
 from rollshard.generate.agents import AgentSystem, make_agent_system
-from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, gather_all, make_scorer, one_line
+from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, gather_all, make_scorer
 from rollshard.generate.tasks import Task, get_task
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError, TransformError, derive_dataset
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.store.lineage import lineage_of
 from rollshard.store.schema import Row, SchemaVersionError
 
 PROG = "rollshard-generate rescore"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MUTABLE = ("reward", "metadata")
 
 

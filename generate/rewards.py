@@ -46,6 +46,7 @@ import numpy as np
 
 from rollshard.generate.tasks.base import Task
 from rollshard.generate.tasks.verifiers import Verdict
+from rollshard.store.errors import one_line
 from rollshard.store.schema import Row
 
 DEFAULT_CONCURRENCY = 32
@@ -374,10 +375,6 @@ class HttpScorer(_Bounded):
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def one_line(e: Any) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def check_bounds(concurrency: int, timeout: float) -> None:

@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, one_line
 
 AUDIT_SCHEMA_VERSION = "1.1"  # 1.1: META_DATASETS names the datasets audited
 AUDIT_SCHEMA_MAJOR = 1
@@ -273,7 +273,7 @@ def check_destination(path: str | os.PathLike, flag: str = "--out") -> None:
     try:
         fs, where = pafs.FileSystem.from_uri(text)
     except (pa.ArrowInvalid, ValueError, OSError) as e:  # OSError: an S3 bucket whose region cannot be resolved
-        raise ValueError(f"{flag} {text}: cannot open it ({_one_line(e)}); check the bucket name, the endpoint "
+        raise ValueError(f"{flag} {text}: cannot open it ({one_line(e)}); check the bucket name, the endpoint "
                          "(AWS_ENDPOINT_URL) and your credentials") from e
     where = where.rstrip("/")
     if "/" not in where:
@@ -283,7 +283,7 @@ def check_destination(path: str | os.PathLike, flag: str = "--out") -> None:
     try:
         parent_info, info = fs.get_file_info([parent, where])
     except OSError as e:
-        raise ValueError(f"{flag} {text}: cannot reach {parent} ({_one_line(e)}); check the bucket name, the "
+        raise ValueError(f"{flag} {text}: cannot reach {parent} ({one_line(e)}); check the bucket name, the "
                          "endpoint (AWS_ENDPOINT_URL) and your credentials") from e
     if parent_info.type != pafs.FileType.Directory:
         kind = "bucket" if fs.type_name in ("s3", "gcs") else "folder"
@@ -340,11 +340,11 @@ def read_audit(path: str | os.PathLike) -> pa.Table:
     except FileNotFoundError as e:  # pyarrow's says where in its own words: name the path as given
         raise FileNotFoundError(errno.ENOENT, "no such file", os.fspath(path)) from e
     except (OSError, ValueError) as e:
-        raise AuditSchemaError(f"{path}: cannot read it ({_one_line(e)}); check the path and your access to it") from e
+        raise AuditSchemaError(f"{path}: cannot read it ({one_line(e)}); check the path and your access to it") from e
     try:
         pf = pq.ParquetFile(source)
     except (OSError, pa.ArrowInvalid) as e:
-        raise AuditSchemaError(f"{path}: not a Parquet file ({_one_line(e)}); pass the file rollshard-train audit "
+        raise AuditSchemaError(f"{path}: not a Parquet file ({one_line(e)}); pass the file rollshard-train audit "
                                "--out wrote") from e
     meta = pf.schema_arrow.metadata or {}
     version = meta.get(META_AUDIT_VERSION, b"").decode()
@@ -378,7 +378,7 @@ def audited_datasets(table: pa.Table) -> list[AuditedDataset] | None:
     try:
         return [AuditedDataset(**d) for d in json.loads(raw)]
     except (ValueError, TypeError) as e:
-        raise ValueError(f"unreadable {META_DATASETS.decode()} in its metadata ({_one_line(e)})") from e
+        raise ValueError(f"unreadable {META_DATASETS.decode()} in its metadata ({one_line(e)})") from e
 
 
 def report_metadata(table: pa.Table) -> dict[str, str]:
@@ -386,5 +386,3 @@ def report_metadata(table: pa.Table) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
 
 
-def _one_line(e: BaseException) -> str:
-    return "; ".join(p.strip() for p in str(e).splitlines() if p.strip())

@@ -39,12 +39,12 @@ from rich.text import Text
 from rollshard.store.audit import AuditSchemaError
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.store.groups import REWARD_STD_DDOF
 from rollshard.store.lineage import DERIVED_KEY, LINEAGE_KEY
 from rollshard.store.schema import RowInvariantError, SchemaVersionError
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PROBLEMS = EXIT_FAILED  # validate found problems
 PROG = "rollshard-store"
 
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"{_datasets(args)}: {e}")
         return EXIT_USAGE
     except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as e:  # before ValueError: ArrowInvalid is one
-        _error(f"cannot read {_datasets(args)}: {_one_line(e)}; run `{PROG} validate` on it")
+        _error(f"cannot read {_datasets(args)}: {one_line(e)}; run `{PROG} validate` on it")
         return EXIT_USAGE
     except ValueError as e:  # a location pyarrow cannot open, an unreadable manifest
         _error(f"{e}")
@@ -309,7 +309,7 @@ def _report(args, err: Console) -> int:
             raise  # its message says what is missing and how to make one
         except FileNotFoundError as e:  # the audit file vanished, or an S3 key that does not exist
             flag = {args.audit: "--audit ", args.metrics: "--metrics "}.get(e.filename, "") if e.filename else ""
-            raise _UsageError(f"{flag}{e.filename or _one_line(e)}: no such file") from e
+            raise _UsageError(f"{flag}{e.filename or one_line(e)}: no such file") from e
         bar.update(task, description=f"writing {args.out}")
         try:
             report.write(text, args.out)
@@ -503,8 +503,8 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
             texts, decoded_with = decode_each(load_tokenizer(path), ids), path
         except (OSError, ValueError) as e:
             if args.tokenizer:
-                raise _UsageError(f"cannot load a tokenizer from {path}: {_one_line(e)}") from e
-            note = f"note: showing token ids; the run config's tokenizer {path} did not load: {_one_line(e)}"
+                raise _UsageError(f"cannot load a tokenizer from {path}: {one_line(e)}") from e
+            note = f"note: showing token ids; the run config's tokenizer {path} did not load: {one_line(e)}"
             print(note, file=sys.stderr)
     tokens = [
         {"pos": i, "id": t, "text": texts[i] if texts else None, "logprob": lp, "mask": m}
@@ -687,8 +687,6 @@ def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix.rstrip("."), d)] if prefix else []
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

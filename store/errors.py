@@ -15,3 +15,16 @@ from __future__ import annotations
 
 class DataError(ValueError):
     """A shard or manifest breaks the dataset's contract; the message names the file and the row."""
+
+
+# The exit statuses of every rollshard command: done; done with failures (or problems found, or a threshold
+# exceeded); no answer (bad input, damaged data: one line saying what and how to fix it); interrupted (Ctrl-C).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def one_line(e: BaseException | str) -> str:
+    """An error's message on one line, as a command prints it: library errors (pyarrow's among them) may span
+    several lines, each joined to the next by "; ", runs of whitespace collapsed; the error's type when it has no
+    message."""
+    lines = (" ".join(part.split()) for part in str(e).splitlines())
+    return "; ".join(p for p in lines if p) or type(e).__name__

@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, one_line
 from rollshard.store.manifest import ShardInfo
 from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import (
@@ -75,7 +75,7 @@ def open_shard(storage: Storage, shard: ShardInfo, footer: pq.FileMetaData | Non
     except FileNotFoundError:
         raise DataError(f"{shard.path}: the manifest lists this shard but the file is not there; {VALIDATE}") from None
     except OSError as e:
-        raise DataError(f"{shard.path}: cannot open the shard: {_one_line(e)}") from e
+        raise DataError(f"{shard.path}: cannot open the shard: {one_line(e)}") from e
     try:
         size = f.size()
         try:
@@ -83,7 +83,7 @@ def open_shard(storage: Storage, shard: ShardInfo, footer: pq.FileMetaData | Non
         except (OSError, pa.ArrowException) as e:
             if size != shard.bytes:  # the likelier cause of an unreadable footer: the file was cut or replaced
                 raise _size_error(shard, size) from e
-            raise DataError(f"{shard.path}: not readable as Parquet ({_one_line(e)}); {VALIDATE}") from e
+            raise DataError(f"{shard.path}: not readable as Parquet ({one_line(e)}); {VALIDATE}") from e
         check_schema_version(pf.schema_arrow.metadata, shard.path)
         if size != shard.bytes:
             raise _size_error(shard, size)
@@ -205,7 +205,7 @@ def verify_footer(
         with storage.fs.open_input_file(storage.path(shard.path)) as f:
             magic, tail = f.read_at(len(MAGIC), 0), f.read_at(shard.bytes - start, start)
     except OSError as e:
-        raise DataError(f"{shard.path}: cannot read the shard to check its footer's sha256: {_one_line(e)}") from e
+        raise DataError(f"{shard.path}: cannot read the shard to check its footer's sha256: {one_line(e)}") from e
     if magic != MAGIC:
         raise DataError(f"{shard.path}: does not start with the Parquet magic {MAGIC!r}: the shard was damaged or "
                         f"changed after it was committed; {VALIDATE}")
@@ -240,7 +240,7 @@ def verify_shard(storage: Storage, shard: ShardInfo) -> None:
         with storage.fs.open_input_file(storage.path(shard.path)) as f:
             data = f.read_at(footer_start(shard) - first, first)
     except OSError as e:
-        raise DataError(f"{shard.path}: cannot read the shard to check its bytes: {_one_line(e)}") from e
+        raise DataError(f"{shard.path}: cannot read the shard to check its bytes: {one_line(e)}") from e
     verify_ranges(shard, tuple(range(len(shard.row_groups))), first, data)
     verify_footer(storage, shard, parsed=pf.metadata)
 
@@ -315,7 +315,7 @@ def verify_sha256(storage: Storage, shard: ShardInfo, stop: threading.Event | No
                     return False
                 h.update(memoryview(chunk))
     except OSError as e:
-        raise DataError(f"{shard.path}: cannot read the shard to check its sha256: {_one_line(e)}") from e
+        raise DataError(f"{shard.path}: cannot read the shard to check its sha256: {one_line(e)}") from e
     if h.hexdigest() != shard.sha256:
         raise DataError(
             f"{shard.path}: sha256 {h.hexdigest()[:16]}... differs from the manifest's {shard.sha256[:16]}...: "
@@ -341,7 +341,7 @@ class Job:
         except DataError as e:
             self.error = e
         except BaseException as e:  # anything else must reach a waiter too, not leave it waiting forever
-            self.error = DataError(f"{self.name}: checksum failed: {_one_line(e)}")
+            self.error = DataError(f"{self.name}: checksum failed: {one_line(e)}")
         self._run = None  # what it held (a block's bytes) is no longer needed
         self.done.set()
         return True
@@ -454,8 +454,6 @@ class Checksums:
                 return
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 _LIVE_CHECKS: "weakref.WeakSet[Checksums]" = weakref.WeakSet()

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rollshard.store.errors import one_line
 from rollshard.store.dataset import DatasetNotFoundError
 from rollshard.store.integrity import file_digests
 from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
@@ -191,7 +192,7 @@ class Validator:
         except SchemaVersionError as e:
             problem("schema_version", str(e))
         except (OSError, pa.ArrowException) as e:
-            problem("unreadable", f"not readable as Parquet: {_one_line(e)}")
+            problem("unreadable", f"not readable as Parquet: {one_line(e)}")
         return report
 
     def finish(self) -> ValidationReport:
@@ -325,5 +326,3 @@ def _total_len(col: pa.ChunkedArray) -> int:
     return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())

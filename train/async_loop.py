@@ -50,6 +50,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from rollshard.store.errors import one_line
 from rollshard.store.manifest import load_manifests
 from rollshard.store.storage import Storage
 from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
@@ -133,7 +134,7 @@ class AsyncLoop:
 
     def check_stage_args(self) -> int:
         """The stages' flags through their own checks before anything starts; returns B (groups per step)."""
-        from rollshard.train.cli import build_parser as train_parser, one_line
+        from rollshard.train.cli import build_parser as train_parser
         from rollshard.train.config import resolve
 
         try:

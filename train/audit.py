@@ -40,6 +40,7 @@ import pyarrow as pa
 import torch
 
 from rollshard.store.audit import AUDIT_SCHEMA
+from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.store.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
@@ -49,7 +50,7 @@ from rollshard.train.routing import check_datasets, reads_routing
 from rollshard.train.segments import segment_sum
 
 PROG = "rollshard-train audit"
-EXIT_OK, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_FLAGGED = EXIT_FAILED  # a threshold exceeded
 # fp32 engines agree with the trainer's recomputation to ~2e-5 nats (SGLang measured, DESIGN.md; the embedded
 # engine to ~1e-6 here), so 1e-3 passes any fp32 engine and flags a wrong model, temperature or token alignment.
 # A bf16 engine is ~0.1-1 nats off at its worst token: raise it (and watch the mean) there.
@@ -148,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(e: BaseException | str) -> None:
-    from rollshard.train.cli import one_line
 
     print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.train.config import add_config_flags, resolve
 
 PROG = "rollshard-train"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,11 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flags(parser)
     return parser
-
-
-def one_line(e: BaseException | str) -> str:
-    """A message on one line (library errors, pyarrow's among them, may span several)."""
-    return "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
 
 
 def _error(e: BaseException | str) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.store.stats import dataset_stats
 from rollshard.store.storage import Storage
 from rollshard.store.gguf import is_gguf
@@ -49,7 +50,6 @@ from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
 
 PROG = "rollshard-loop"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STATE_FILE = "loop.json"
 STATE_VERSION = 1
 # Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
@@ -303,7 +303,7 @@ class Loop:
         them, before anything is generated: a typo or a value a stage refuses is one line now, not a failed stage
         after a whole generation. The trainer's parser runs here (it is this package's); rollshard-generate checks
         its command itself (``--check-args``, a process of its own: train never imports generate)."""
-        from rollshard.train.cli import build_parser as train_parser, one_line
+        from rollshard.train.cli import build_parser as train_parser
         from rollshard.train.config import resolve
 
         policy = str(self.policy_path(0))

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, one_line
 from rollshard.store.integrity import check_column_types, open_shard
 from rollshard.store.loader.config import SAMPLING_COLUMNS, SCAN_THREADS, SMALL_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.manifest import group_hash
@@ -93,7 +93,7 @@ def _read_group_ids(pf: pq.ParquetFile, where: str, row_groups=None) -> list[lis
         return [pc.unique(pf.read_row_group(rg, columns=["group_id"]).column(0)).to_pylist()
                 for rg in (range(pf.metadata.num_row_groups) if row_groups is None else row_groups)]
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{where}: cannot read its group ids: {_one_line(e)}") from e
+        raise DataError(f"{where}: cannot read its group ids: {one_line(e)}") from e
 
 
 def _scan_shard(dataset: RolloutDataset, i: int, check_types: bool) -> _Scanned:
@@ -161,5 +161,3 @@ def _raise_split_groups(dataset: RolloutDataset, scanned: list[_Scanned], suspec
         )
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())

@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, one_line
 from rollshard.store.integrity import VALIDATE, check_rows, sampling_columns
 from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
 from rollshard.store.schema import config_of
-from rollshard.store.loader.blocks import _Block, _one_line
+from rollshard.store.loader.blocks import _Block
 from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.loader.filters import _Filters, _oldest_versions
 
@@ -130,7 +130,7 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
                 routing = _routing_shape(pf, where)
             tokens = _one_chunk(pf.read_row_groups(rgs, columns=token_columns))
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{where}: not readable: {_one_line(e)}") from e
+        raise DataError(f"{where}: not readable: {one_line(e)}") from e
     if check:  # one check of the columns read (a block none of whose rows passes reaches no step)
         columns = {**{n: small.column(n) for n in SMALL_COLUMNS}, **({} if tokens is None else
                    {n: tokens.column(n) for n in tokens.column_names})}

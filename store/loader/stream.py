@@ -38,10 +38,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError
+from rollshard.store.errors import DataError, one_line
 from rollshard.store.integrity import Checksums, Job, verify_ranges
 from rollshard.store.loader.background import _END, _Background, _Stopped
-from rollshard.store.loader.blocks import _Block, _one_line, _open
+from rollshard.store.loader.blocks import _Block, _open
 from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_COLUMNS, LoaderConfig
 from rollshard.store.loader.filters import _Filters, _Segment, _VersionBox
 from rollshard.store.loader.pack import make_step
@@ -119,7 +119,7 @@ class _Stream:
                 try:
                     held, raw = _held(f, info.bytes, offset, end, pf.metadata, block.row_groups)
                 except OSError as e:
-                    raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {_one_line(e)}") from e
+                    raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {one_line(e)}") from e
                 jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
                 pf = pq.ParquetFile(held, metadata=pf.metadata)
             data = _read_block(pf, block, self.filters, shard, check=verify)
