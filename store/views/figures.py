@@ -83,14 +83,13 @@ def rounds_figure(across: pl.DataFrame, agents: Sequence[str]):
     fig = new_figure(10, 4)
     ax = fig.subplots()
     names = across.select("round", "dataset").unique().sort("round")
-    for agent in agents:
+    drawn = [a for a in agents if across.filter(pl.col("agent") == a).height]
+    for i, agent in enumerate(drawn):
         d = across.filter(pl.col("agent") == agent).sort("round")
-        if not d.height:
-            continue
         x, y, s = d["round"].to_numpy(), d["mean"].to_numpy(), d["std"].fill_null(0.0).to_numpy()
         ax.errorbar(x, y, yerr=s, marker="o", capsize=4, color=colors[agent], label=agent)
-        for xi, yi in zip(x, y):
-            ax.annotate(f"{yi:.3f}", (xi, yi), textcoords="offset points", xytext=(6, 4), fontsize=8,
+        for xi, yi in zip(x, y):  # one line of labels per agent, so that agents with close rewards do not overlap
+            ax.annotate(f"{yi:.3f}", (xi, yi), textcoords="offset points", xytext=(6, 4 - 11 * i), fontsize=8,
                         color=colors[agent])
     ax.set_xticks(names["round"].to_list(), [f"round {r}\n{_short(n)}" for r, n in names.iter_rows()])
     ax.set_xlim(-0.5, max(names["round"].max() or 0, 1) + 0.5)
@@ -161,6 +160,9 @@ def zero_variance_figure(by_agent: pl.DataFrame, agents: Sequence[str]):
     ax.bar_label(bars, labels=[f"{z} / {g}" for z, g in zip(by_agent["zero_variance"], by_agent["groups"])])
     ax.set(title="Fraction of groups with zero reward variance", xlabel="agent", ylabel="fraction of groups",
            ylim=(0, 1.15))
+    if not by_agent.height or not by_agent["zero_variance"].sum():  # say it rather than draw nothing
+        ax.text(0.5, 0.6, "no group of two or more rows has zero reward variance" if by_agent.height
+                else "no group of two or more rows", transform=ax.transAxes, ha="center", va="center", fontsize=10)
     return fig
 
 
@@ -234,4 +236,5 @@ def staleness_figure(counts: pl.DataFrame, agents: Sequence[str]):
     legend_outside(ax1, title="agent")
     ax2.set_xticks(x, labels)
     ax2.set(title="Mean reward by weight_version", xlabel="weight_version", ylabel="mean reward")
+    legend_outside(ax2, title="agent")
     return fig

@@ -208,7 +208,7 @@ def panels_figure(m: Metrics, cols: int = 3):
         return None
     rows = math.ceil(len(ps) / cols)
     fig = new_figure(6.0 * cols, 3.3 * rows)
-    axes = fig.subplots(rows, cols, squeeze=False).flat
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)  # a list: zip() takes one more from an iterator
     for ax, (title, ylabel, present, ref, robust) in zip(axes, ps):
         for k in present:
             _draw(ax, m, k, robust)
@@ -218,7 +218,7 @@ def panels_figure(m: Metrics, cols: int = 3):
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.legend(fontsize=7, loc="best")
-    for ax in list(axes)[len(ps):]:
+    for ax in axes[len(ps):]:
         ax.set_visible(False)
     return fig
 
@@ -229,11 +229,11 @@ def others_figure(m: Metrics, cols: int = 4):
         return None
     rows = math.ceil(len(keys) / cols)
     fig = new_figure(4.2 * cols, 2.8 * rows)
-    axes = fig.subplots(rows, cols, squeeze=False).flat
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
     for ax, k in zip(axes, keys):
         _draw(ax, m, k)
         ax.set(title=k, xlabel="step", ylabel=k.rsplit("/", 1)[-1])
-    for ax in list(axes)[len(keys):]:
+    for ax in axes[len(keys):]:
         ax.set_visible(False)
     return fig
 

@@ -168,3 +168,46 @@ def test_parse_rates_and_the_selector_status_in_the_episode(tmp_path):
                                  "status": "completed", "length": 1, "response_text": "Judgment: 6",
                                  "meta": {"judgment": None, "judgment_status": "out_of_range", "selected": None}}])
     assert table["pick"][0] == "no valid Judgment (out_of_range)"
+
+
+def test_the_metrics_grid_shows_no_empty_panel(tmp_path):
+    """Four panels in a grid of three columns: the two cells left over are hidden (zip took one more cell from the
+    grid's iterator, so one empty panel stayed in sight, and one more in the others grid)."""
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"step": s, "loss/total": 1.0 / s, "clip/frac_high": 0.1, "is/min": 0.5, "optim/grad_norm": 2.0 + s,
+             "x/a": s, "x/b": s, "x/c": s} for s in (1, 2, 3)]
+    path.write_text("\n".join(map(json.dumps, recs)) + "\n")
+    m = metrics.read_metrics(str(path))
+    n = len(metrics.panels(m))
+    fig = metrics.panels_figure(m)
+    assert n == 4 and len(fig.axes) == 6 and sum(ax.get_visible() for ax in fig.axes) == n
+    assert all(ax.get_title() for ax in fig.axes if ax.get_visible())
+    others = metrics.other_keys(m)
+    fig = metrics.others_figure(m)
+    assert sum(ax.get_visible() for ax in fig.axes) == len(others) == 3
+
+
+def test_the_figures_label_what_they_show():
+    from rollshard.store.views import figures
+
+    agents = ["solver", "rewriter", "selector"]
+    # Rewards across rounds: three agents with the same means, labels one above the other, none overlapping.
+    across = pl.DataFrame({"round": [0, 0, 0, 1, 1, 1], "dataset": ["r0"] * 3 + ["r1"] * 3, "agent": agents * 2,
+                           "mean": [0.5] * 6, "std": [0.1] * 6})
+    fig = figures.rounds_figure(across, agents)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    assert len(boxes) == 6
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    # Reward by weight_version: which bar is which agent.
+    counts = pl.DataFrame({"weight_version": ["0", "0", "1"], "agent": ["solver", "rewriter", "solver"],
+                           "rows": [4, 4, 2], "reward_mean": [0.5, 0.2, 0.7], "staleness": [1, 1, 0]})
+    fig = figures.staleness_figure(counts, ["solver", "rewriter"])
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["solver", "rewriter"]
+    # Zero variance: a chart of zero-height bars says so in words.
+    none = pl.DataFrame({"agent": ["solver"], "fraction": [0.0], "zero_variance": [0], "groups": [4]})
+    fig = figures.zero_variance_figure(none, ["solver"])
+    assert "no group of two or more rows has zero reward variance" in [t.get_text() for t in fig.axes[0].texts]
