@@ -38,16 +38,12 @@ from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments
 from rollshard.generate.tasks import Task, get_task
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError, TransformError, derive_dataset
-from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.lineage import lineage_of
 from rollshard.store.schema import Row, SchemaVersionError
 
 PROG = "rollshard-generate rescore"
 MUTABLE = ("reward", "metadata")
-
-
-class UsageError(Exception):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:

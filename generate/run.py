@@ -90,6 +90,7 @@ from rollshard.generate.runner import (
 from rollshard.generate.tasks import (
     TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts, parse_task_options,
 )
+from rollshard.store.errors import UsageError
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
 from rollshard.store.lineage import lineage_of
 from rollshard.store.model_fingerprint import model_fingerprint
@@ -104,10 +105,6 @@ PROG = "rollshard-generate"
 SUPPORT_MODES = ("auto", "on", "off")
 CONTEXT_KEYS = ("max_context_length", "context_length", "max_context_len")  # model_info names for the context
 MAX_SANE_CONTEXT = 1 << 24  # tokenizers without a limit report ~1e30 as model_max_length
-
-
-class UsageError(Exception):
-    """Something the user can fix; printed as one line, exit status 2, nothing written."""
 
 
 def build_parser() -> argparse.ArgumentParser:

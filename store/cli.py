@@ -39,17 +39,13 @@ from rich.text import Text
 from rollshard.store.audit import AuditSchemaError
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.derive import DeriveError
-from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.groups import REWARD_STD_DDOF
 from rollshard.store.lineage import DERIVED_KEY, LINEAGE_KEY
 from rollshard.store.schema import RowInvariantError, SchemaVersionError
 
 EXIT_PROBLEMS = EXIT_FAILED  # validate found problems
 PROG = "rollshard-store"
-
-
-class _UsageError(Exception):
-    """A bad argument value found after parsing (an unknown sample id, a tokenizer that does not load)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "stats":
             return _stats(ds, args, out, err)
         return _inspect(ds, args, out, err)
-    except (DatasetNotFoundError, SchemaVersionError, _UsageError, DeriveError) as e:
+    except (DatasetNotFoundError, SchemaVersionError, UsageError, DeriveError) as e:
         _error(f"{e}")
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -247,14 +243,14 @@ def _filter(args, out: Console, argv: list[str] | None) -> int:
             sample_ids=None if args.sample_ids is None else read_sample_ids(args.sample_ids),
         )
     except ValueError as e:
-        raise _UsageError(f"filter: {e}") from e
+        raise UsageError(f"filter: {e}") from e
     ds = RolloutDataset.open(args.path)
     if row_filter.agents is not None:
         present = set(ds.scan().select(pl.col("agent").unique()).collect()["agent"].to_list())
         missing = sorted(set(row_filter.agents) - present)
         if missing:
             have = ", ".join(sorted(present)) or "none: the dataset has no rows"
-            raise _UsageError(f"filter: --agent {missing[0]!r}: no such agent in {args.path} (agents: {have})")
+            raise UsageError(f"filter: --agent {missing[0]!r}: no such agent in {args.path} (agents: {have})")
     command = shlex.join([PROG, *(sys.argv[1:] if argv is None else argv)])
     result = filter_dataset(
         ds, args.out, row_filter, command=command, writer_id=args.writer_id, progress=not args.no_progress
@@ -289,10 +285,10 @@ def _report(args, err: Console) -> int:
     try:
         report.check_out(args.out)  # before the page is built, not after
     except ValueError as e:
-        raise _UsageError(str(e)) from e
+        raise UsageError(str(e)) from e
     for path, flag in ((args.audit, "--audit"), (args.metrics, "--metrics")):
         if path is not None and "://" not in path and not os.path.isfile(path):
-            raise _UsageError(f"{flag} {path}: no such file")
+            raise UsageError(f"{flag} {path}: no such file")
     for path in args.paths:  # every byte against the manifests before any figure is drawn from them
         RolloutDataset.open(path).verify()
     columns = (SpinnerColumn(), TextColumn("report: {task.description}"), TimeElapsedColumn())
@@ -302,19 +298,19 @@ def _report(args, err: Console) -> int:
             text = report.build(args.paths, audit=args.audit, metrics=args.metrics,
                                 step=lambda name: bar.update(task, description=name), warn=_warning)
         except (MissingPlotting, MetricsError) as e:
-            raise _UsageError(str(e)) from e
+            raise UsageError(str(e)) from e
         except AuditDatasetError as e:
-            raise _UsageError(f"--audit {e}") from e
+            raise UsageError(f"--audit {e}") from e
         except DatasetNotFoundError:
             raise  # its message says what is missing and how to make one
         except FileNotFoundError as e:  # the audit file vanished, or an S3 key that does not exist
             flag = {args.audit: "--audit ", args.metrics: "--metrics "}.get(e.filename, "") if e.filename else ""
-            raise _UsageError(f"{flag}{e.filename or one_line(e)}: no such file") from e
+            raise UsageError(f"{flag}{e.filename or one_line(e)}: no such file") from e
         bar.update(task, description=f"writing {args.out}")
         try:
             report.write(text, args.out)
         except ValueError as e:  # the folder went away while the page was built
-            raise _UsageError(str(e)) from e
+            raise UsageError(str(e)) from e
     print(f"{PROG} report: wrote {args.out} ({len(text.encode()) / 1e6:.1f} MB)", file=sys.stderr)
     return EXIT_OK
 
@@ -476,17 +472,17 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     audit, sources = _audit_tokens(args, ds)
     if args.sample == WORST_MISMATCH:
         if audit is None:
-            raise _UsageError(f"--sample {WORST_MISMATCH} needs --audit AUDIT.parquet (written by rollshard-train audit)")
+            raise UsageError(f"--sample {WORST_MISMATCH} needs --audit AUDIT.parquet (written by rollshard-train audit)")
         from rollshard.store.views.mismatch import worst_sample
 
         worst = worst_sample(audit)
         if worst is None:
-            raise _UsageError(f"--audit {args.audit}: the audit report has no tokens")
+            raise UsageError(f"--audit {args.audit}: the audit report has no tokens")
         source, sid = worst
         sources = [source] if sources is not None else None  # the worst token's source, when the report names it
         row = find_sample(ds, sid)
         if row is None:
-            raise _UsageError(f"--audit {args.audit}: its worst sample {sid!r} is not in {ds.storage.uri} "
+            raise UsageError(f"--audit {args.audit}: its worst sample {sid!r} is not in {ds.storage.uri} "
                               "(an audit of another dataset?)")
     else:
         row = _pick_sample(ds, args.sample) if args.sample in ("first", "random") else None
@@ -494,7 +490,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     if row is None:
         first = ds.scan().select("sample_id").head(1).collect()["sample_id"].to_list()
         hint = f"; ids look like {first[0]!r}" if first else "; the dataset has no rows"
-        raise _UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}{hint}")
+        raise UsageError(f"no sample_id {args.sample!r} in {ds.storage.uri}{hint}")
     ids = list(row["response_tokens"])
     path = args.tokenizer or dataset_tokenizer(ds.config, ds.storage.uri)
     texts, decoded_with = None, None
@@ -503,7 +499,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
             texts, decoded_with = decode_each(load_tokenizer(path), ids), path
         except (OSError, ValueError) as e:
             if args.tokenizer:
-                raise _UsageError(f"cannot load a tokenizer from {path}: {one_line(e)}") from e
+                raise UsageError(f"cannot load a tokenizer from {path}: {one_line(e)}") from e
             note = f"note: showing token ids; the run config's tokenizer {path} did not load: {one_line(e)}"
             print(note, file=sys.stderr)
     tokens = [
@@ -596,12 +592,12 @@ def _audit_tokens(args, ds: RolloutDataset):
     from rollshard.store.views.mismatch import UNPAIRED, AuditDatasetError, load, pair
 
     if "://" not in args.audit and not os.path.isfile(args.audit):
-        raise _UsageError(f"--audit {args.audit}: no such file")
+        raise UsageError(f"--audit {args.audit}: no such file")
     report = load(args.audit)
     try:
         pairing = pair(report, [ds], audit=args.audit)
     except AuditDatasetError as e:
-        raise _UsageError(f"--audit {e}") from e
+        raise UsageError(f"--audit {e}") from e
     if pairing.audited is None:
         _warning(f"--audit {args.audit} {UNPAIRED}")
         return report, None

@@ -17,6 +17,12 @@ class DataError(ValueError):
     """A shard or manifest breaks the dataset's contract; the message names the file and the row."""
 
 
+class UsageError(Exception):
+    """Something the user can fix (a flag, a path, a setting): printed as one line saying what is wrong and how to
+    fix it, exit status 2 (:data:`EXIT_USAGE`), nothing written. Not a ValueError: a handler of a library's
+    ValueError around a call must not take it for one."""
+
+
 # The exit statuses of every rollshard command: done; done with failures (or problems found, or a threshold
 # exceeded); no answer (bad input, damaged data: one line saying what and how to fix it); interrupted (Ctrl-C).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

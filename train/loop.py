@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
-from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.stats import dataset_stats
 from rollshard.store.storage import Storage
 from rollshard.store.gguf import is_gguf
@@ -68,10 +68,6 @@ EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
 LOCK_FILE = ".loop.lock"
 FAILURE_DIR = "_failures"  # rollshard-generate's ledger of failed prompts, in the dataset
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
-
-
-class UsageError(ValueError):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
