@@ -72,12 +72,12 @@ from rollshard.generate.tasks import Prompt, Task
 from rollshard.store.dataset import RolloutDataset
 from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from rollshard.store.live import clear_complete, mark_complete
+from rollshard.store.manifest import FAILURE_DIR
 from rollshard.store.routing import RoutingShape
 from rollshard.store.schema import Row, rows_to_table
 from rollshard.store.writer import ShardWriter
 
 EXIT_FAILURES = EXIT_FAILED  # some prompts failed (the ledger has them)
-FAILURE_DIR = "_failures"
 TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, ConnectionError, OSError)
 # Episodes in flight per request slot's worth of calls: enough that rounds with few calls (one selector)
 # and episodes in the same round at once still leave no slot idle (measured in bench_generate.py).

@@ -29,16 +29,17 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from rollshard.store.integrity import open_shard, verify_shard
-from rollshard.store.manifest import Manifest, ShardInfo, fingerprint, load_manifests
+from rollshard.store.live import COMPLETE_DIR
+from rollshard.store.manifest import FAILURE_DIR, MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo, fingerprint, load_manifests
 from rollshard.store.schema import ROW_SCHEMA, cast_table, check_schema_version, config_of
-from rollshard.store.storage import Storage
+from rollshard.store.storage import TMP_DIR, Storage
 
 OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, small reads)
 
 
 # What a dataset folder holds: its shards, manifests (and their locks), the writers' temporary files, failure
 # ledgers, end-of-run markers and a derive's state. Anything else is another kind of folder (a model, a run).
-DATASET_ENTRIES = frozenset({"shards", "_manifests", "_tmp", "_failures", "_complete", "_derive"})
+DATASET_ENTRIES = frozenset({SHARD_DIR, MANIFEST_DIR, TMP_DIR, FAILURE_DIR, COMPLETE_DIR, "_derive"})  # _derive: derive.py's
 
 
 def foreign_entries(path: str | os.PathLike) -> list[str]:

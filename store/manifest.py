@@ -58,6 +58,7 @@ from rollshard.store.storage import Storage
 
 MANIFEST_DIR = "_manifests"
 SHARD_DIR = "shards"
+FAILURE_DIR = "_failures"  # rollshard-generate's ledgers of the prompts that failed, one per writer
 MANIFEST_FORMAT = "rollshard-manifest"
 # 2: ShardInfo.row_groups; 3: their byte ranges and sha256, ShardInfo.footer_sha256; 4: the ranges' and the
 # footer's XXH3-128 (RowGroupInfo.xxh3, ShardInfo.footer_xxh3)

@@ -42,6 +42,7 @@ from typing import Any
 
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.manifest import FAILURE_DIR
 from rollshard.store.stats import dataset_stats
 from rollshard.store.storage import Storage
 from rollshard.store.gguf import is_gguf
@@ -66,7 +67,6 @@ AUDIT_OWNED = ("--data", "--model", "--out", "--json")
 EVAL_OWNED = ("--model", "--engine", "--out", "--json")
 EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
 LOCK_FILE = ".loop.lock"
-FAILURE_DIR = "_failures"  # rollshard-generate's ledger of failed prompts, in the dataset
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
 
 
