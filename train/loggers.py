@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from rollshard.store.storage import Storage
+
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
 WANDB_RUN_FILE = "wandb_run.json"
@@ -121,12 +123,7 @@ class JsonlLogger:
     def open(self) -> "JsonlLogger":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._kept is not None:  # the lines up to the checkpoint, replacing the file whole (a kill keeps one)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as f:
-                f.write("".join(ln + "\n" for ln in self._kept))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            Storage(self.path.parent).write_atomic(self.path.name, "".join(ln + "\n" for ln in self._kept).encode())
         elif self.resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file
         self._file = self.path.open("a")
