@@ -425,7 +425,8 @@ def test_a_resume_replaces_metrics_jsonl_whole(tmp_path, monkeypatch):
                                                              real_replace(a, b)))
     log = MetricsLogger(out, tensorboard=False, resume_step=2)
     log.close(exit_code=0)
-    assert ("metrics.jsonl.tmp", "metrics.jsonl") in replaced  # never truncated in place
+    # Never truncated in place: a temporary file beside it, renamed over it (Storage.write_atomic).
+    assert any(a.startswith(".metrics.jsonl.") and a.endswith(".tmp") and b == "metrics.jsonl" for a, b in replaced)
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
