@@ -94,7 +94,7 @@ from rollshard.store.errors import UsageError
 from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
 from rollshard.store.lineage import lineage_of
 from rollshard.store.model_fingerprint import model_fingerprint
-from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_config
+from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_folder
 from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
 from rollshard.store.tokenizer import TokenizerError, load_tokenizer
 from rollshard.store.gguf import gguf_source
@@ -460,7 +460,7 @@ def _sampling_support(args: argparse.Namespace) -> bool:
     return ask
 
 
-async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str | None],
+async def resolve_routing(args: argparse.Namespace, engine: Engine, folders: list[str | None],
                    sampling: SamplingParams) -> RoutingShape | None:
     """The routing shape the run stores (``--routed-experts``), or None: the model's (the config.json of the
     engine's model folder, else of the tokenizer's), when it is a mixture of experts and the engine returns routing
@@ -468,7 +468,7 @@ async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str |
     if args.routed_experts == "off":
         return None
     try:
-        shape = _model_routing(folders)
+        shape = served_model_routing(folders)
     except RoutingShapeError as e:
         if args.routed_experts == "on":
             raise UsageError(f"--routed-experts on: {e}") from e
@@ -500,16 +500,11 @@ async def _routing(args: argparse.Namespace, engine: Engine, folders: list[str |
     return shape
 
 
-def _model_routing(folders: list[str | None]) -> RoutingShape | None:
+def served_model_routing(folders: list[str | None]) -> RoutingShape | None:
     """The routing shape of the served model, from the first of ``folders`` with a config.json (None: dense)."""
     for folder in folders:
-        config = Path(str(folder)) / "config.json" if folder else None
-        if config is not None and config.is_file():
-            try:
-                data = json.loads(config.read_text())
-            except (OSError, ValueError) as e:
-                raise RoutingShapeError(f"cannot read {config}: {e}") from e
-            return shape_of_model_config(data.get("text_config", data) if isinstance(data, dict) else {})
+        if folder and (Path(str(folder)) / "config.json").is_file():
+            return shape_of_model_folder(folder)
     raise RoutingShapeError(
         f"no config.json in the engine's model folder {folders[0]!r} (nor in the tokenizer's) to tell whether the "
         "model is a mixture of experts; pass --tokenizer with the model's local folder"
@@ -656,7 +651,7 @@ async def _generate(
         )
         if config["model"] and (source := gguf_source(config["model"])):
             config["model_source"] = source  # a .gguf file's name and sha256 (its converted folder is a cache)
-        routing = await _routing(args, engine, [info.get("model_path"), tokenizer_path], sampling)
+        routing = await resolve_routing(args, engine, [info.get("model_path"), tokenizer_path], sampling)
         if routing is not None:
             config[ROUTING_KEY] = routing.to_config()
             sampling = dataclasses.replace(sampling, return_routed_experts=True)

@@ -22,6 +22,8 @@ capture never wrote (top-1 routing may send every token to expert 0, and is not 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -129,6 +131,17 @@ def shape_of_model_config(config: Any) -> RoutingShape | None:
             "mlp_only_layers or first_k_dense_replace); rollshard stores routing for models whose every layer is MoE"
         )
     return RoutingShape(layers=int(get("num_hidden_layers")), top_k=int(top_k), experts=int(experts))
+
+
+def shape_of_model_folder(folder: str | Path) -> RoutingShape | None:
+    """:func:`shape_of_model_config` of a model folder's ``config.json`` (its ``text_config`` for a multimodal
+    one); :class:`RoutingShapeError` for a folder without a readable one."""
+    path = Path(folder) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RoutingShapeError(f"cannot read {path}: {e}") from e
+    return shape_of_model_config(data.get("text_config", data) if isinstance(data, dict) else {})
 
 
 def flat_bytes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,29 +9,27 @@ position is replaced by the stored one; the gate weights are still the router's,
 router renormalizes its top-k), so gradients reach the router. Elsewhere the router's own choice stands: nothing
 scored depends on a row's last position.
 
-``--routing-replay auto|on|off`` (:func:`replay_mode`): auto forces the stored routing wherever a batch has it;
-on also refuses a dense model at start and a micro-batch of a row without routing (one line naming the row);
-off never forces. In every mode, a batch with routing measures the **routing agreement**: the share of (valid
+``--routing-replay auto|on|off``: auto forces the stored routing wherever a batch has it; on also refuses at
+start a dense model, a MoE it cannot replay and a dataset without routing, and any trained row without routing
+(one line naming the row); off never forces. In every mode, a batch with routing measures the **routing agreement**: the share of (valid
 position, MoE layer) pairs where the trainer's own top-k set equals the stored one (``routing/agreement`` in the
 step metrics: the forwards the loss is computed on, each micro-batch once; and the audit, without replay). Under
 replay each layer's own top-k is taken on the output of the layers before it, which ran the stored experts.
 
-:class:`HFRouting` does this on transformers models by wrapping each top-k router's ``forward``; the megatron
-backend through the replay hook of megatron-core's routers (train/backends/megatron/routing.py).
+:class:`StoredRouting` holds what both backends share (the micro-batch's stored routing, the replay switch, the
+agreement); :class:`HFRouting` applies it to transformers models by wrapping each top-k router's ``forward``, the
+megatron backend through the replay hook of megatron-core's routers (train/backends/megatron/routing.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_config
-
-ReplayMode = Literal["auto", "on", "off"]
+from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_folder
 
 
 class RoutingReplayError(ValueError):
@@ -39,15 +37,13 @@ class RoutingReplayError(ValueError):
 
 
 def model_routing(model_path: str | Path) -> RoutingShape | None:
-    """The routing shape of the model folder's ``config.json`` (None: a dense model)."""
-    path = Path(model_path) / "config.json"
+    """The routing shape of the model folder's ``config.json`` (None: a dense model, or a folder without a readable
+    config, which the backend's own loading names)."""
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # the backend's own loading names what is wrong with the folder
-    try:
-        return shape_of_model_config(config.get("text_config", config))
+        return shape_of_model_folder(model_path)
     except RoutingShapeError as e:
+        if not (Path(model_path) / "config.json").is_file():
+            return None
         raise RoutingReplayError(str(e)) from e
 
 
@@ -94,16 +90,16 @@ def check_datasets(datasets: list[Any] | None, shape: RoutingShape | None, mode:
     if shape is None:
         return
     for ds in datasets or []:
-        if mode == "on" and ds.manifests and not any(RoutingShape.from_config(m.config) for m in ds.manifests):
+        try:
+            shapes = [RoutingShape.from_config(m.config) for m in ds.manifests]
+        except RoutingShapeError as e:
+            raise RoutingReplayError(f"dataset {ds.storage.uri}: {e}") from e
+        if mode == "on" and shapes and not any(shapes):
             raise RoutingReplayError(
                 f"--routing-replay on: dataset {ds.storage.uri} stores no routed experts (its run config names no "
                 "routed_experts); generate it with --routed-experts on, or use --routing-replay auto or off"
             )
-        for manifest in ds.manifests:
-            try:
-                stored = RoutingShape.from_config(manifest.config)
-            except RoutingShapeError as e:
-                raise RoutingReplayError(f"dataset {ds.storage.uri}: {e}") from e
+        for stored in shapes:
             if stored is not None and stored != shape:
                 raise RoutingReplayError(
                     f"dataset {ds.storage.uri} stores the routing of {stored.layers} layers x top-{stored.top_k} of "
@@ -116,7 +112,7 @@ def batch_routing(batch: Any, shape: RoutingShape, mode: str, device: torch.devi
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(ids [T, layers, top_k] int64, valid [T] bool)`` of a micro-batch on ``device``, or None without routing
     (refused under mode ``on``)."""
-    ids = getattr(batch, "routed_experts", None)
+    ids = batch.routed_experts
     if ids is None:
         if mode == "on" and batch.num_loss_tokens:  # (a rank's dummy batch trains nothing)
             raise RoutingReplayError(
@@ -176,11 +172,41 @@ class Agreement:
         return out
 
 
-class HFRouting:
-    """Routing replay and agreement on a transformers MoE model (see the module docstring).
+class StoredRouting:
+    """What both backends' replays share: :meth:`set` before a forward gives the micro-batch's stored routing
+    (:func:`batch_routing`, or None); it stays in force until the next call (a checkpointed layer's recomputation in
+    backward sees it too). Each router's top-k step asks :meth:`choose` for its experts."""
 
-    :meth:`set` before a forward gives the micro-batch's stored routing (or None); it stays in force for the
-    backward's recomputation under gradient checkpointing."""
+    def __init__(self, slots: int, *, replay: bool = True) -> None:
+        self.replay = replay
+        self.agreement = Agreement()
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._counted = [False] * slots  # per router: its agreement counted in this forward
+
+    def set(self, routing: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._batch = routing
+        self._counted = [False] * len(self._counted)
+
+    def choose(self, slot: int, layer: int, own: torch.Tensor) -> torch.Tensor | None:
+        """The expert ids ``[T, k]`` MoE layer ``layer`` (this model's router ``slot``) is to use: the stored ones at
+        the positions that have them and ``own`` (the router's top-k) elsewhere; None when nothing is stored or
+        replay is off (the router's own stand). The agreement of ``own`` with the stored ids is counted once per
+        forward."""
+        if self._batch is None:
+            return None
+        ids, valid = self._batch
+        stored = ids[:, layer]  # [T, k]
+        if stored.shape[0] != own.shape[0]:
+            raise RoutingReplayError(f"MoE layer {layer} routes {own.shape[0]} tokens; the batch stores routing for "
+                                     f"{stored.shape[0]}")
+        if not self._counted[slot]:
+            self.agreement.add(own, stored, valid)
+            self._counted[slot] = True
+        return torch.where(valid[:, None], stored, own) if self.replay else None
+
+
+class HFRouting(StoredRouting):
+    """Routing replay and agreement on a transformers MoE model (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, shape: RoutingShape) -> None:
         routers = find_routers(model)
@@ -197,40 +223,22 @@ class HFRouting:
                 f"{type(model).__name__}'s routers ({', '.join(other)}) compute their gate weights in a way routing "
                 f"replay does not reproduce; it replays {', '.join(REPLAYABLE_ROUTERS)}"
             )
+        super().__init__(len(routers))
         self.shape = shape
-        self.replay = True
-        self.agreement = Agreement()
-        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._counted = [False] * len(routers)
         for layer, router in enumerate(routers):
             router.forward = self._wrap(router, router.forward, layer)
-
-    def set(self, routing: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        self._batch = routing
-        self._counted = [False] * len(self._counted)
 
     def _wrap(self, router: torch.nn.Module, forward, layer: int):
         renormalize = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalizes its top-k
 
         def replayed(hidden_states: torch.Tensor):
             logits, scores, own = forward(hidden_states)
-            idx = own
-            if self._batch is not None:
-                ids, valid = self._batch
-                stored = ids[:, layer]  # [T, K]
-                if stored.shape[0] != own.shape[0]:
-                    raise RoutingReplayError(f"MoE layer {layer} routes {own.shape[0]} tokens; the batch stores "
-                                             f"routing for {stored.shape[0]}")
-                if not self._counted[layer]:  # once per forward (not again in a checkpointed layer's recompute)
-                    self.agreement.add(own, stored, valid)
-                    self._counted[layer] = True
-                if self.replay:
-                    idx = torch.where(valid[:, None], stored, own)
-                    probs = F.softmax(logits, dim=-1, dtype=torch.float)  # as the router: over every expert
-                    weights = probs.gather(-1, idx)
-                    if renormalize:
-                        weights = weights / weights.sum(dim=-1, keepdim=True)
-                    scores = weights.to(scores.dtype)
-            return logits, scores, idx
+            idx = self.choose(layer, layer, own)
+            if idx is None:
+                return logits, scores, own
+            weights = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)  # as the router: over every expert
+            if renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(scores.dtype), idx
 
         return replayed

@@ -227,7 +227,7 @@ class Trainer:
             hf_logging.disable_progress_bar()  # its loading/writing bars would break --no-progress output
         total = tr.max_steps * tr.mini_batches if tr.max_steps is not None else None
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
-        check_datasets(self._datasets(), self.backend.routing_shape, config.model.routing_replay)  # MoE routing (R3)
+        check_datasets(self.loader.datasets, self.backend.routing_shape, config.model.routing_replay)  # MoE routing (R3)
         if ckpt:
             ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
         self.logger = self._open_logger(resume_step=self.step if ckpt else None)
@@ -301,8 +301,8 @@ class Trainer:
         loss = self.cfg.loss
         if loss.norm_len is not None or loss.agg != "seq-mean-token-sum-norm":
             return float(loss.norm_len or 0)
-        datasets = self._datasets()
-        if datasets is None:
+        datasets = self.loader.datasets
+        if not datasets:  # a loader of pre-read steps names none: the config's
             from rollshard.store.dataset import RolloutDataset
             from rollshard.store.mixture import parse_sources
 
@@ -317,17 +317,13 @@ class Trainer:
         self.cfg = dataclasses.replace(self.cfg, loss=dataclasses.replace(loss, norm_len=length))  # in the saved config
         return float(length)
 
-    def _datasets(self) -> list[Any]:
-        """The datasets the loader reads (one, or a mixture's sources)."""
-        return self.loader.datasets
-
     def _say(self, message: str) -> None:
         if self.env.is_main:
             print(f"rollshard-train: {message}", file=sys.stderr, flush=True)
 
     def _check_signal(self) -> None:
         """Before the first step: one warning when every group would train at advantage 0 (rollshard.train.checks)."""
-        datasets = self._datasets()
+        datasets = self.loader.datasets
         if not (self.env.is_main and datasets):
             return
         d = self.cfg.data
@@ -345,7 +341,7 @@ class Trainer:
             return
         tokens, mean, high = self.initial_mismatch
         self._say(mismatch_line(tokens, mean, high))
-        warning = mismatch_warning(high, recorded_models(self._datasets() or []), self.cfg.model.path)
+        warning = mismatch_warning(high, recorded_models(self.loader.datasets), self.cfg.model.path)
         if warning:
             self._say(f"warning: {warning}")
 

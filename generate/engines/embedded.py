@@ -487,7 +487,8 @@ class EmbeddedEngine(Engine):
         layers = kv_cache.cache_tensors(kv_cache.out_cache(out))
         logits = out.logits[:, -1, :]  # [u, V]
         if routing:  # each row's prompt positions (its left padding dropped)
-            ids = self._routing.take().view(len(prompts), length, *self._routing.shape_lk)  # [u, L, layers, top_k]
+            shape = self._routing.shape
+            ids = self._routing.take().view(len(prompts), length, shape.layers, shape.top_k)  # [u, L, layers, top_k]
             for req, d in zip(rows, of_row):
                 if req.sampling.return_routed_experts:  # a copy: a view would keep the whole forward's ids alive
                     req.routed.append(ids[d, length - len(req.input_ids) :].clone())
@@ -511,7 +512,8 @@ class EmbeddedEngine(Engine):
         if not self._full_attention:  # sliding-window layers: transformers builds their masks from the 2-D one
             mask = (mask[:, 0, 0] == 0).long()  # [B, n + 1]
         asked = [r.sampling.return_routed_experts for r in batch.rows]
-        self._routing.on = routing = self._routing.shape is not None and any(asked)
+        routing = self._routing.shape is not None and any(asked)
+        self._routing.on = routing
         out = self.model(
             input_ids=batch.last[:, None],  # [B, 1]
             attention_mask=mask,

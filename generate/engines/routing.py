@@ -30,7 +30,6 @@ class RoutingCapture:
                            "layers; rollshard captures the routing of transformers MoE models whose every layer's "
                            "router returns its top-k ids")
             self.shape, routers = None, []
-        self.shape_lk = (self.shape.layers, self.shape.top_k) if self.shape is not None else ()
         self.on = False
         self._ids: list[torch.Tensor | None] = [None] * len(routers)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 
 from rollshard.store.errors import DataError, one_line
 from rollshard.store.integrity import VALIDATE, check_rows, sampling_columns
-from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
-from rollshard.store.schema import config_of
 from rollshard.store.loader.blocks import _Block
 from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.loader.filters import _Filters, _oldest_versions
+from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
+from rollshard.store.schema import config_of
 
 
 def _single(col: pa.ChunkedArray) -> pa.Array:

@@ -160,14 +160,14 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
 
 
 def test_the_shape_comes_from_the_model_folder_or_the_tokenizers(tiny_moe, tiny_qwen3, tmp_path):
-    from rollshard.generate.run import _model_routing
+    from rollshard.generate.run import served_model_routing
     from rollshard.store.routing import RoutingShapeError
 
-    assert _model_routing([str(tiny_moe), None]) == SHAPE
-    assert _model_routing(["/a/remote/server/path", str(tiny_moe)]) == SHAPE  # --tokenizer's local folder
-    assert _model_routing([str(tiny_qwen3)]) is None
+    assert served_model_routing([str(tiny_moe), None]) == SHAPE
+    assert served_model_routing(["/a/remote/server/path", str(tiny_moe)]) == SHAPE  # --tokenizer's local folder
+    assert served_model_routing([str(tiny_qwen3)]) is None
     with pytest.raises(RoutingShapeError, match="no config.json in the engine's model folder '/remote'.*pass --tokenizer"):
-        _model_routing(["/remote", None])
+        served_model_routing(["/remote", None])
 
 
 class _Engine:
@@ -186,11 +186,11 @@ class _Engine:
 def test_the_run_stores_routing_only_of_the_shape_the_engine_returns(tiny_moe, mode, capsys):
     import argparse
 
-    from rollshard.generate.run import UsageError, _routing
+    from rollshard.generate.run import UsageError, resolve_routing
 
     def resolve(engine):
         args = argparse.Namespace(routed_experts=mode, engine="http://127.0.0.1:9")
-        return asyncio.run(_routing(args, engine, [str(tiny_moe)], SamplingParams()))
+        return asyncio.run(resolve_routing(args, engine, [str(tiny_moe)], SamplingParams()))
 
     assert resolve(_Engine(4)) == SHAPE
     with pytest.raises(UsageError, match=r"returns 6 expert ids per position, but .* describes 2 layers x top-2 = 4"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rollshard.store.routing import RoutingShape
-from rollshard.train.routing import Agreement, RoutingReplayError
+from rollshard.train.routing import RoutingReplayError, StoredRouting
 
 
 def moe_routers(model) -> list:
@@ -46,7 +46,7 @@ class _ForcedTopK:
         return self.owner._force(self.slot, self.layer, scores, values, own)
 
 
-class MegatronRouting:
+class MegatronRouting(StoredRouting):
     """Routing replay and agreement on one megatron model's routers (the policy's or the reference's), this
     pipeline stage's layers. :meth:`set` before a forward gives the micro-batch's stored routing
     (``batch_routing``: ``ids [T, layers, k]`` over all layers, ``valid [T]``) or None; with :attr:`record`,
@@ -63,13 +63,10 @@ class MegatronRouting:
             )
         if any(r.config.moe_router_fusion for r in routers):
             raise RoutingReplayError("routing replay needs moe_router_fusion off (the fused top-k has no replay hook)")
+        super().__init__(len(routers), replay=replay)
         self.shape, self.layers = shape, layers
-        self.replay = replay
         self.record = False
         self.used: dict[int, torch.Tensor] = {}  # global layer -> [T, k] ids dispatched to (with record)
-        self.agreement = Agreement()
-        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._counted = [False] * len(routers)
         for slot, (router, layer) in enumerate(zip(routers, layers)):
             router.router_replay = _ForcedTopK(self, slot, layer)
 
@@ -78,23 +75,14 @@ class MegatronRouting:
             ids, valid = routing
             if ids.shape[1:] != (self.shape.layers, self.shape.top_k) or valid.shape != ids.shape[:1]:
                 raise RoutingReplayError(f"stored routing of shape {tuple(ids.shape)} for {self.shape}")
-        self._batch = routing
-        self._counted = [False] * len(self._counted)
+        super().set(routing)
 
     def _force(self, slot: int, layer: int, scores: torch.Tensor, values: torch.Tensor, own: torch.Tensor):
-        idx = own
-        if self._batch is not None:
-            ids, valid = self._batch
-            stored = ids[:, layer]  # [T, k]
-            if stored.shape[0] != own.shape[0]:
-                raise RoutingReplayError(f"MoE layer {layer} routes {own.shape[0]} tokens; the batch stores "
-                                         f"routing for {stored.shape[0]}")
-            if not self._counted[slot]:  # once per forward
-                self.agreement.add(own, stored, valid)
-                self._counted[slot] = True
-            if self.replay:
-                idx = torch.where(valid[:, None], stored, own)
-                values = scores.gather(1, idx)  # RouterReplay's REPLAY_FORWARD: the scores at the forced ids
+        idx = self.choose(slot, layer, own)
+        if idx is None:
+            idx = own
+        else:
+            values = scores.gather(1, idx)  # RouterReplay's REPLAY_FORWARD: the scores at the forced ids
         if self.record:
             self.used[layer] = idx.detach()
         return values, idx
