@@ -9,7 +9,7 @@ the template text actually used and its hash):
 * ``raw`` (``--no-chat-template``): no template; the prompt is the messages' contents joined by
   a blank line (a system prompt first), for base models and completion-style tasks.
 
-The rendered text is encoded without special tokens (store/tokenizer.py), in every mode.
+The rendered text is encoded without special tokens (store/models/tokenizer.py), in every mode.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollshard.store.tokenizer import Message, TokenizerError, encode, render_chat
+from rollshard.store.models.tokenizer import Message, TokenizerError, encode, render_chat
 
 RAW_SEPARATOR = "\n\n"
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rollshard.store.errors import EXIT_OK, EXIT_USAGE
+from rollshard.store.common import EXIT_OK, EXIT_USAGE
 
 PROG = "rollshard-generate eval"
 EVAL_FILE = "eval.json"
@@ -118,7 +118,7 @@ def _generate_argv(args: argparse.Namespace, rest: list[str]) -> tuple[list[str]
 
 def evaluate(out: str, *, n_samples: int) -> dict[str, Any]:
     """The figures of the evaluation dataset at ``out`` (:func:`figures`)."""
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     table = RolloutDataset.open(out).read(["prompt_id", "reward", "metadata", "status"])
     return figures(table.to_pylist(), n_samples=n_samples)
@@ -174,13 +174,13 @@ def summary_line(f: dict[str, Any]) -> str:
 
 
 def _write(out: str, figures: dict[str, Any]) -> None:
-    from rollshard.store.storage import Storage
+    from rollshard.store.io.storage import Storage
 
     Storage(out).write_atomic(EVAL_FILE, (json.dumps(figures, indent=2) + "\n").encode())
 
 
 def read_eval(out: str) -> dict[str, Any]:
     """The figures an evaluation wrote at ``out``."""
-    from rollshard.store.storage import Storage
+    from rollshard.store.io.storage import Storage
 
     return json.loads(Storage(out).read_bytes(EVAL_FILE))

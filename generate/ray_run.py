@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from rollshard.generate import run
 from rollshard.generate.runner import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 
 PROG = run.PROG
 INSTALL_HINT = "pip install 'rollshard[ray]' (or bash scripts/setup.sh, which installs it)"

@@ -3,7 +3,7 @@
     rollshard-generate rescore runs/math --reward my_reward.py:score --out runs/math-rescored
 
 Every row keeps its tokens, logprobs, mask, ids, versions and texts byte for byte (the
-store's :func:`~rollshard.store.derive.derive_dataset` checks it); only ``reward`` and
+store's :func:`~rollshard.store.derived.derive.derive_dataset` checks it); only ``reward`` and
 ``metadata`` (the new verdict) change. The reward rule is the agent system's own
 (:meth:`AgentSystem.score`), applied to each episode's stored rows, so derived rewards stay
 consistent: a multi-agent selector takes the new reward of the rewrite it picked, and the
@@ -36,11 +36,11 @@ import pyarrow as pa
 from rollshard.generate.agents import AgentSystem, make_agent_system
 from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, gather_all, make_scorer
 from rollshard.generate.tasks import Task, get_task
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
-from rollshard.store.derive import DeriveError, TransformError, derive_dataset
-from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line
-from rollshard.store.lineage import lineage_of
-from rollshard.store.schema import Row, SchemaVersionError
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.derived.derive import DeriveError, TransformError, derive_dataset
+from rollshard.store.common import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.format.lineage import lineage_of
+from rollshard.store.format.schema import Row, SchemaVersionError
 
 PROG = "rollshard-generate rescore"
 MUTABLE = ("reward", "metadata")

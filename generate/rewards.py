@@ -46,8 +46,8 @@ import numpy as np
 
 from rollshard.generate.tasks.base import Task
 from rollshard.generate.tasks.verifiers import Verdict
-from rollshard.store.errors import one_line
-from rollshard.store.schema import Row
+from rollshard.store.common import one_line
+from rollshard.store.format.schema import Row
 
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TIMEOUT_S = 60.0

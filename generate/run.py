@@ -27,7 +27,7 @@ resolved setting is part of the run config a resume compares.
 
 Routed experts (``--routed-experts auto|on|off``, default auto): on a mixture-of-experts model each row
 also stores every MoE layer's top-k expert ids at every position the engine forwarded (schema 1.2
-``routed_experts``, store/routing.py), which ``rollshard-train --routing-replay`` forces in training (R3).
+``routed_experts``, store/format/routing.py), which ``rollshard-train --routing-replay`` forces in training (R3).
 auto: when the model is MoE and the engine returns them (an SGLang server needs
 ``--enable-return-routed-experts``); on: refused for a dense model or an engine that does not.
 
@@ -41,7 +41,7 @@ and seeds; a rerun resumes pass by pass), until interrupted or the engine is dow
 --step-episodes B [--first-version V0]`` starts an episode only while the episodes started (those in
 the dataset plus this run's) number fewer than ``(ETA + 1 + v - V0) * B``, ``v`` the engine's
 weight version (:mod:`rollshard.generate.admission`). A run that did every prompt with none failed
-leaves its writer's end-of-run marker (:mod:`rollshard.store.live`); a --repeat run never does.
+leaves its writer's end-of-run marker (:mod:`rollshard.store.io.live`); a --repeat run never does.
 
 Exit status: 0 every prompt is in the dataset; 1 some prompts failed (listed in
 ``DATASET/_failures/``; rerun to retry) or the engine stopped answering (rerun once it
@@ -90,16 +90,16 @@ from rollshard.generate.runner import (
 from rollshard.generate.tasks import (
     TASKS, Prompt, PromptSourceError, Task, get_task, load_prompts, parse_task_options,
 )
-from rollshard.store.errors import UsageError
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
-from rollshard.store.lineage import lineage_of
-from rollshard.store.model_fingerprint import model_fingerprint
-from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_folder
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
-from rollshard.store.tokenizer import TokenizerError, load_tokenizer
-from rollshard.store.gguf import gguf_source
-from rollshard.store.versions import resolve_model_path
-from rollshard.store.writer import ShardWriter
+from rollshard.store.common import UsageError
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
+from rollshard.store.format.lineage import lineage_of
+from rollshard.store.models.fingerprint import model_fingerprint
+from rollshard.store.format.routing import CONFIG_KEY as ROUTING_KEY, RoutingShape, RoutingShapeError, shape_of_model_folder
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS, SchemaVersionError
+from rollshard.store.models.tokenizer import TokenizerError, load_tokenizer
+from rollshard.store.models.gguf import gguf_source
+from rollshard.store.models.versions import resolve_model_path
+from rollshard.store.io.writer import ShardWriter
 
 PROG = "rollshard-generate"
 SUPPORT_MODES = ("auto", "on", "off")

@@ -33,7 +33,7 @@ Following (a trainer reads the dataset as it is written): the prompts may be an 
 (:func:`repeat_prompts`, ``--repeat``), taken one at a time; :class:`~.admission.AdmissionGate`
 (``--max-ahead``) holds back new episodes while the engine's weight version says the trainer is too far
 behind, re-reading it every :data:`GATE_POLL_S` while episodes in flight go on. A run clears its writer's
-end-of-run marker (:mod:`rollshard.store.live`) before it can commit, and sets it again when it has done every
+end-of-run marker (:mod:`rollshard.store.io.live`) before it can commit, and sets it again when it has done every
 prompt with none failed (never for an endless run: ``RunnerOptions.mark_complete``).
 """
 
@@ -69,13 +69,13 @@ from rollshard.generate.engines.base import (
 )
 from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from rollshard.store.live import clear_complete, mark_complete
-from rollshard.store.manifest import FAILURE_DIR
-from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import Row, rows_to_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from rollshard.store.io.live import clear_complete, mark_complete
+from rollshard.store.format.manifest import FAILURE_DIR
+from rollshard.store.format.routing import RoutingShape
+from rollshard.store.format.schema import Row, rows_to_table
+from rollshard.store.io.writer import ShardWriter
 
 EXIT_FAILURES = EXIT_FAILED  # some prompts failed (the ledger has them)
 TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, ConnectionError, OSError)

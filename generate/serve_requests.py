@@ -26,7 +26,7 @@ from typing import Any
 
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING as ENGINE_NEUTRAL_SAMPLING
 from rollshard.generate.engines.base import SamplingParams
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
 
 # The SGLang client sends base's neutral keys with every request; other clients may send these too.
 NEUTRAL_SAMPLING: dict[str, Any] = {

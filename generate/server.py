@@ -53,7 +53,7 @@ from aiohttp import web
 from rollshard.generate.engines.base import EngineError
 from rollshard.generate.engines.embedded import DEFAULT_MAX_BATCH_SIZE, EmbeddedEngine
 from rollshard.generate.serve_requests import SAMPLING_MASK_MAX_TOKENS, RequestError, parse_abort, parse_generate
-from rollshard.store.tokenizer import TokenizerError, encode
+from rollshard.store.models.tokenizer import TokenizerError, encode
 
 # A JSON string escapes a byte into at most 6 characters (\u00XX); the rest of a body (sampling
 # parameters, stop strings) gets this much room on top.

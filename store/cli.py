@@ -3,7 +3,7 @@ one or more datasets (and a run's metrics, an audit report) as one HTML page.
 
 Exit status: 0 done (``validate``: no problem found); 1 ``validate`` found problems, or
 the data could not be read (``stats`` and ``inspect`` refuse a shard that is missing,
-cut short or not the manifest's size, :class:`~rollshard.store.errors.DataError`, with one
+cut short or not the manifest's size, :class:`~rollshard.store.common.DataError`, with one
 line naming it; they do not hash shards: ``validate`` checks the checksums; ``filter``
 refuses a parent shard whose sha256 is not its manifest's); 2 a usage error
 (bad arguments, no dataset at the path, a schema newer than this rollshard reads, in
@@ -36,13 +36,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from rollshard.store.audit import AuditSchemaError
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
-from rollshard.store.derive import DeriveError
-from rollshard.store.errors import DataError, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
-from rollshard.store.groups import REWARD_STD_DDOF
-from rollshard.store.lineage import DERIVED_KEY, LINEAGE_KEY
-from rollshard.store.schema import RowInvariantError, SchemaVersionError
+from rollshard.store.inspection.audit import AuditSchemaError
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.derived.derive import DeriveError
+from rollshard.store.common import DataError, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.format.groups import REWARD_STD_DDOF
+from rollshard.store.format.lineage import DERIVED_KEY, LINEAGE_KEY
+from rollshard.store.format.schema import RowInvariantError, SchemaVersionError
 
 EXIT_PROBLEMS = EXIT_FAILED  # validate found problems
 PROG = "rollshard-store"
@@ -182,7 +182,7 @@ def _datasets(args) -> str:
 def _validate(args, out: Console, err: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from rollshard.store.validate import Validator
+    from rollshard.store.io.validate import Validator
 
     validator = Validator(args.path)
     columns = (TextColumn("validate"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"), TimeRemainingColumn())
@@ -227,7 +227,7 @@ def _validate(args, out: Console, err: Console) -> int:
 
 
 def _filter(args, out: Console, argv: list[str] | None) -> int:
-    from rollshard.store.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
+    from rollshard.store.derived.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
 
     try:
         versions, version_range = None, None
@@ -277,10 +277,10 @@ def _number(text: str | None, flag: str) -> float | None:
 def _report(args, err: Console) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from rollshard.store import report
-    from rollshard.store.views.figures import MissingPlotting
-    from rollshard.store.views.metrics import MetricsError
-    from rollshard.store.views.mismatch import AuditDatasetError
+    from rollshard.store.inspection import report
+    from rollshard.store.inspection.views.figures import MissingPlotting
+    from rollshard.store.inspection.views.metrics import MetricsError
+    from rollshard.store.inspection.views.mismatch import AuditDatasetError
 
     try:
         report.check_out(args.out)  # before the page is built, not after
@@ -319,7 +319,7 @@ def _report(args, err: Console) -> int:
 
 
 def _stats(ds: RolloutDataset, args, out: Console, err: Console) -> int:
-    from rollshard.store.stats import dataset_stats
+    from rollshard.store.inspection.stats import dataset_stats
 
     with err.status("scanning shards...") if err.is_terminal else nullcontext():
         st = dataset_stats(ds)
@@ -390,7 +390,7 @@ def _agents_table(st: dict[str, Any]) -> Table:
 def _inspect(ds: RolloutDataset, args, out: Console, err: Console) -> int:
     if args.sample is not None:
         return _inspect_sample(ds, args, out, err)
-    from rollshard.store.stats import inspect_summary
+    from rollshard.store.inspection.stats import inspect_summary
 
     with err.status("scanning shards...") if err.is_terminal else nullcontext():
         summary = inspect_summary(ds)
@@ -465,15 +465,15 @@ def _lineage_table(lineage: list[dict[str, Any]]) -> Table:
 
 
 def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int:
-    from rollshard.store.stats import decode_each, find_sample
-    from rollshard.store.tokenizer import load_tokenizer
-    from rollshard.store.views.paths import dataset_tokenizer
+    from rollshard.store.inspection.stats import decode_each, find_sample
+    from rollshard.store.models.tokenizer import load_tokenizer
+    from rollshard.store.inspection.views.paths import dataset_tokenizer
 
     audit, sources = _audit_tokens(args, ds)
     if args.sample == WORST_MISMATCH:
         if audit is None:
             raise UsageError(f"--sample {WORST_MISMATCH} needs --audit AUDIT.parquet (written by rollshard-train audit)")
-        from rollshard.store.views.mismatch import worst_sample
+        from rollshard.store.inspection.views.mismatch import worst_sample
 
         worst = worst_sample(audit)
         if worst is None:
@@ -508,7 +508,7 @@ def _inspect_sample(ds: RolloutDataset, args, out: Console, err: Console) -> int
     ]
     trainer = None
     if audit is not None:  # the trainer's logprob of each audited (trained) token, by position
-        from rollshard.store.views.mismatch import sample_tokens
+        from rollshard.store.inspection.views.mismatch import sample_tokens
 
         got = sample_tokens(audit, row["sample_id"], sources[0] if sources else None)
         trainer = dict(zip(got["position"].to_list(), got["trainer_logprob"].to_list()))
@@ -589,7 +589,7 @@ def _audit_tokens(args, ds: RolloutDataset):
     of another dataset, is a one-line usage error."""
     if args.audit is None:
         return None, None
-    from rollshard.store.views.mismatch import UNPAIRED, AuditDatasetError, load, pair
+    from rollshard.store.inspection.views.mismatch import UNPAIRED, AuditDatasetError, load, pair
 
     if "://" not in args.audit and not os.path.isfile(args.audit):
         raise UsageError(f"--audit {args.audit}: no such file")

@@ -18,7 +18,7 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 
-from rollshard.store.schema import ROW_SCHEMA, WEIGHT_SPAN
+from rollshard.store.format.schema import ROW_SCHEMA, WEIGHT_SPAN
 
 VOCAB = 151_936
 

@@ -23,7 +23,7 @@ def smollm2() -> Path:
     from filelock import FileLock
 
     from rollshard.generate.models import init_model
-    from rollshard.store.gguf import cache_dir
+    from rollshard.store.models.gguf import cache_dir
 
     folder = cache_dir() / "models" / "smollm2-135m-instruct"
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-from rollshard.store.schema import Row, Status  # noqa: E402
-from rollshard.store.writer import ShardWriter  # noqa: E402
+from rollshard.store.format.schema import Row, Status  # noqa: E402
+from rollshard.store.io.writer import ShardWriter  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SOLVERS = REWRITERS = 4

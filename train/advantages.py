@@ -7,11 +7,11 @@ of a row in the batch, so groups of any (uneven) size are normalized correctly; 
 is where slime falls back to one batch-wide group (slime issues #1414, #2230).
 
 Decisions, documented here because peers differ; the group definitions are the store's
-(:mod:`rollshard.store.groups`), so the loader's counts, ``--drop-zero-variance`` and these
+(:mod:`rollshard.store.format.groups`), so the loader's counts, ``--drop-zero-variance`` and these
 advantages agree:
 
 * ``std`` is the unbiased sample standard deviation (``ddof =``
-  :data:`~rollshard.store.groups.REWARD_STD_DDOF` = 1, ``torch.std``), as verl and TRL.
+  :data:`~rollshard.store.format.groups.REWARD_STD_DDOF` = 1, ``torch.std``), as verl and TRL.
 * A group of one (single-member) has no baseline. ``single_member="reward"`` (default) follows verl:
   mean 0 and std 1, so the advantage is the reward itself; this keeps one-row groups
   such as a multi-agent selector trainable. ``"zero"`` gives them advantage 0.
@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from rollshard.store.groups import REWARD_STD_DDOF
+from rollshard.store.format.groups import REWARD_STD_DDOF
 
 # Added to the group std before dividing (REFERENCE.md "Loss formulas": 1e-6); keeps a
 # group with a tiny but nonzero spread from blowing its advantages up without bound.

@@ -50,9 +50,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from rollshard.store.errors import one_line
-from rollshard.store.manifest import load_manifests
-from rollshard.store.storage import Storage
+from rollshard.store.common import one_line
+from rollshard.store.format.manifest import load_manifests
+from rollshard.store.io.storage import Storage
 from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 from rollshard.train.metrics import read_metrics
@@ -408,7 +408,7 @@ class AsyncLoop:
 
     def _write_report(self, figures: dict[str, Any]) -> None:
         """RUN/report.html: the rows (reward by weight_version, staleness) and the training's metrics over the steps."""
-        from rollshard.store import report
+        from rollshard.store.inspection import report
 
         try:
             page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"), async_run=figures)

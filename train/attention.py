@@ -1,7 +1,7 @@
 """Varlen attention for packed micro-batches: each sequence attends to itself alone, without a ``[T, T]`` mask.
 
 The trainer lays a micro-batch's sequences end to end in one row (``input_ids [1, T]``, ``position_ids``
-restarting at 0 per sequence, no attention mask; ``store/packing.py``). With ``sdpa`` or ``eager``,
+restarting at 0 per sequence, no attention mask; ``store/loader/packing.py``). With ``sdpa`` or ``eager``,
 transformers' ``masking_utils`` finds the restarts and builds a dense block-diagonal causal mask of
 ``T x T`` per forward (256 MiB of booleans at 16k tokens, which sdpa on CPU expands to an fp32 additive
 mask), and attention computes all ``T^2`` scores, of which only ``sum(L^2) / 2`` are needed.

@@ -11,10 +11,10 @@ row's own temperature, the output head in fp32 (rollshard.train.logprobs), after
 check. Both sides are full-softmax logprobs: ``rollout_logprobs`` is the engine's full-softmax logprob also
 for top-p/top-k rows (their renormalized ratio is the trainer's support path, rollshard.train.support).
 
-Every trained token (loss_mask 1) is one row of the report (:data:`rollshard.store.audit.AUDIT_SCHEMA`),
+Every trained token (loss_mask 1) is one row of the report (:data:`rollshard.store.inspection.audit.AUDIT_SCHEMA`),
 written atomically to ``--out`` (local or s3://; checked before the model loads: the folder or bucket exists,
 ``--out`` is not a folder), its metadata naming each source's dataset URI and fingerprint (what ``rollshard-store
-report --audit`` and ``inspect --audit`` pair the rows by); the summary (rollshard.store.audit.summarize, the numbers
+report --audit`` and ``inspect --audit`` pair the rows by); the summary (rollshard.store.inspection.audit.summarize, the numbers
 ``rollshard-store report`` shows for the same file) is printed as tables, or as one JSON object with
 ``--json`` (train/audit_output.py). The report is held in memory until written (~90 bytes a token with
 ids of ~20 characters: 90 MB per million trained tokens);
@@ -39,9 +39,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rollshard.store.audit import AUDIT_SCHEMA
-from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
-from rollshard.store.schema import STATUS_VALUES
+from rollshard.store.inspection.audit import AUDIT_SCHEMA
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.format.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
 from rollshard.train.corrections import AUDIT_DEFAULTS, counterfactual
@@ -155,7 +155,7 @@ def _error(e: BaseException | str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rollshard.store.dataset import DatasetNotFoundError
+    from rollshard.store.io.dataset import DatasetNotFoundError
     from rollshard.train.audit_output import exceeded, print_json, print_tables
 
     try:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 @dataclasses.dataclass(kw_only=True)
 class AuditResult:
     summary: dict
-    worst: list[dict]  # rollshard.store.audit.token_contexts of the --top worst tokens
+    worst: list[dict]  # rollshard.store.inspection.audit.token_contexts of the --top worst tokens
     report: str | None  # where the report was written
     info: dict  # what was audited: data, model, device, dtype, seconds, rows
     corrections: list[dict] = dataclasses.field(default_factory=list)  # CorrectionTally.summary()
@@ -192,8 +192,8 @@ class AuditResult:
 
 def run_audit(args: argparse.Namespace) -> AuditResult:
     """Check the inputs, build the trainer's backend, stream every row through it, write and summarize."""
-    from rollshard.store.audit import AuditedDataset, check_destination, summarize, worst_tokens, write_audit
-    from rollshard.store.mixture import parse_sources
+    from rollshard.store.inspection.audit import AuditedDataset, check_destination, summarize, worst_tokens, write_audit
+    from rollshard.store.loader.mixture import parse_sources
     from rollshard.train.audit_output import worst_with_context
     from rollshard.train.setup import check_model_path
 
@@ -204,7 +204,7 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     model = check_model_path(args.model)
     if args.out:
         check_destination(args.out)  # a bad --out said now, not after the model load and the whole pass
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     datasets = {s.name: RolloutDataset.open(s.path) for s in sources}  # DatasetNotFoundError before the model loads
     if not args.progress:

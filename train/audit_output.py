@@ -1,7 +1,7 @@
 """What ``rollshard-train audit`` prints: the summary as tables (rich) or one JSON object, the flag check, and
 the worst tokens' context (read back from their rows and decoded with the model's tokenizer).
 
-The numbers are :func:`rollshard.store.audit.summarize`'s and :func:`~rollshard.store.audit.worst_tokens`'s;
+The numbers are :func:`rollshard.store.inspection.audit.summarize`'s and :func:`~rollshard.store.inspection.audit.worst_tokens`'s;
 nothing here computes a statistic, so ``rollshard-store report`` on the same report shows the same figures.
 Model output (token text, context) is shown with control characters escaped, never sent to the terminal raw.
 """
@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from rollshard.store.audit import GROUPS, RATIO_BAND
+from rollshard.store.inspection.audit import GROUPS, RATIO_BAND
 
 GROUP_TITLES = {
     "by_agent": "agent",
@@ -161,12 +161,12 @@ def _safe(text: str) -> str:
 
 
 def worst_with_context(worst, datasets: dict, model: str) -> list[dict]:
-    """The worst tokens (a :func:`~rollshard.store.audit.worst_tokens` frame) with their text and decoded context,
+    """The worst tokens (a :func:`~rollshard.store.inspection.audit.worst_tokens` frame) with their text and decoded context,
     read back from their rows in ``datasets`` (by source name) and decoded by ``model``'s tokenizer."""
     import pyarrow.compute as pc
 
-    from rollshard.store.audit import token_contexts
-    from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+    from rollshard.store.inspection.audit import token_contexts
+    from rollshard.store.models.tokenizer import TokenizerError, load_tokenizer
 
     if worst.is_empty():
         return []

@@ -14,7 +14,7 @@ Layout of ``OUT/checkpoints/step_00000012/`` (format 2):
   top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
 * ``trainer_state.json``: format version, step, optimizer updates, weight version, world size and
   every rank's loader state (``RolloutLoader.state_dict()``, or ``MixtureLoader.state_dict()``
-  for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.mixture).
+  for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.loader.mixture).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
 Format 1 (rollshard before sharded checkpoints) kept the whole optimizer state in
@@ -29,7 +29,7 @@ of this step or another that a crash tore), every rank writes its shards into it
 and the state files; after a barrier (every rank's files written and fsynced) rank 0 checks that every
 rank's shard files are there (refusing to publish, on every rank, where one is missing: ``--out`` is not
 shared), fsyncs every file and folder of it and renames it when complete (the parent folder fsynced
-after, as ``rollshard.store.storage`` does, so the rename survives a power cut); then
+after, as ``rollshard.store.io.storage`` does, so the rename survives a power cut); then
 ``OUT/checkpoints/latest``, a relative symlink to it, is replaced by create-then-rename, so
 ``--model OUT/checkpoints/latest`` (or an engine's ``model_path``) always names a complete checkpoint.
 A crash while saving, on any rank, leaves the previous checkpoint as the latest one. Saving a step that already exists (a resumed run repeating it) renames the old

@@ -1,7 +1,7 @@
 """What ``rollshard-train`` says, in one line each, when a run would train without learning.
 
 * **No learning signal** (before the first step): every group the run trains on has advantage 0 -- two or more
-  rows of equal reward (a zero-variance group, :mod:`rollshard.store.groups`' definition) or, unless
+  rows of equal reward (a zero-variance group, :mod:`rollshard.store.format.groups`' definition) or, unless
   ``--drop-zero-variance`` dropped them, one row whose advantage is 0 (``--single-member zero``, or reward 0
   under ``reward``). Every loss and gradient is then 0: the run would go on at loss 0 to its end. The groups
   counted are those the loader keeps by ``--statuses`` and ``--agents`` (before the staleness filter, which
@@ -10,7 +10,7 @@
 * **The step-0 mismatch**: ``|logp - rollout_logp|`` (the ratio's own logprobs, renormalized over a stored
   sampling support where there is one) over the first step's tokens, at the weights before any update, mean and
   max. A fresh run prints it; far above fp32 rounding while the rows name another model than ``--model``
-  (:func:`rollshard.store.model_fingerprint.model_fingerprint`, else the recorded path) it warns: the ratios
+  (:func:`rollshard.store.models.fingerprint.model_fingerprint`, else the recorded path) it warns: the ratios
   start off-policy, and clipping would silence most of the gradient.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import polars as pl
 
-from rollshard.store.groups import group_flags
-from rollshard.store.model_fingerprint import model_fingerprint
-from rollshard.store.versions import resolve_model_path
+from rollshard.store.format.groups import group_flags
+from rollshard.store.models.fingerprint import model_fingerprint
+from rollshard.store.models.versions import resolve_model_path
 
 # fp32 engines agree with the trainer's recomputation to ~2e-5 nats (measured against SGLang and the embedded
 # engine); another model's logprobs differ by tenths of a nat or more. 1e-2 is 500x the first and well under the

@@ -1,7 +1,7 @@
 """``rollshard-train``: GRPO on a rollout dataset.
 
     rollshard-train --data DATASET --model PATH --out DIR [--config run.yaml] [flags]
-    rollshard-train --data a:0.7,b:0.3 ...       several datasets mixed by weight (rollshard.store.mixture)
+    rollshard-train --data a:0.7,b:0.3 ...       several datasets mixed by weight (rollshard.store.loader.mixture)
     rollshard-train audit --data DATASET --model PATH [--out AUDIT.parquet]   the trainer's logprobs against
                                                  the stored ones, no optimizer step (rollshard.train.audit)
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
 from rollshard.train.config import add_config_flags, resolve
 
 PROG = "rollshard-train"
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(config.to_yaml(), end="")
         return EXIT_OK
 
-    from rollshard.store.dataset import DatasetNotFoundError
+    from rollshard.store.io.dataset import DatasetNotFoundError
     from rollshard.train.backends import close_env, parallel_env
     from rollshard.train.backends.distributed import close_distributed, init_distributed
     from rollshard.train.trainer import NonFiniteError, Trainer

@@ -77,7 +77,7 @@ class DataConfig:
     path: str = _f(
         "",
         "rollout dataset directory (or s3:// URI) written by rollshard-generate; several, mixed by weight: "
-        "a:0.7,b:0.3 (each [NAME=]PATH:WEIGHT; rollshard.store.mixture)",
+        "a:0.7,b:0.3 (each [NAME=]PATH:WEIGHT; rollshard.store.loader.mixture)",
         flag="data",
     )
     groups_per_step: int = _f(8, "GRPO groups per optimizer step (per data-parallel rank)")
@@ -376,7 +376,7 @@ class TrainConfig:
                 raise ValueError(f"{where}: unknown key(s) {sorted(bad)} in section {name!r}; known: {sorted(hints)}")
             kw = {}
             if name == "data" and isinstance(raw.get("path"), list):  # a YAML list of {path, weight[, name]}
-                from rollshard.store.mixture import sources_text
+                from rollshard.store.loader.mixture import sources_text
 
                 raw = {**raw, "path": sources_text(raw["path"])}
             for key, value in raw.items():
@@ -472,7 +472,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(message)
         if data.path:
-            from rollshard.store.mixture import parse_sources
+            from rollshard.store.loader.mixture import parse_sources
 
             parse_sources(data.path)  # a bad --data weight is a usage error here, before anything is loaded
         return self

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"

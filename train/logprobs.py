@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.train import attention  # noqa: F401  registers rollshard_varlen before any model is loaded
 
 

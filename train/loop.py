@@ -40,13 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
-from rollshard.store.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
-from rollshard.store.manifest import FAILURE_DIR
-from rollshard.store.stats import dataset_stats
-from rollshard.store.storage import Storage
-from rollshard.store.gguf import is_gguf
-from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.format.manifest import FAILURE_DIR
+from rollshard.store.inspection.stats import dataset_stats
+from rollshard.store.io.storage import Storage
+from rollshard.store.models.gguf import is_gguf
+from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.metrics import read_metrics
 
@@ -565,7 +565,7 @@ class Loop:
     def write_report(self) -> None:
         """RUN/report.html: reward across the rounds, the last round's rows in detail, its training's metrics. A
         report that cannot be made (no matplotlib) is a warning: the rounds are done."""
-        from rollshard.store import report
+        from rollshard.store.inspection import report
 
         datasets = [str(self.round_dir(s["round"]) / "data") for s in self.rounds if s.get("generated")]
         last = self.round_dir(self.rounds[-1]["round"])

@@ -1,6 +1,6 @@
 """Routing replay (R3) from the dataset: the trainer's MoE layers use the experts the engine chose.
 
-A row of a MoE model may store its routing (schema 1.2 ``routed_experts``, store/routing.py): each MoE layer's
+A row of a MoE model may store its routing (schema 1.2 ``routed_experts``, store/format/routing.py): each MoE layer's
 top-k expert ids at every position the engine forwarded. The loader packs them per micro-batch
 (``PackedBatch.routed_experts [T, layers x top_k]``, ``routed_valid [T]``: a row's last position, which no
 engine forward fed, and rows without routing are not valid). With replay on, each router's top-k at a valid
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_folder
+from rollshard.store.format.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_folder
 
 
 class RoutingReplayError(ValueError):

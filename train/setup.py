@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from rollshard.store.gguf import is_gguf
-from rollshard.store.versions import folder_weight_version, resolve_model_path
+from rollshard.store.models.gguf import is_gguf
+from rollshard.store.models.versions import folder_weight_version, resolve_model_path
 from rollshard.train.config import TrainConfig
 
 # rollshard-generate agent systems whose rows hold one model turn (tool_loop records its "turns").
@@ -72,7 +72,7 @@ def initial_version_of(model: str) -> int:
 def check_out_dir(out: str, *, data: str) -> None:
     """Refuse an output folder that would write into a dataset of ``--data`` (any source of a mixture) or over a
     model folder."""
-    from rollshard.store.mixture import parse_sources
+    from rollshard.store.loader.mixture import parse_sources
 
     o = Path(out).expanduser().resolve()
     for source in parse_sources(data):

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, StepLoader
-from rollshard.store.packing import PackedBatch
+from rollshard.store.loader.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
@@ -79,10 +79,10 @@ class NonFiniteError(RuntimeError):
 
 def build_loader(config: TrainConfig, env: DistEnv):
     """The store's streaming loader for this rank, from the data section of the config: one dataset, or a
-    weighted mixture of several (``--data a:0.7,b:0.3``, rollshard.store.mixture)."""
+    weighted mixture of several (``--data a:0.7,b:0.3``, rollshard.store.loader.mixture)."""
     from rollshard.store.loader import LoaderConfig
     from rollshard.store.loader.follow import FollowLoader
-    from rollshard.store.mixture import open_loader
+    from rollshard.store.loader.mixture import open_loader
 
     d = config.data
     loader_cfg = LoaderConfig(
@@ -303,8 +303,8 @@ class Trainer:
             return float(loss.norm_len or 0)
         datasets = self.loader.datasets
         if not datasets:  # a loader of pre-read steps names none: the config's
-            from rollshard.store.dataset import RolloutDataset
-            from rollshard.store.mixture import parse_sources
+            from rollshard.store.io.dataset import RolloutDataset
+            from rollshard.store.loader.mixture import parse_sources
 
             datasets = [RolloutDataset.open(s.path) for s in parse_sources(self.cfg.data.path)]
         configs = [c for ds in datasets for c in ([m.config for m in ds.manifests if m.config] or [ds.config])]

@@ -46,9 +46,9 @@ from rollshard.generate.engines.base import Engine, EngineError, GenerateResult,
 from rollshard.generate.rewards import Scorer, TaskScorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
 from rollshard.generate.tasks.prompts import ID_SEPARATOR
-from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import Row, Status, WeightSpan
-from rollshard.store.tokenizer import encode
+from rollshard.store.format.routing import RoutingShape
+from rollshard.store.format.schema import Row, Status, WeightSpan
+from rollshard.store.models.tokenizer import encode
 
 SEED_MODULUS = 2**31 - 1  # engines take the seed as a signed 32-bit int (torch and SGLang both accept it)
 

@@ -70,7 +70,7 @@ from rollshard.generate.agents.base import AgentCall, AgentSystem, Episode, set_
 from rollshard.generate.engines.base import SamplingParams
 from rollshard.generate.rewards import Scorer, metadata_of
 from rollshard.generate.tasks.base import Prompt, Task
-from rollshard.store.schema import Row
+from rollshard.store.format.schema import Row
 
 SOLVER, REWRITER, SELECTOR = "solver", "rewriter", "selector"
 # ``Judgment: N`` in any case (or spelled ``Judgement``), with markdown emphasis or a heading around the label or

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 
 from rollshard.generate.agents.base import AgentSystem, Episode
-from rollshard.store.schema import Row
+from rollshard.store.format.schema import Row
 
 AGENT = "policy"
 

@@ -28,7 +28,7 @@ import operator
 import re
 
 from rollshard.generate.agents.base import AgentSystem, Episode
-from rollshard.store.schema import Row
+from rollshard.store.format.schema import Row
 
 AGENT = "policy"
 CALL_END = "</calc>"

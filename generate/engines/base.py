@@ -16,7 +16,7 @@ import abc
 import dataclasses
 from typing import Any
 
-from rollshard.store.schema import WeightSpan
+from rollshard.store.format.schema import WeightSpan
 
 
 # SGLang sampling parameters rollshard does not use, at the value that makes them a no-op. The client

@@ -85,9 +85,9 @@ from rollshard.generate.engines.base import Engine, EngineError, GenerateResult,
 from rollshard.generate.engines.batch import Batch
 from rollshard.generate.engines.routing import RoutingCapture
 from rollshard.generate.engines.sampler import SamplingRows, sample_tokens  # noqa: F401 (sample_tokens: re-exported)
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
-from rollshard.store.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
-from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS, WeightSpan
+from rollshard.store.models.tokenizer import TokenizerError, decode, eos_token_ids, load_tokenizer
+from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 
 DEFAULT_MAX_BATCH_SIZE = 64  # rows decoded together (see the module docstring: measured against 32)
 MAX_PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward; bounds the activation memory
@@ -295,7 +295,7 @@ class EmbeddedEngine(Engine):
 
     @property
     def routing_shape(self):
-        """The served model's :class:`~rollshard.store.routing.RoutingShape` (None: a dense model, or a MoE whose
+        """The served model's :class:`~rollshard.store.format.routing.RoutingShape` (None: a dense model, or a MoE whose
         routing is not captured: :attr:`routing_reason` says why)."""
         return self._routing.shape
 

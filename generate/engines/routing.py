@@ -1,6 +1,6 @@
-"""The embedded engine's capture of a MoE model's routing (schema 1.2 ``routed_experts``, store/routing.py).
+"""The embedded engine's capture of a MoE model's routing (schema 1.2 ``routed_experts``, store/format/routing.py).
 
-A forward hook on each top-k router (:func:`rollshard.store.routing.find_routers`) keeps the expert ids it chose
+A forward hook on each top-k router (:func:`rollshard.store.format.routing.find_routers`) keeps the expert ids it chose
 for every token of the forward, prefill and decode alike; :meth:`RoutingCapture.take` hands them over as
 ``[tokens, layers, top_k]``, in the forward's token order (row-major over its ``[batch, sequence]`` input). The
 hooks cost a copy of ``tokens x top_k`` ids per layer, and only in forwards run with :attr:`RoutingCapture.on`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rollshard.store.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_config
+from rollshard.store.format.routing import RoutingShape, RoutingShapeError, find_routers, shape_of_model_config
 
 
 class RoutingCapture:

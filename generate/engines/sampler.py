@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from rollshard.generate.engines.base import SamplingParams
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
 
 UNIFORM_WINDOW = 64  # uniforms drawn per row at a time: one generator call per row every this many steps
 

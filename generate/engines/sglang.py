@@ -97,8 +97,8 @@ from rollshard.generate.engines.sglang_protocol import (
     parse_response,
     preferred_sampling_differences,
 )
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
-from rollshard.store.versions import VersionError, folder_weight_version
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.store.models.versions import VersionError, folder_weight_version
 
 __all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response", "sampling_mask_problem"]
 

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - json does the same, slower
     orjson = None
 
 from rollshard.generate.engines.base import EngineError, GenerateResult, SamplingParams
-from rollshard.store.schema import SAMPLING_LOGPROB_TOL, WeightSpan
+from rollshard.store.format.schema import SAMPLING_LOGPROB_TOL, WeightSpan
 
 FINISH_TYPES = ("stop", "length", "abort")
 # A logprob is <= 0 mathematically; GPU kernels can round a near-certain token's to a hair above 0.

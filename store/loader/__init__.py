@@ -3,7 +3,7 @@
 The trainer never holds the dataset. :class:`RolloutLoader` reads one block (a Parquet row group;
 several when a group spans row groups of one shard) at a time on a background thread, keeps at most
 one shuffle window of groups, and packs each step's sequences into flat micro-batches
-(store/packing.py) on a second background thread. The stages, one module each:
+(store/loader/packing.py) on a second background thread. The stages, one module each:
 
 * config.py: :class:`LoaderConfig`, :class:`Step` and the names both use;
 * blocks.py: the dataset's blocks, from the manifest's row groups (no row group read at open; an older
@@ -62,13 +62,13 @@ different world size or rank is refused with one line. The policy version may ch
 outside the versions their staleness decisions hold for.
 
 **Damaged data never reaches a step.** A shard is checked against its manifest entry and the schema
-before its rows are used, and a break raises :class:`~rollshard.store.errors.DataError` (re-exported
+before its rows are used, and a break raises :class:`~rollshard.store.common.DataError` (re-exported
 here) out of iteration, one line naming the shard, the row (sample id) and the problem: when the
 loader opens the dataset, every shard's footer, schema version, size, row groups and the exact types of
 the columns read (no cast: int64 ids or float64 logprobs are refused); at every open of a file, its
 size; for every block read, the row invariants on the columns read (read.py); and its bytes' hash,
 checked on a third thread before any step drawn from it is handed on (stream.py). With manifest version 3
-(store/manifest.py) that hash is per block (its XXH3-128 from version 4 on, its sha256 before): a rank
+(store/format/manifest.py) that hash is per block (its XXH3-128 from version 4 on, its sha256 before): a rank
 reads a block's row groups in one ranged read, hashes exactly those bytes and decodes the block from them,
 and checks each shard's footer once per loader, so the checks read nothing beyond the rank's own blocks
 and footers. A damaged byte in a row group another rank owns is that rank's to find; the union of the
@@ -83,11 +83,11 @@ blocks is in.
 **Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps, independent of the
 dataset's size (plus one 8-byte hash per group while the dataset is opened).
 
-**Several datasets** (``--data a:0.7,b:0.3``): store/mixture.py draws each dataset's group stream of
+**Several datasets** (``--data a:0.7,b:0.3``): store/loader/mixture.py draws each dataset's group stream of
 this rank (:meth:`_Stream.groups`) and fills each step's group slots from them by weight.
 """
 
-from rollshard.store.errors import DataError  # noqa: F401
+from rollshard.store.common import DataError  # noqa: F401
 from rollshard.store.loader.background import _END, _Background, _Failure, _Stopped  # noqa: F401
 from rollshard.store.loader.blocks import _Block, _open, _raise_split_groups, _scan_blocks, _shard_blocks  # noqa: F401
 from rollshard.store.loader.config import (  # noqa: F401
@@ -130,7 +130,7 @@ from rollshard.store.loader.steps import (  # noqa: F401
     own_state,
 )
 from rollshard.store.loader.stream import _Stream  # noqa: F401
-from rollshard.store.packing import PackedBatch  # noqa: F401
+from rollshard.store.loader.packing import PackedBatch  # noqa: F401
 
 __all__ = ["DataError", "LoaderConfig", "LoaderStateError", "NoStepError", "NoStepWarning", "PackedBatch",
            "RolloutLoader", "Step", "StepLoader", "WrappedLoader", "hf_groups"]

@@ -1,7 +1,7 @@
 """The background threads: a generator run on a daemon thread, its items handed over through a bounded queue.
 
 The loader runs two: the block reader (``prefetch`` blocks ahead) and the step producer (``prefetch``
-packed steps ahead); a third hashes shards (store/integrity.py :class:`Checksums`). A thread told to
+packed steps ahead); a third hashes shards (store/io/integrity.py :class:`Checksums`). A thread told to
 stop while it waits notices within ``POLL_S``; what it raises is raised by the consumer.
 
 At interpreter exit (after the non-daemon threads are joined, before finalization) every live thread is told

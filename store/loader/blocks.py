@@ -26,12 +26,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError, one_line
-from rollshard.store.integrity import check_column_types, open_shard
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import DataError, one_line
+from rollshard.store.io.integrity import check_column_types, open_shard
 from rollshard.store.loader.config import SAMPLING_COLUMNS, SCAN_THREADS, SMALL_COLUMNS, TOKEN_COLUMNS
-from rollshard.store.manifest import group_hash
-from rollshard.store.routing import ROUTING_COLUMN
+from rollshard.store.format.manifest import group_hash
+from rollshard.store.format.routing import ROUTING_COLUMN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class _Scanned:
 
 def _open(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
     """Size and schema version at every open; the footer read again unless the manifest records its sha256 (the
-    checks then verify its bytes, store/integrity.py)."""
+    checks then verify its bytes, store/io/integrity.py)."""
     info = dataset.shards[shard]
     return open_shard(dataset.storage, info, dataset.footer(shard) if info.has_ranges else None)
 

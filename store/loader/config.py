@@ -7,11 +7,11 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from rollshard.store.packing import PackedBatch
-from rollshard.store.schema import OPTIONAL_COLUMNS, STATUS_VALUES
+from rollshard.store.loader.packing import PackedBatch
+from rollshard.store.format.schema import OPTIONAL_COLUMNS, STATUS_VALUES
 
 STATE_FORMAT = "rollshard-loader"
-MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/mixture.py
+MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/loader/mixture.py
 # 2: each rank's cursor is in its own share of the blocks (1: in the global stream every rank read; a version-1
 # state resumes a world size of 1 only, where the two are the same stream)
 STATE_VERSION = 2
@@ -83,7 +83,7 @@ class LoaderConfig:
     # Checksums, exact column types and row invariants (package docstring). Off only to measure what they
     # cost: a damaged shard then reaches the trainer.
     verify_data: bool = True
-    # Read the schema 1.2 routed_experts column (store/routing.py) where a shard has it: PackedBatch.routed_experts.
+    # Read the schema 1.2 routed_experts column (store/format/routing.py) where a shard has it: PackedBatch.routed_experts.
     routed_experts: bool = False
 
     def check(self) -> None:
@@ -126,7 +126,7 @@ class Step:
     epoch: int
     index: int  # step index, counted across epochs
     metrics: dict[str, float]  # filter counts and packing figures, this rank's
-    group_sources: list[str] | None = None  # [G] source name of each group (a mixture, store/mixture.py); else None
+    group_sources: list[str] | None = None  # [G] source name of each group (a mixture, store/loader/mixture.py); else None
 
     @property
     def num_tokens(self) -> int:

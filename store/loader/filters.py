@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollshard.store.groups import is_zero_variance
+from rollshard.store.format.groups import is_zero_variance
 from rollshard.store.loader.config import FILTER_KEYS, NO_VERSION, LoaderConfig
 
 if TYPE_CHECKING:

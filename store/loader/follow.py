@@ -3,7 +3,7 @@
 A generator keeps committing shards into the dataset while the trainer trains on it: the dataset is the
 queue between them. :class:`FollowLoader` takes the shards in commit order (the manifests' ``created_at``,
 then the path), each one whole as soon as a manifest lists it, never before: a shard is part of the
-dataset only once committed (store/manifest.py), and no group spans two shards. Each shard's bytes are
+dataset only once committed (store/format/manifest.py), and no group spans two shards. Each shard's bytes are
 checked against its manifest's sha256 and its rows against the schema's invariants before any row of it
 reaches a step; the filters and the packing are the streaming loader's (filters.py, pack.py), so a step
 here is the step :class:`~rollshard.store.loader.RolloutLoader` would build from the same groups.
@@ -14,9 +14,9 @@ the generator runs ahead (the generator's admission gate, ``rollshard-generate -
 staleness filter drops the rest from each row's oldest token version (filters.py).
 
 Waiting: while fewer committed groups than a step are left, the loader polls the manifests every
-``poll_s`` seconds (local or S3: the same :class:`~rollshard.store.storage.Storage`); after ``wait_s``
+``poll_s`` seconds (local or S3: the same :class:`~rollshard.store.io.storage.Storage`); after ``wait_s``
 seconds without a new commit it raises :class:`FollowTimeoutError`. It ends when the dataset is complete
-(every writer left its end-of-run marker, store/live.py) and every committed group is used; the last
+(every writer left its end-of-run marker, store/io/live.py) and every committed group is used; the last
 groups short of a step are dropped (``tail="drop"``, counted in ``epoch_stats``) or trained (``"partial"``).
 :meth:`stop_waiting` (the trainer's signal handler) ends a wait at the next poll.
 
@@ -36,17 +36,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError
-from rollshard.store.live import is_complete
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import DataError
+from rollshard.store.io.live import is_complete
 from rollshard.store.loader.blocks import _Block
 from rollshard.store.loader.config import LoaderConfig, LoaderStateError, Step
 from rollshard.store.loader.filters import _Filters, _parse_version, _Segment
 from rollshard.store.loader.pack import make_step
 from rollshard.store.loader.protocol import StepLoader
 from rollshard.store.loader.read import _BlockData, _read_block
-from rollshard.store.manifest import ShardInfo, load_manifests
-from rollshard.store.storage import Storage
+from rollshard.store.format.manifest import ShardInfo, load_manifests
+from rollshard.store.io.storage import Storage
 
 FOLLOW_STATE_FORMAT = "rollshard-loader-follow"
 FOLLOW_STATE_VERSION = 1

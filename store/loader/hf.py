@@ -9,14 +9,14 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.integrity import check_column_types, open_shard, verify_sha256
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.integrity import check_column_types, open_shard, verify_sha256
 from rollshard.store.loader.blocks import _Block, _hashes, _read_group_ids, _shard_blocks
 from rollshard.store.loader.config import SAMPLING_COLUMNS, SMALL_COLUMNS, TOKEN_COLUMNS, LoaderConfig
 from rollshard.store.loader.filters import _Filters, _parse_version, _Segment
 from rollshard.store.loader.read import _read_block
-from rollshard.store.manifest import ShardInfo
-from rollshard.store.storage import Storage
+from rollshard.store.format.manifest import ShardInfo
+from rollshard.store.io.storage import Storage
 
 
 HF_GROUP_SCHEMA = pa.schema(

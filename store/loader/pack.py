@@ -1,4 +1,4 @@
-"""A step from its groups: the rows as sequences, packed into micro-batches (store/packing.py).
+"""A step from its groups: the rows as sequences, packed into micro-batches (store/loader/packing.py).
 
 Sequences are packed into flat micro-batches of at most ``micro_batch_tokens`` tokens (no padding) and
 at most ``micro_batch_support`` schema 1.1 support ids (a sequence over either gets one of its own);
@@ -13,10 +13,10 @@ import collections
 import numpy as np
 import torch
 
-from rollshard.store.groups import is_zero_variance
+from rollshard.store.format.groups import is_zero_variance
 from rollshard.store.loader.config import SOURCE_KEYS, LoaderConfig, Step
 from rollshard.store.loader.read import _BlockData
-from rollshard.store.packing import PackedBatch, Sequences, pack
+from rollshard.store.loader.packing import PackedBatch, Sequences, pack
 
 
 def make_step(
@@ -31,7 +31,7 @@ def make_step(
 ) -> Step:
     """This rank's step of ``pending`` groups ``(block, index in block, rows kept)``, packed.
 
-    ``counts``: the filter counts of the groups examined for it. A mixture (store/mixture.py) gives the
+    ``counts``: the filter counts of the groups examined for it. A mixture (store/loader/mixture.py) gives the
     source names and each pending group's source index (``owners``): the step then carries
     :attr:`Step.group_sources` and per-source figures.
     """

@@ -4,7 +4,7 @@ A loader of steps is an iterable of :class:`~rollshard.store.loader.config.Step`
 and resume from, told the policy version as the trainer moves on (torchtitan's ``BaseDataLoader(Stateful,
 ABC)``). What a consumer reads of it is declared here, nothing else: the datasets it reads, the counts of its
 last finished epoch, and two figures for a progress bar. The loaders: :class:`~rollshard.store.loader.RolloutLoader`
-(one dataset), :class:`~rollshard.store.mixture.MixtureLoader` (several, by weight) and
+(one dataset), :class:`~rollshard.store.loader.mixture.MixtureLoader` (several, by weight) and
 :class:`~rollshard.store.loader.follow.FollowLoader` (a dataset while it is written).
 
 An epoch that yields no step is said by type, never by text: :class:`NoStepWarning` when the loader's run
@@ -18,7 +18,7 @@ import abc
 from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
     from rollshard.store.loader.config import Step
 
 

@@ -3,9 +3,9 @@
 The filter columns are read first, the token columns only when some row passes the status and agent
 filters; a shard that has the schema 1.1 sampling columns has them read with the token columns (a 1.0
 shard is read as before). With ``verify_data``, every block read has the row invariants of schema.py
-checked on the columns read (:func:`~rollshard.store.schema.check_projection`: logprobs finite and <= 0
+checked on the columns read (:func:`~rollshard.store.format.schema.check_projection`: logprobs finite and <= 0
 under the mask, lengths aligned, token ids non-negative, a known status, ...) before anything is built
-from them; a break is a :class:`~rollshard.store.errors.DataError` naming the shard, the row groups and
+from them; a break is a :class:`~rollshard.store.common.DataError` naming the shard, the row groups and
 the sample.
 """
 
@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollshard.store.errors import DataError, one_line
-from rollshard.store.integrity import VALIDATE, check_rows, sampling_columns
+from rollshard.store.common import DataError, one_line
+from rollshard.store.io.integrity import VALIDATE, check_rows, sampling_columns
 from rollshard.store.loader.blocks import _Block
 from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
 from rollshard.store.loader.filters import _Filters, _oldest_versions
-from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
-from rollshard.store.schema import config_of
+from rollshard.store.format.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
+from rollshard.store.format.schema import config_of
 
 
 def _single(col: pa.ChunkedArray) -> pa.Array:
@@ -37,7 +37,7 @@ class _BlockData:
     """One block in memory: the filter columns as numpy, token columns as flat values + offsets."""
 
     shard: int = -1  # index in dataset.shards (-1: read outside a loader)
-    checks: list = []  # the checks of its bytes (store/integrity.py Job) a step drawing from it waits for
+    checks: list = []  # the checks of its bytes (store/io/integrity.py Job) a step drawing from it waits for
 
     def __init__(self, small: pa.Table, filters: _Filters):
         enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance
@@ -114,7 +114,7 @@ class _BlockData:
 def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str, check: bool = True) -> _BlockData:
     """Column projection: the filter columns first, the token columns only when some row passes.
 
-    With ``check``, the rows read are checked (:func:`rollshard.store.integrity.check_rows`) before
+    With ``check``, the rows read are checked (:func:`rollshard.store.io.integrity.check_rows`) before
     anything is built from them; ``shard`` (dataset-relative path) names the block in errors.
     """
     rgs = list(block.row_groups)

@@ -1,6 +1,6 @@
 """The loaders: iteration from the cursor on a producer thread, the agreement between ranks, exact resume.
 
-:class:`_StepLoader` is what :class:`RolloutLoader` (one dataset) and store/mixture.py's
+:class:`_StepLoader` is what :class:`RolloutLoader` (one dataset) and store/loader/mixture.py's
 ``MixtureLoader`` share: the producer thread, the cursor, the policy version, and the ``sync``
 agreement callback, called on the iterating thread (the trainer's) once for every step a rank is
 about to yield and once for every end of its epoch, so the same number of times on every rank.
@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any, Callable, Iterator
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader.background import _END, _Background
 from rollshard.store.loader.blocks import _scan_blocks
 from rollshard.store.loader.config import (

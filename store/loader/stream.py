@@ -14,7 +14,7 @@ or ended by another rank through the loader's ``sync``) are counted as ``left_gr
 duplicated: over the ranks, ``groups_examined + left_groups`` is the dataset's group count each epoch.
 
 **Damaged data never reaches a step.** A step is planned from blocks as they arrive but handed on only
-once every block it draws from is verified (store/integrity.py :class:`Checksums`, on a third thread), so
+once every block it draws from is verified (store/io/integrity.py :class:`Checksums`, on a third thread), so
 a shard whose bytes changed can cost a planned step, never a delivered one. When the manifest records the
 byte ranges (manifest version 3) the reader reads each block's row groups as one ranged read, queues the
 hash of exactly those bytes (XXH3-128 from manifest version 4 on, else sha256), and decodes the block from
@@ -37,9 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError, one_line
-from rollshard.store.integrity import Checksums, Job, verify_ranges
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import DataError, one_line
+from rollshard.store.io.integrity import Checksums, Job, verify_ranges
 from rollshard.store.loader.background import _END, _Background, _Stopped
 from rollshard.store.loader.blocks import _Block, _open
 from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_COLUMNS, LoaderConfig

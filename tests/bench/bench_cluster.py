@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from rollshard.generate.models import init_model  # noqa: E402
-from rollshard.store.dataset import RolloutDataset  # noqa: E402
+from rollshard.store.io.dataset import RolloutDataset  # noqa: E402
 from tests.generate.conftest import start_embedded_server, start_router, stop_server  # noqa: E402
 
 DONE = re.compile(r"prompts done in ([\d.]+) s")

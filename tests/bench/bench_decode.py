@@ -52,7 +52,7 @@ def model_path(name: str, root: Path) -> Path:
     from rollshard.generate.models import init_model
 
     if name == "smollm2":
-        from rollshard.store.gguf import cache_dir
+        from rollshard.store.models.gguf import cache_dir
 
         return init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2-135m-instruct")
     if name == "tiny":

@@ -228,7 +228,7 @@ def build_model(root: Path, name: str) -> Path:
     from rollshard.generate.models import init_model
 
     if isinstance(MODELS[name], str):  # a real model, kept in rollshard's cache folder
-        from rollshard.store.gguf import cache_dir
+        from rollshard.store.models.gguf import cache_dir
 
         return init_model(cache_dir() / "models" / MODELS[name], preset=MODELS[name])
     tiny = init_model(root / "tiny", preset="tiny-gpt2", seed=0)

@@ -121,8 +121,8 @@ async def runner(url: str, model: Path, prompts, out: Path, args):
     from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine
     from rollshard.generate.runner import Runner, RunnerOptions
     from rollshard.generate.tasks import get_task
-    from rollshard.store.tokenizer import load_tokenizer
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.models.tokenizer import load_tokenizer
+    from rollshard.store.io.writer import ShardWriter
 
     engine = SGLangEngine([url], config=SGLangConfig(max_concurrency=args.concurrency))
     await engine.model_info()
@@ -159,7 +159,7 @@ def main() -> int:
 
     from rollshard.generate.models import init_model
     from rollshard.generate.tasks import Prompt, get_task
-    from rollshard.store.tokenizer import apply_chat_template, load_tokenizer
+    from rollshard.store.models.tokenizer import apply_chat_template, load_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     model = init_model(tmp / "tiny", preset="tiny-gpt2")

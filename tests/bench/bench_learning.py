@@ -78,7 +78,7 @@ def rollshard_side(args, model: str, out: Path) -> dict:
     if code != 0:
         raise SystemExit(f"rollshard-loop exited {code}")
     state = json.loads((out / "loop.json").read_text())
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     rounds = []
     for r in state["rounds"]:
@@ -187,7 +187,7 @@ def main() -> None:
         return trl_worker(args)
 
     from rollshard.generate.models import init_model
-    from rollshard.store.gguf import cache_dir
+    from rollshard.store.models.gguf import cache_dir
 
     model = args.model or str(init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2"))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@
 4. A simulated trainer: fixed compute time per step; time spent waiting in ``next()``
    over the first ``--sim-steps`` steps.
 
-``--mix`` measures only the weighted mixture (store/mixture.py): groups/s of a 0.7/0.3 mixture
+``--mix`` measures only the weighted mixture (store/loader/mixture.py): groups/s of a 0.7/0.3 mixture
 of two datasets of ``--groups`` groups each against the single-dataset loader on one of them
 (the mixture runs a reader per source and ends when the 0.7 source runs out; row groups of
 4 MB, so that what a source reads ahead is bounded as in a large dataset).
@@ -66,11 +66,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import SMALL_COLUMNS, TOKEN_COLUMNS, LoaderConfig, RolloutLoader
-from rollshard.store.mixture import MixtureLoader
+from rollshard.store.loader.mixture import MixtureLoader
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 GROUP_SIZE = 8
 BASE_GROUPS = 100  # distinct synthetic groups, renamed and repeated to reach larger sizes quickly
@@ -137,7 +137,7 @@ def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
     """packing.pack plus what the batch carried before it was made lean, measured only here: ``position_ids`` and
     the temperature as ``[T]`` arrays written on the host (five ``[T]`` arrays per step instead of three), exactly
     as pack wrote them (pooled buffers, a concatenation of aranges, a fill of each sequence's slice)."""
-    from rollshard.store import packing as P
+    from rollshard.store.loader import packing as P
 
     batches, efficiency = P.pack(seqs, budget, support_budget)
     if not batches:
@@ -176,7 +176,7 @@ def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
     """M tokens/s of packing alone (one thread, no reading) on one epoch's steps: the lean batch and the one
     before (five [T] arrays)."""
     import rollshard.store.loader.pack as loader_pack
-    from rollshard.store.packing import pack
+    from rollshard.store.loader.packing import pack
 
     steps, real = [], loader_pack._sequences
 

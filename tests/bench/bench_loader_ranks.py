@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.store.range_fs
 from bench_loader import BASE_GROUPS, GROUP_SIZE, best_of, make_dataset  # noqa: E402
 
-from rollshard.store.dataset import RolloutDataset  # noqa: E402
+from rollshard.store.io.dataset import RolloutDataset  # noqa: E402
 from rollshard.store.loader import LoaderConfig, RolloutLoader  # noqa: E402
-from rollshard.store.storage import Storage  # noqa: E402
+from rollshard.store.io.storage import Storage  # noqa: E402
 from rollshard.store.synthetic import synthetic_table  # noqa: E402
-from rollshard.store.writer import ShardWriter, WriterOptions  # noqa: E402
+from rollshard.store.io.writer import ShardWriter, WriterOptions  # noqa: E402
 from tests.store.range_fs import RangeFS  # noqa: E402
 
 WORLD_SIZES = (1, 2, 4, 8)

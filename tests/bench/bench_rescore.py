@@ -30,10 +30,10 @@ from rollshard.generate.rescore import rescore_table
 from rollshard.generate.rewards import TaskScorer
 from rollshard.generate.tasks import get_task
 from rollshard.generate.tasks.toy import toy_verify
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.derive import derive_dataset
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.derived.derive import derive_dataset
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 from bench_store import best_of  # this folder is on the path when a bench runs as a script
 

@@ -49,7 +49,7 @@ def generate(model: Path, out: Path, args) -> None:
 def mismatch(model: Path, data: Path) -> dict:
     import torch
 
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
     from rollshard.store.loader import LoaderConfig, RolloutLoader
     from rollshard.train.backends.distributed import DistEnv
     from rollshard.train.backends.hf import HFBackend

@@ -33,11 +33,11 @@ import urllib.request
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 
 def best_of(repeat: int, fn) -> float:

@@ -35,10 +35,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.schema import ROW_SCHEMA
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.schema import ROW_SCHEMA
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import DICTIONARY_COLUMNS, ShardWriter, WriterOptions
+from rollshard.store.io.writer import DICTIONARY_COLUMNS, ShardWriter, WriterOptions
 
 
 def best_of(repeat: int, fn) -> float:

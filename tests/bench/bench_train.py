@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from rollshard.store.loader import LoaderConfig, RolloutLoader, StepLoader
-from rollshard.store.schema import GREEDY_TEMPERATURE_EPS
+from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.train.attention import VARLEN
 from rollshard.train.config import TrainConfig
 from rollshard.train.trainer import Trainer

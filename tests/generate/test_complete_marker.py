@@ -1,12 +1,12 @@
-"""The writer's end-of-run marker (rollshard.store.live): set by a run that did every prompt with none failed,
+"""The writer's end-of-run marker (rollshard.store.io.live): set by a run that did every prompt with none failed,
 absent after a failed or interrupted run, withdrawn before a rerun can commit, never set by an endless run."""
 
 import json
 
 from rollshard.generate.tasks import get_task, load_prompts
-from rollshard.store.live import complete_writers, is_complete
-from rollshard.store.storage import Storage
-from rollshard.store.tokenizer import load_tokenizer
+from rollshard.store.io.live import complete_writers, is_complete
+from rollshard.store.io.storage import Storage
+from rollshard.store.models.tokenizer import load_tokenizer
 from tests.generate.test_agents import ScriptedEngine
 from tests.generate.test_repeat import _run, interrupt_at_call
 from tests.generate.test_run import FlakyEngine

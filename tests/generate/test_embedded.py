@@ -13,7 +13,7 @@ import torch
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm
 from rollshard.generate.engines.sampler import sample_tokens
-from rollshard.store.tokenizer import TokenizerError, load_tokenizer
+from rollshard.store.models.tokenizer import TokenizerError, load_tokenizer
 
 from .gated_engine import GatedEngine, until
 

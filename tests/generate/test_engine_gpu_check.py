@@ -50,7 +50,7 @@ def test_the_moe_config_builds_the_parameters_worked_out(check, tiny_moe):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollshard.store.routing import RoutingShape, shape_of_model_config
+    from rollshard.store.format.routing import RoutingShape, shape_of_model_config
 
     config = check.moe_config(tiny_moe)
     assert shape_of_model_config(config) == RoutingShape(layers=8, top_k=4, experts=32)

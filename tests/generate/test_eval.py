@@ -87,7 +87,7 @@ def test_eval_writes_a_dataset_and_its_figures(tiny_gpt2, tmp_path, capsys):
     assert written["pass@1"] == pytest.approx(written["mean@4"])  # the unbiased pass@1 is the mean with equal n
     assert set(written) >= {"pass@2", "pass@4"}
     assert store_main(["validate", str(out)]) == 0  # eval.json beside the shards keeps a valid dataset
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     config = RolloutDataset.open(out).config
     assert config["agents"] == {"n_samples": 4, "name": "single"} and config["split"] == "eval"

@@ -10,7 +10,7 @@ from rollshard.generate.tasks import TaskOptionError, get_task, parse_task_optio
 from rollshard.generate.tasks.arithmetic import problem as arithmetic_problem
 from rollshard.generate.tasks.countdown import evaluate
 from rollshard.generate.tasks.generated import EVAL_MODULUS, key_hash, split_of
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 
 
 def generated(task, split="train", **options):

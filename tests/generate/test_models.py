@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollshard.generate.models import CONTEXT, IM_END, IM_START, init_model, main
-from rollshard.store.tokenizer import (
+from rollshard.store.models.tokenizer import (
     TokenizerError,
     apply_chat_template,
     decode,

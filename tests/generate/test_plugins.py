@@ -13,7 +13,7 @@ from rollshard.generate.agents import make_agent_system
 from rollshard.generate.plugins import PluginError, load
 from rollshard.generate.rewards import FunctionScorer, RewardError, to_verdict
 from rollshard.generate.run import main
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 
@@ -126,7 +126,7 @@ def test_reward_answers_are_checked():
 
 
 def _rows(n):
-    from rollshard.store.schema import Row, Status
+    from rollshard.store.format.schema import Row, Status
 
     return [Row(sample_id=f"p/a/0/{i}", prompt_id="p", group_id="p/a/0", agent="a", round=0, prompt_tokens=[1],
                 response_tokens=[2], rollout_logprobs=[-1.0], loss_mask=[1], reward=None, status=Status.COMPLETED,

@@ -18,8 +18,8 @@ import pytest
 
 from rollshard.generate.run import main
 from rollshard.generate.tasks import get_task, load_prompts
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.validate import validate_dataset
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.validate import validate_dataset
 
 from .conftest import free_port
 
@@ -135,7 +135,7 @@ def _read(path):
 def test_a_killed_task_is_reported_and_rerun_nothing_lost_or_doubled(reference, two_servers, tmp_path, ray_tmp):
     out, gate = tmp_path / "ds", tmp_path / "gate"
     # Shard 0's worker stops right after its first commit, until this test kills it (tests/ray_gates.py).
-    spec = {"target": "rollshard.store.writer:ShardWriter.commit", "writer_id": "gen-0-of-2", "count": 1,
+    spec = {"target": "rollshard.store.io.writer:ShardWriter.commit", "writer_id": "gen-0-of-2", "count": 1,
             "signal": str(gate)}  # fmt: skip
     runtime_env = {"worker_process_setup_hook": "tests.ray_gates.install",
                    "env_vars": {"ROLLSHARD_TEST_GATE": json.dumps(spec), "PYTHONPATH": str(REPO)}}  # fmt: skip

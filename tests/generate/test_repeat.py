@@ -17,10 +17,10 @@ from rollshard.generate.runner import (
     ConfigMismatchError, Runner, RunnerOptions, check_resume_prompts, repeat_prompts, source_prompt_id,
 )
 from rollshard.generate.tasks import get_task, load_prompts
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.live import complete_writers
-from rollshard.store.tokenizer import load_tokenizer
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.live import complete_writers
+from rollshard.store.models.tokenizer import load_tokenizer
+from rollshard.store.io.writer import ShardWriter
 from tests.generate.test_agents import ScriptedEngine
 from tests.generate.test_run import FlakyEngine, rows_of
 

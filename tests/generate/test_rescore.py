@@ -10,11 +10,11 @@ import torch
 from rollshard.generate.agents import make_agent_system
 from rollshard.generate.cli import main as cli
 from rollshard.generate.run import main as generate
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.lineage import lineage_of
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.lineage import lineage_of
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.schema import rows_to_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.format.schema import rows_to_table
+from rollshard.store.io.writer import ShardWriter
 from rollshard.train.advantages import grpo_advantages
 
 from .test_agents import ma_script, run_episode, tok  # noqa: F401 (tok is a fixture)

@@ -17,8 +17,8 @@ import pytest
 from rollshard.generate.engines import SamplingParams, make_engine
 from rollshard.generate.engines.embedded import load_causal_lm
 from rollshard.generate.run import main
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.validate import validate_dataset
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.validate import validate_dataset
 
 from .conftest import start_router, stop_server
 

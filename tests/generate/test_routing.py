@@ -22,7 +22,7 @@ from rollshard.generate.engines.embedded import EmbeddedEngine
 from rollshard.generate.engines.routing import RoutingCapture
 from rollshard.generate.engines.sglang_protocol import parse_response
 from rollshard.generate.server import Server
-from rollshard.store.routing import RoutingShape
+from rollshard.store.format.routing import RoutingShape
 
 SHAPE = RoutingShape(layers=2, top_k=2, experts=4)
 PROMPTS = [[1, 5, 6, 7, 8], [3, 4, 9], [1, 5, 6, 7, 8]]  # the first and last: one prefill, two samples
@@ -161,7 +161,7 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
 
 def test_the_shape_comes_from_the_model_folder_or_the_tokenizers(tiny_moe, tiny_qwen3, tmp_path):
     from rollshard.generate.run import served_model_routing
-    from rollshard.store.routing import RoutingShapeError
+    from rollshard.store.format.routing import RoutingShapeError
 
     assert served_model_routing([str(tiny_moe), None]) == SHAPE
     assert served_model_routing(["/a/remote/server/path", str(tiny_moe)]) == SHAPE  # --tokenizer's local folder

@@ -25,10 +25,10 @@ from rollshard.generate.engines.base import Engine, EngineError, EngineUnavailab
 from rollshard.generate.run import main
 from rollshard.generate.runner import Runner, RunnerOptions
 from rollshard.generate.tasks import get_task, load_prompts
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.tokenizer import apply_chat_template, encode, load_tokenizer
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.models.tokenizer import apply_chat_template, encode, load_tokenizer
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter
 from tests.gated_main import Gate, start_gated, wait_for_gate
 from tests.generate.test_agents import ScriptedEngine
 
@@ -116,7 +116,7 @@ def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_pa
     out = tmp_path / "ds"
     args = base_args(tiny_gpt2, out, "--commit-every", "1")
     # The run stops right after its first shard commit, until killed.
-    gate = Gate("rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "first-commit"))
+    gate = Gate("rollshard.store.io.writer:ShardWriter.commit", 1, str(tmp_path / "first-commit"))
     proc = start_gated([gate], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_gate(proc, gate)
     proc.send_signal(signal.SIGKILL)
@@ -433,7 +433,7 @@ def test_second_interrupt_during_the_final_commit_still_commits_complete_episode
     # comes as the final commit is about to start.
     two_done = Gate("rollshard.generate.runner:Runner._finished", 2, str(tmp_path / "two-done"), str(tmp_path / "go1"))
     committing = Gate(
-        "rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "commit"), str(tmp_path / "go2"), before=True
+        "rollshard.store.io.writer:ShardWriter.commit", 1, str(tmp_path / "commit"), str(tmp_path / "go2"), before=True
     )
     proc = start_gated(
         [two_done, committing], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from tests.gated_main import Gate, start_gated, wait_for_gate
 from tests.generate.test_run import N_PROMPTS, assert_valid, base_args, cli, reference, rows_of  # noqa: F401
 from tests.store.test_s3 import _keys, _uploads
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.s3
 
 KILL_POINTS = {
     # the run stops right after its first shard is committed (manifest saved)
-    "after-commit": Gate("rollshard.store.writer:ShardWriter.commit", 1, ""),
+    "after-commit": Gate("rollshard.store.io.writer:ShardWriter.commit", 1, ""),
     # ... or with its second shard complete on S3 and not yet in its manifest (save 1 is at open)
-    "before-manifest": Gate("rollshard.store.writer:ShardWriter.save_manifest", 3, "", before=True),
+    "before-manifest": Gate("rollshard.store.io.writer:ShardWriter.save_manifest", 3, "", before=True),
 }
 
 
@@ -58,7 +58,7 @@ def test_four_writers_at_once_into_one_s3_dataset(reference, tiny_gpt2, s3_datas
 def test_training_from_s3_equals_training_from_the_local_copy(reference, tiny_gpt2, s3_dataset, tmp_path):  # noqa: F811
     import json
 
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.io.writer import ShardWriter
     from rollshard.train.cli import main as train
 
     with ShardWriter(s3_dataset, writer_id="copy") as w:  # the reference's groups, uploaded

@@ -16,7 +16,7 @@ from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING
 from rollshard.generate.engines.embedded import EmbeddedEngine, load_causal_lm
 from rollshard.generate.server import Server
-from rollshard.store.tokenizer import encode, load_tokenizer
+from rollshard.store.models.tokenizer import encode, load_tokenizer
 
 from .gated_engine import GatedEngine, until
 

@@ -10,7 +10,7 @@ from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.base import EngineSettingsError
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING
 from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine, backoff_delay, parse_response
-from rollshard.store.schema import WeightSpan
+from rollshard.store.format.schema import WeightSpan
 
 from tests.generate.sglang_fakes import IDS, LPS, FakeSGLang, free_port, ok_body, with_support
 

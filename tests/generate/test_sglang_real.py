@@ -18,7 +18,7 @@ import torch
 from rollshard.generate.engines import SamplingParams, make_engine
 from rollshard.generate.engines.base import EngineSettingsError
 from rollshard.generate.engines.embedded import load_causal_lm
-from rollshard.store.schema import WeightSpan
+from rollshard.store.format.schema import WeightSpan
 
 from tests.conftest import launch_sglang
 

@@ -1,4 +1,4 @@
-"""store/audit.py: the summary's numbers on a table worked out by hand, the worst tokens, the file."""
+"""store/inspection/audit.py: the summary's numbers on a table worked out by hand, the worst tokens, the file."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store import audit
-from rollshard.store.audit import (AUDIT_SCHEMA, AuditedDataset, AuditSchemaError, audited_datasets, check_destination,
+from rollshard.store.inspection import audit
+from rollshard.store.inspection.audit import (AUDIT_SCHEMA, AuditedDataset, AuditSchemaError, audited_datasets, check_destination,
                                    read_audit, summarize, worst_tokens, write_audit)
 
 # Six tokens; every logprob is a binary fraction, so r = trainer - rollout is exact in float32 and float64.
@@ -163,9 +163,9 @@ def test_write_read_roundtrip(tmp_path):
 
 
 def test_the_datasets_audited_are_named(tmp_path):
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
     from rollshard.store.synthetic import synthetic_table
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.io.writer import ShardWriter
 
     with ShardWriter(tmp_path / "r0", writer_id="w", config={}) as w:
         w.write_groups(synthetic_table(1, 2, prompt_len=(2, 3), response_len=(2, 3)))

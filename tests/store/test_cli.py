@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rollshard.store.cli import main
-from rollshard.store.schema import Row, Status
-from rollshard.store.stats import tokenizer_path
-from rollshard.store.writer import ShardWriter
+from rollshard.store.format.schema import Row, Status
+from rollshard.store.inspection.stats import tokenizer_path
+from rollshard.store.io.writer import ShardWriter
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("rollshard-store")
 WORDS = ["[UNK]", "the", "answer", "is", "42", "<tool>", "</tool>", "calc", "ok", "done"]
@@ -290,7 +290,7 @@ def solvers(worked, tmp_path_factory) -> Path:
 
 
 def test_filter_subprocess_keeps_the_solvers_and_copies_the_whole_shard(worked, solvers):
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     parent, derived = RolloutDataset.open(worked), RolloutDataset.open(solvers)
     assert sorted(derived.read().column("sample_id").to_pylist()) == [
@@ -302,7 +302,7 @@ def test_filter_subprocess_keeps_the_solvers_and_copies_the_whole_shard(worked, 
 
 
 def test_inspect_shows_the_lineage(worked, solvers, tokenizer_dir, capsys, monkeypatch):
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     assert main(["inspect", str(solvers), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -390,8 +390,8 @@ def _audit_table(worked, offsets: dict[tuple[str, int], float], source: str = "d
     """Every trained token of ``worked``: trainer = rollout + offsets[(sample, position)] (0 elsewhere)."""
     import pyarrow as pa
 
-    from rollshard.store.audit import AUDIT_SCHEMA
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.inspection.audit import AUDIT_SCHEMA
+    from rollshard.store.io.dataset import RolloutDataset
 
     cols = {n: [] for n in AUDIT_SCHEMA.names}
     for r in RolloutDataset.open(worked).read().to_pylist():
@@ -406,8 +406,8 @@ def _audit_table(worked, offsets: dict[tuple[str, int], float], source: str = "d
 
 def _audit(worked, path, offsets: dict[tuple[str, int], float]) -> None:
     """The audit report of ``worked`` (:func:`_audit_table`), naming it."""
-    from rollshard.store.audit import AuditedDataset, write_audit
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.inspection.audit import AuditedDataset, write_audit
+    from rollshard.store.io.dataset import RolloutDataset
 
     write_audit(_audit_table(worked, offsets), path, datasets=[AuditedDataset.of("ds", RolloutDataset.open(worked))])
 
@@ -459,7 +459,7 @@ def next_round(tmp_path_factory) -> Path:
 def test_inspect_refuses_an_audit_of_another_round(worked, next_round, tmp_path, capsys):
     """Round 0's audit with round 1's dataset: the same sample ids, so the old pairing by id showed round 0's
     trainer logprobs beside round 1's tokens. Refused in one line, whichever --sample."""
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     audit = tmp_path / "a0.parquet"
     _audit(worked, audit, {("p0-solver-1", 4): -0.4})
@@ -479,8 +479,8 @@ def test_inspect_an_audit_of_two_rounds_shows_the_rounds_own_tokens(worked, next
     own trainer logprobs, not round 1's of the same sample id."""
     import pyarrow as pa
 
-    from rollshard.store.audit import AuditedDataset, write_audit
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.inspection.audit import AuditedDataset, write_audit
+    from rollshard.store.io.dataset import RolloutDataset
 
     audit = tmp_path / "a01.parquet"
     both = pa.concat_tables([_audit_table(worked, {("p0-solver-0", 1): 0.25}, source="r0"),

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 
 @pytest.fixture(scope="module")

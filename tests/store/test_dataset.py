@@ -3,10 +3,10 @@ import glob
 import pyarrow.compute as pc
 import pytest
 
-from rollshard.store.dataset import DatasetNotFoundError, RolloutDataset
-from rollshard.store.errors import DataError
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.common import DataError
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 SMALL = dict(prompt_len=(3, 9), response_len=(2, 30))
 

@@ -10,16 +10,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-import rollshard.store.derive as derive_mod
+import rollshard.store.derived.derive as derive_mod
 from rollshard.store.cli import main
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.derive import STATE_FILE, DeriveError, TransformError, derive_dataset
-from rollshard.store.errors import DataError
-from rollshard.store.lineage import lineage_of
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.derived.derive import STATE_FILE, DeriveError, TransformError, derive_dataset
+from rollshard.store.common import DataError
+from rollshard.store.format.lineage import lineage_of
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.schema import ROW_SCHEMA, RowInvariantError
+from rollshard.store.format.schema import ROW_SCHEMA, RowInvariantError
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 SMALL = dict(prompt_len=(2, 6), response_len=(3, 12))
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask")

@@ -7,11 +7,11 @@ import datetime as dt
 import pyarrow as pa
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
-from rollshard.store.lineage import lineage_of
-from rollshard.store.schema import ROW_SCHEMA, Row, Status, rows_to_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.derived.filter import RowFilter, filter_dataset, parse_list, parse_weight_versions, read_sample_ids
+from rollshard.store.format.lineage import lineage_of
+from rollshard.store.format.schema import ROW_SCHEMA, Row, Status, rows_to_table
+from rollshard.store.io.writer import ShardWriter
 
 #   sample  group  agent     status     reward  weight_version
 #   a0      g0     solver    completed  1.0     3

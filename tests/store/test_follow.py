@@ -7,14 +7,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollshard.store.errors import DataError
-from rollshard.store.live import mark_complete
+from rollshard.store.common import DataError
+from rollshard.store.io.live import mark_complete
 from rollshard.store.loader import LoaderConfig, RolloutLoader
 from rollshard.store.loader.filters import _oldest_versions
 from rollshard.store.loader.follow import FollowLoader, FollowTimeoutError
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 SMALL = dict(prompt_len=(2, 6), response_len=(1, 12))
 

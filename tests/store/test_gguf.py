@@ -1,4 +1,4 @@
-"""GGUF files as models (store/gguf.py) and the real-model preset built from one (generate/models.py)."""
+"""GGUF files as models (store/models/gguf.py) and the real-model preset built from one (generate/models.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from rollshard.generate.models import main as init_model_main
 from rollshard.generate.models import preset_gguf
-from rollshard.store import gguf
-from rollshard.store.versions import resolve_model_path
+from rollshard.store.models import gguf
+from rollshard.store.models.versions import resolve_model_path
 from rollshard.train.setup import check_model_path
 
 
@@ -61,7 +61,7 @@ def test_a_gguf_file_is_a_model_everywhere(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.count("converting SmolLM2-135M-Instruct.Q4_1.gguf") == 1
     folder = tmp_path / "cache" / "gguf" / sha[: gguf.HASH_PREFIX]
     assert json.loads((folder / gguf.SOURCE_FILE).read_text()) == {"gguf": src.name, "sha256": sha}
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     config = RolloutDataset.open(tmp_path / "data").config
     assert config["model_source"] == {"gguf": src.name, "sha256": sha}

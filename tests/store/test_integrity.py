@@ -18,16 +18,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store import integrity
+from rollshard.store.io import integrity
 from rollshard.store.cli import main
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import DataError, LoaderConfig, RolloutLoader, Step, hf_groups
-from rollshard.store.manifest import Manifest, ShardInfo
-from rollshard.store.schema import (META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, Row, SchemaVersionError, Status,
+from rollshard.store.format.manifest import Manifest, ShardInfo
+from rollshard.store.format.schema import (META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, Row, SchemaVersionError, Status,
                                     rows_to_table)
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 BAD = "shards/b-00000.parquet"
 VALIDATE = "run `rollshard-store validate` on the dataset for every problem"

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, hf_groups
-from rollshard.store.packing import unpack
-from rollshard.store.storage import Storage
+from rollshard.store.loader.packing import unpack
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 SMALL = dict(prompt_len=(2, 6), response_len=(1, 12))
 # a few groups per row group, a few row groups per shard: windows and steps straddle both
@@ -447,7 +447,7 @@ def test_an_epoch_without_a_step_raises_when_looping_forever(dataset):
 def test_every_loader_is_a_step_loader_and_names_its_datasets(dataset, tmp_path):
     from rollshard.store.loader import StepLoader
     from rollshard.store.loader.follow import FollowLoader
-    from rollshard.store.mixture import open_loader
+    from rollshard.store.loader.mixture import open_loader
 
     import shutil
 

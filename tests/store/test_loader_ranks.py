@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import rollshard.store.loader.stream as stream_mod
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import SYNC_STEP, LoaderConfig, RolloutLoader, Step
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 from tests.store.range_fs import RangeFS
 from tests.store.test_loader import assert_steps_equal, delivered, groups_of, rows_of_groups, with_columns
 
@@ -302,7 +302,7 @@ def test_manifest_row_groups_must_match_the_file(tmp_path):
     doc = json.loads(path.read_text())
     doc["shards"][0]["row_groups"][0]["rows"] += 1
     path.write_text(json.dumps(doc))
-    from rollshard.store.errors import DataError
+    from rollshard.store.common import DataError
 
     with pytest.raises(DataError, match=f"{ds.shards[0].path}: the manifest lists 3 row groups of 25 rows, the file has "
                                         "3 of 24"):
@@ -317,7 +317,7 @@ def test_step_metrics_are_per_rank(even):
 
 
 def test_validate_checks_the_manifests_row_groups(tmp_path):
-    from rollshard.store.validate import validate_dataset
+    from rollshard.store.io.validate import validate_dataset
 
     write_blocks(tmp_path, synthetic_table(12, ROWS, seed=5, **EVEN), per_block=4)
     assert validate_dataset(tmp_path).ok
@@ -337,7 +337,7 @@ BIG = dict(prompt_len=(20, 40), response_len=(1500, 3000))  # row groups large n
 
 
 def open_counted(root) -> tuple[RolloutDataset, RangeFS]:
-    from rollshard.store.storage import Storage
+    from rollshard.store.io.storage import Storage
 
     fs = RangeFS()
     return RolloutDataset.open(Storage(str(root), filesystem=fs)), fs
@@ -391,7 +391,7 @@ def test_the_writer_records_each_ranges_xxh3_beside_its_sha256(big):
 
 @pytest.mark.parametrize("manifest", ["xxh3", "sha256"])  # version 4 (the XXH3 checked), version 3 (sha256 only)
 def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by_another(big, tmp_path, manifest):
-    from rollshard.store.errors import DataError
+    from rollshard.store.common import DataError
 
     ds = RolloutDataset.open(big)
     plan = RolloutLoader(ds, cfg(num_epochs=1), rank=1, world_size=2)._stream.plan(0)
@@ -419,7 +419,7 @@ def test_a_flipped_byte_in_a_ranks_block_is_found_by_that_rank_and_never_read_by
 def test_a_rank_whose_loader_raises_releases_the_others_from_the_agreement(big, tmp_path):
     # Only rank 1 owns the damaged block: it raises its DataError, and rank 0, waiting in the agreement for it,
     # raises PeerFailedError at once instead of waiting (a real collective would wait for its timeout).
-    from rollshard.store.errors import DataError
+    from rollshard.store.common import DataError
     from rollshard.store.loader import PeerFailedError
 
     ds = RolloutDataset.open(big)
@@ -453,7 +453,7 @@ def test_a_rank_whose_loader_raises_releases_the_others_from_the_agreement(big, 
 
 @pytest.mark.parametrize("manifest", ["xxh3", "sha256"])
 def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path, manifest):
-    from rollshard.store.errors import DataError
+    from rollshard.store.common import DataError
 
     ds = RolloutDataset.open(big)
     info = ds.shards[0]
@@ -466,7 +466,7 @@ def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path, manifest)
     with pytest.raises(DataError, match=rf"^{info.path} \(footer, bytes \d+-{info.bytes}\): {manifest} "):
         with RolloutLoader(root, cfg(num_epochs=1)) as loader:
             list(loader)
-    from rollshard.store.validate import validate_dataset
+    from rollshard.store.io.validate import validate_dataset
 
     assert [p.check for p in validate_dataset(root).problems] == ["sha256", "ranges"]
 
@@ -474,7 +474,7 @@ def test_a_flipped_byte_in_the_footer_metadata_is_found(big, tmp_path, manifest)
 def test_a_footer_that_changed_after_the_open_is_found(big, tmp_path):
     # The loader decodes every block with the footer parsed when the dataset was opened: a footer misread (or
     # changed) then and whole again on disk when its sha256 is checked must not decode verified bytes.
-    from rollshard.store.errors import DataError
+    from rollshard.store.common import DataError
 
     import shutil
 
@@ -504,7 +504,7 @@ def test_bytes_read_per_rank_with_the_checks_on(big, world_size):
 
 
 def test_validate_catches_a_flipped_byte_in_a_row_group(big, tmp_path):
-    from rollshard.store.validate import validate_dataset
+    from rollshard.store.io.validate import validate_dataset
 
     info = RolloutDataset.open(big).shards[1]
     rg = info.row_groups[3]

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from rollshard.store.cli import main
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import DataError
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.manifest import check_shard_path
-from rollshard.store.storage import Storage
+from rollshard.store.format.manifest import check_shard_path
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter
 
 
 @pytest.mark.parametrize("path", [
@@ -100,7 +100,7 @@ def _remote_view(root: Path, torn_reads: int) -> tuple[Storage, list[int]]:
 
 
 def test_a_torn_read_of_a_remote_manifest_is_read_again(tmp_path):
-    from rollshard.store.manifest import REMOTE_READ_ATTEMPTS, load_manifests
+    from rollshard.store.format.manifest import REMOTE_READ_ATTEMPTS, load_manifests
 
     root = tmp_path / "ds"
     with ShardWriter(root, writer_id="w0") as w:

@@ -1,4 +1,4 @@
-"""The weighted mixture of datasets (store/mixture.py): parsing, the allocation rule, ranks, end of data, resume."""
+"""The weighted mixture of datasets (store/loader/mixture.py): parsing, the allocation rule, ranks, end of data, resume."""
 
 import collections
 import json
@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, _Cursor, _EpochEnd
-from rollshard.store.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
+from rollshard.store.loader.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
 from rollshard.store.synthetic import synthetic_table
 from tests.store.test_loader import SMALL, assert_steps_equal, delivered, rows_of_groups, with_columns, write
 
@@ -308,7 +308,7 @@ def test_source_figures_of_a_micro_batch_worked_example():
     import torch
 
     from rollshard.store.loader.pack import source_metrics
-    from rollshard.store.packing import PackedBatch
+    from rollshard.store.loader.packing import PackedBatch
 
     # Four sequences of 3, 0 (empty), 4 and 2 tokens, of groups 0, 1, 1, 0 (sources x, y); loss masks
     # [0 1 1], [], [0 0 1 1], [0 1]: x has 2 sequences, 3 + 2 = 5 tokens, 2 + 1 = 3 loss tokens; y 2, 0 + 4, 0 + 2.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from rollshard.store import model_fingerprint as fp
-from rollshard.store.model_fingerprint import model_fingerprint
+from rollshard.store.models import fingerprint as fp
+from rollshard.store.models.fingerprint import model_fingerprint
 
 
 def flip(path, offset: int) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollshard.store.packing import (
+from rollshard.store.loader.packing import (
     Sequences,
     first_fit_decreasing,
     pack,

@@ -23,12 +23,12 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from rollshard.store import report as report_module
-from rollshard.store.audit import AUDIT_SCHEMA, AuditedDataset, write_audit
+from rollshard.store.inspection import report as report_module
+from rollshard.store.inspection.audit import AUDIT_SCHEMA, AuditedDataset, write_audit
 from rollshard.store.cli import main
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.writer import ShardWriter
 
 SOLVERS = 11  # solver/0/10 exists: the episode must list it after solver/0/9
 WORST_DIFF = -0.75  # the one token whose trainer logprob is far from the rollout one
@@ -191,7 +191,7 @@ def test_report_help_and_bad_input_are_one_line_exit_2(rounds, tmp_path):
     bad_audit = tmp_path / "bad.parquet"
     bad_audit.write_bytes(b"not parquet")
     empty = tmp_path / "empty"
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.io.writer import ShardWriter
 
     with ShardWriter(empty, writer_id="w", config={}):
         pass

@@ -6,13 +6,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.routing import RoutingShape, RoutingShapeError
-from rollshard.store.schema import Row, RowInvariantError, Status, check_table, rows_to_table
+from rollshard.store.format.routing import RoutingShape, RoutingShapeError
+from rollshard.store.format.schema import Row, RowInvariantError, Status, check_table, rows_to_table
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 from .test_sampling import register_v10_shard
 

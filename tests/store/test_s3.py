@@ -10,13 +10,13 @@ import boto3
 import pyarrow.fs as pafs
 import pytest
 
-from rollshard.store import s3 as s3mod
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.manifest import Manifest
-from rollshard.store.storage import Storage
+from rollshard.store.io import s3 as s3mod
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.manifest import Manifest
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 pytestmark = pytest.mark.s3
 
@@ -333,8 +333,8 @@ def test_a_given_s3_filesystem_reads_by_uri_and_refuses_writes(s3_dataset):
 
 
 def test_filter_from_s3_into_s3_and_one_derive_at_a_time(s3_dataset):
-    from rollshard.store.derive import DeriveError, _lock
-    from rollshard.store.filter import RowFilter, filter_dataset
+    from rollshard.store.derived.derive import DeriveError, _lock
+    from rollshard.store.derived.filter import RowFilter, filter_dataset
 
     table = synthetic_table(4, 2, seed=8, **SMALL)
     with ShardWriter(s3_dataset, writer_id="w0") as w:

@@ -12,11 +12,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.derive import derive_dataset
-from rollshard.store.errors import DataError
-from rollshard.store.manifest import Manifest, ShardInfo
-from rollshard.store.schema import (
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.derived.derive import derive_dataset
+from rollshard.store.common import DataError
+from rollshard.store.format.manifest import Manifest, ShardInfo
+from rollshard.store.format.schema import (
     META_CONFIG,
     META_SCHEMA_VERSION,
     ADDED_COLUMNS,
@@ -26,10 +26,10 @@ from rollshard.store.schema import (
     RowInvariantError,
     Status,
 )
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 SMALL = dict(prompt_len=(2, 6), response_len=(1, 12))
 ROW_GROUPS = WriterOptions(row_group_bytes=4_000)  # several row groups per shard
@@ -194,7 +194,7 @@ def test_derive_of_a_mix_copies_the_1_0_shard_and_rewrites_it_as_1_1(mixed, tmp_
 
 
 def test_derive_may_not_drop_a_support(mixed, tmp_path):
-    from rollshard.store.derive import TransformError
+    from rollshard.store.derived.derive import TransformError
 
     def drop_supports(table: pa.Table) -> pa.Table:
         return table.drop_columns(list(OPTIONAL_COLUMNS))  # read back as nulls: a change of an immutable column
@@ -216,7 +216,7 @@ def test_the_writer_refuses_a_bad_support_naming_sample_and_field(tmp_path):
 
 
 def test_stats_report_the_rows_with_a_support(mixed):
-    from rollshard.store.stats import dataset_stats
+    from rollshard.store.inspection.stats import dataset_stats
 
     st = dataset_stats(RolloutDataset.open(mixed))
     assert st["rows_with_support"] == 12 and st["support_fraction"] == pytest.approx(12 / 32)

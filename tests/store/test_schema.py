@@ -4,7 +4,7 @@ import math
 import pyarrow as pa
 import pytest
 
-from rollshard.store.schema import (
+from rollshard.store.format.schema import (
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
     SCHEMA_VERSION,

@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollshard.store.cli import main
-from rollshard.store.manifest import Manifest, ShardInfo
-from rollshard.store.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, Row, Status, rows_to_table
-from rollshard.store.storage import Storage
+from rollshard.store.format.manifest import Manifest, ShardInfo
+from rollshard.store.format.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, Row, Status, rows_to_table
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter
 
 SMALL = dict(group_size=3, response_len=(5, 30), prompt_len=(3, 10), agents=("solver", "rewriter"))
 

@@ -1,4 +1,4 @@
-"""Checkpoint folders' weight versions and resolved model paths (store/versions.py)."""
+"""Checkpoint folders' weight versions and resolved model paths (store/models/versions.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rollshard.store.versions import VersionError, folder_weight_version, resolve_model_path
+from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 
 
 def test_version_of_a_checkpoint_folder_and_of_others(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from rollshard.store.views import data, metrics, paths, tokens
+from rollshard.store.inspection.views import data, metrics, paths, tokens
 
 
 def test_natural_sort_reads_numbers_as_numbers():
@@ -143,9 +143,9 @@ def test_relative_paths_resolve_from_the_launch_directory_then_the_repository_ro
 
 
 def test_parse_rates_and_the_selector_status_in_the_episode(tmp_path):
-    from rollshard.store.dataset import RolloutDataset
-    from rollshard.store.schema import Row
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.io.dataset import RolloutDataset
+    from rollshard.store.format.schema import Row
+    from rollshard.store.io.writer import ShardWriter
 
     # selectors: judgment ok, out_of_range, missing, missing (shares .25, .25, .5); a solver with its answer ok
     def row(sid, agent, rnd, meta):
@@ -188,7 +188,7 @@ def test_the_metrics_grid_shows_no_empty_panel(tmp_path):
 
 
 def test_the_figures_label_what_they_show():
-    from rollshard.store.views import figures
+    from rollshard.store.inspection.views import figures
 
     agents = ["solver", "rewriter", "selector"]
     # Rewards across rounds: three agents with the same means, labels one above the other, none overlapping.

@@ -12,12 +12,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.schema import RowInvariantError, SchemaVersionError
-from rollshard.store.storage import Storage
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.schema import RowInvariantError, SchemaVersionError
+from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
-from rollshard.store.validate import validate_dataset
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.validate import validate_dataset
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 SMALL = dict(prompt_len=(3, 9), response_len=(2, 30))
 
@@ -144,7 +144,7 @@ CHILD = textwrap.dedent(
     """
     import os, signal, sys
     from rollshard.store.synthetic import synthetic_table
-    from rollshard.store.writer import ShardWriter, WriterOptions
+    from rollshard.store.io.writer import ShardWriter, WriterOptions
     path, writer_id, seed, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     table = synthetic_table(30, 3, seed=seed, prefix=writer_id, prompt_len=(3, 9), response_len=(2, 30))
     w = ShardWriter(path, writer_id=writer_id, options=WriterOptions(row_group_bytes=2_000, shard_bytes=1 << 40))
@@ -238,7 +238,7 @@ def _interrupted_commit(root, groups, at_line: int) -> tuple[str | None, int]:
     number of lines traced."""
     # Not threading.py: CPython's threading is not safe against an exception raised inside it (an interrupt landing
     # in Thread.start's bookkeeping left a thread that never ran, and the next executor's join hung the test run).
-    traced = ("store/writer.py", "store/storage.py", "/queue.py")
+    traced = ("store/io/writer.py", "store/io/storage.py", "/queue.py")
     main = threading.main_thread()
     seen = {"n": 0, "where": None}
 
@@ -310,7 +310,7 @@ def test_manifest_temp_file_of_a_crash_is_cleaned_on_reopen(tmp_path, monkeypatc
 def test_discarding_a_shard_whose_io_thread_is_gone_does_not_raise(tmp_path):
     """An interrupt can tear the hand-off to the I/O thread in any state (the thread stopped with a buffer still
     counted as queued, say). Discarding the shard must then still drop it, not raise an I/O error of its own."""
-    from rollshard.store.storage import PendingFile, Storage
+    from rollshard.store.io.storage import PendingFile, Storage
 
     pending = PendingFile(Storage(tmp_path), "shards/x.parquet")
     pending.file.write(b"abc")
@@ -356,7 +356,7 @@ def _corruptions():
 def test_the_fast_screen_never_passes_a_row_the_full_check_refuses(tmp_path, name, change):
     """check_table's screen (_clean) passes only tables in which _check finds nothing; the writer then refuses
     the group at its call, naming the sample, whether the group is fresh or a slice of a larger table."""
-    from rollshard.store.schema import ROW_SCHEMA, _check, _clean, check_table
+    from rollshard.store.format.schema import ROW_SCHEMA, _check, _clean, check_table
     table = synthetic_table(3, 4, seed=7, **SMALL)
     assert _clean(table, frozenset(ROW_SCHEMA.names)) and _check(table, 20, set(ROW_SCHEMA.names)) == []
     rows = table.to_pylist()
@@ -374,7 +374,7 @@ def test_the_fast_screen_never_passes_a_row_the_full_check_refuses(tmp_path, nam
 
 
 def test_the_fast_screen_passes_clean_slices_and_projections():
-    from rollshard.store.schema import ROW_SCHEMA, _clean, check_projection
+    from rollshard.store.format.schema import ROW_SCHEMA, _clean, check_projection
     table = synthetic_table(4, 3, seed=2, **SMALL)
     for start, n in ((0, 12), (3, 3), (5, 4), (11, 1), (6, 0)):
         assert _clean(table.slice(start, n), frozenset(ROW_SCHEMA.names))

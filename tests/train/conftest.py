@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollshard.store.schema import Row, Status
-from rollshard.store.writer import ShardWriter
+from rollshard.store.format.schema import Row, Status
+from rollshard.store.io.writer import ShardWriter
 
 # The tiny model's ops are far too small to gain from intra-op threads; on a shared 2-core
 # machine two spinning OpenMP threads per process made a step 20x slower. Subprocesses

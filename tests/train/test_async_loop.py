@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig
 from rollshard.store.loader.follow import FollowLoader
 from rollshard.train.checkpoint import latest_checkpoint

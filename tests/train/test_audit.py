@@ -13,11 +13,11 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from rollshard.store import audit as store_audit
-from rollshard.store.audit import AuditedDataset, audited_datasets, read_audit, summarize
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.schema import Row, Status
-from rollshard.store.writer import ShardWriter
+from rollshard.store.inspection import audit as store_audit
+from rollshard.store.inspection.audit import AuditedDataset, audited_datasets, read_audit, summarize
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.schema import Row, Status
+from rollshard.store.io.writer import ShardWriter
 from rollshard.train.audit import DEFAULT_MAX_ABS_DIFF
 from rollshard.train.cli import main
 from tests.train.conftest import SINGLE_THREAD_ENV
@@ -59,7 +59,7 @@ def other_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def wrong_temperature(embedded_data, tmp_path_factory):
     """The same rows with their stored temperature changed from 0.7 to 1.0 (the store's derive, nothing else)."""
-    from rollshard.store.derive import derive_dataset
+    from rollshard.store.derived.derive import derive_dataset
 
     out = tmp_path_factory.mktemp("audit") / "temperature-1"
 
@@ -304,7 +304,7 @@ def test_bad_input_is_one_line_and_exit_2(case, expected, embedded_data, foreign
 ])
 def test_an_s3_out_is_checked_before_the_model_loads(where, expected, foreign_ids, tiny_gpt2, s3_dataset, capsys,
                                                      monkeypatch):
-    from rollshard.store.audit import write_audit
+    from rollshard.store.inspection.audit import write_audit
     from rollshard.train import backends
 
     bucket = s3_dataset.rsplit("/", 1)[0]
@@ -343,7 +343,7 @@ def rewarded(embedded_data, tmp_path_factory):
     that groups have advantages of both signs (the store's derive, nothing else changed)."""
     import zlib
 
-    from rollshard.store.derive import derive_dataset
+    from rollshard.store.derived.derive import derive_dataset
 
     out = tmp_path_factory.mktemp("audit") / "rewarded"
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from rollshard.store.schema import Row, Status
-from rollshard.store.writer import ShardWriter
+from rollshard.store.format.schema import Row, Status
+from rollshard.store.io.writer import ShardWriter
 from rollshard.train.advantages import grpo_advantages, token_advantages
 from rollshard.train.config import LossConfig, TrainConfig
 from rollshard.train.corrections import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rollshard.store.schema import rows_to_table
+from rollshard.store.format.schema import rows_to_table
 from rollshard.train.cli import main
 
 from tests.store.test_integrity import BAD, dataset, flip, row

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.schema import Row, Status
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.format.schema import Row, Status
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 HERE = Path(__file__).parent
 BLOCKS, GROUPS_PER_BLOCK = 16, 2

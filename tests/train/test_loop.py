@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 from safetensors.torch import load_file
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.train.cli import main as train_main
 from rollshard.train.loop import main as loop_main
 from rollshard.train.metrics import read_metrics
@@ -139,7 +139,7 @@ def test_interrupted_and_killed_anywhere_the_rerun_ends_as_an_uninterrupted_run(
     assert "rollshard-loop: interrupted while training round 0; rerun the same command to continue" in err
 
     # 2. kill -9 of the loop while round 1 generates, after its first commit: the stage dies with it.
-    committed = Gate("rollshard.store.writer:ShardWriter.commit", 1, str(tmp_path / "committed"))
+    committed = Gate("rollshard.store.io.writer:ShardWriter.commit", 1, str(tmp_path / "committed"))
     proc = run_loop(*args, gated=("generate", 1, [committed]))
     wait_for_gate(proc, committed)
     proc.kill()

@@ -1,5 +1,5 @@
 """Policy versions through the loop: generate -> train -> generate from the checkpoint, with every stage agreeing
-on which version produced which rows (rollshard.store.versions)."""
+on which version produced which rows (rollshard.store.models.versions)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from rollshard.generate.engines.embedded import EmbeddedEngine
 from rollshard.generate.run import main as generate_main
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, RolloutLoader
 from rollshard.train.cli import main as train_main
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rollshard.store.mixture import allocate
+from rollshard.store.loader.mixture import allocate
 from rollshard.train.checkpoint import STATE_FILE, latest_checkpoint
 from rollshard.train.cli import main
 from rollshard.train.config import TrainConfig

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.model_fingerprint import model_fingerprint
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.models.fingerprint import model_fingerprint
 from rollshard.train.checks import MISMATCH_FAR_NATS, no_signal_warning
 from rollshard.train.cli import main
 from rollshard.train.metrics import read_metrics

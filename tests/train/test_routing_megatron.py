@@ -32,7 +32,7 @@ LENGTHS, PROMPT = (9, 12, 7), 4
 
 def packed_batch(vocab: int, seed: int = 0):
     """Three sequences of PROMPT prompt tokens and a response, packed (no routing yet)."""
-    from rollshard.store.packing import PackedBatch
+    from rollshard.store.loader.packing import PackedBatch
 
     g = torch.Generator().manual_seed(seed)
     T, S = sum(LENGTHS), len(LENGTHS)

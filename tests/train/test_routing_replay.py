@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollshard.store.packing import Sequences, pack
+from rollshard.store.loader.packing import Sequences, pack
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.hf import HFBackend
 from rollshard.train.config import ModelConfig, OptimConfig
@@ -75,7 +75,7 @@ def dataclasses_replace(seqs: Sequences, **kw) -> Sequences:
 
 
 def find(backend: HFBackend):
-    from rollshard.store.routing import find_routers
+    from rollshard.store.format.routing import find_routers
 
     return find_routers(backend.hf_model)
 
@@ -171,8 +171,8 @@ def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
 
     import pyarrow.parquet as pq
 
-    from rollshard.store.routing import RoutingShape
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.format.routing import RoutingShape
+    from rollshard.store.io.writer import ShardWriter
 
     res = subprocess.run([sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy",
                           "--limit", "4", "--n-samples", "2", "--max-new-tokens", "6", "--no-progress", "--out",

@@ -125,7 +125,7 @@ def test_sglang_supports_give_a_step0_ratio_of_one(sglang_server, tiny_gpt2, tmp
     from tests.train.test_support_loop import check_step0
     from tests.train.test_support_loop import generate as generate_rows
 
-    from rollshard.store.dataset import RolloutDataset
+    from rollshard.store.io.dataset import RolloutDataset
 
     rows = generate_rows(sglang_server, tmp_path / "data", *sampling)
     # The policy the server serves now (an earlier test of this module may have updated its weights), as the

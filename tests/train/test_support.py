@@ -135,8 +135,8 @@ def write_truncated_dataset(model_path, out, *, store_supports: bool = False):
     ``store_supports`` the rows carry them in the schema 1.1 columns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollshard.store.schema import Row, Status
-    from rollshard.store.writer import ShardWriter
+    from rollshard.store.format.schema import Row, Status
+    from rollshard.store.io.writer import ShardWriter
     from tests.train.conftest import PROMPTS, generation_config
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

@@ -133,7 +133,7 @@ def test_existing_run_needs_resume_flag(tiny_dataset, tiny_gpt2, tmp_path):
 def _micro_batch(loss_tokens: list[int], prompt: int = 2, tool: int = 3):
     """A packed micro-batch: each sequence has ``prompt`` prompt tokens, then its loss tokens and ``tool``
     masked (loss_mask 0) environment tokens, so response length = loss tokens + tool."""
-    from rollshard.store.packing import PackedBatch
+    from rollshard.store.loader.packing import PackedBatch
 
     lens = [prompt + n + tool for n in loss_tokens]
     T = sum(lens)
@@ -295,7 +295,7 @@ def test_loader_figures_of_each_rank_add_up():
 
 
 def test_advantages_use_the_store_definition_of_reward_spread():
-    import rollshard.store.groups as groups
+    import rollshard.store.format.groups as groups
     import rollshard.train.advantages as advantages
 
     assert advantages.REWARD_STD_DDOF is groups.REWARD_STD_DDOF
@@ -472,7 +472,7 @@ def test_lean_batch_step_is_bit_for_bit_the_per_token_layout(tiny_dataset, tiny_
 def test_exports_are_weights_only_policy_folders_the_newest_two_kept(tiny_dataset, tiny_gpt2, tmp_path):
     from safetensors.torch import load_file
 
-    from rollshard.store.versions import folder_weight_version
+    from rollshard.store.models.versions import folder_weight_version
     from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 
     out = tmp_path / "run"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rollshard.store.routing import RoutingShape
+from rollshard.store.format.routing import RoutingShape
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.schedule import lr_factor
 from rollshard.train.config import ModelConfig, OptimConfig

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
+from rollshard.store.loader.packing import positions_from_cu_seqlens, token_temperatures
 from rollshard.train.backends.base import Backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ModelConfig, OptimConfig
@@ -197,7 +197,7 @@ class HFBackend(Backend):
             out = packed_logprobs(
                 module,
                 input_ids=batch.input_ids.to(dev),
-                position_ids=positions_from_cu_seqlens(cu, T),  # [T] derived on the device (store/packing.py)
+                position_ids=positions_from_cu_seqlens(cu, T),  # [T] derived on the device (store/loader/packing.py)
                 loss_mask=batch.loss_mask.to(dev),
                 temperature=token_temperatures(batch.temperatures.to(dev), cu, T),  # [T]
                 with_entropy=entropy,

@@ -277,7 +277,7 @@ def step_generate(args, url: str, model: Path, root: Path) -> dict:
     import bench_generate
 
     from rollshard.generate.tasks import Prompt, get_task
-    from rollshard.store.tokenizer import apply_chat_template, load_tokenizer
+    from rollshard.store.models.tokenizer import apply_chat_template, load_tokenizer
 
     task = get_task("math")
     prompts = [

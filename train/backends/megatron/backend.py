@@ -50,7 +50,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollshard.store.packing import positions_from_cu_seqlens, token_temperatures
+from rollshard.store.loader.packing import positions_from_cu_seqlens, token_temperatures
 from rollshard.train.backends.base import Backend
 from rollshard.train.backends.megatron import weights as W
 from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
@@ -202,7 +202,7 @@ class MegatronBackend(Backend):
             raise RuntimeError("no reference model: it is built only when kl_coef > 0")
         dev = self.device
         ids, cu, T = batch.input_ids.to(dev), batch.cu_seqlens.to(dev), batch.num_tokens
-        pos = positions_from_cu_seqlens(cu, T)  # [T] derived on the device (store/packing.py)
+        pos = positions_from_cu_seqlens(cu, T)  # [T] derived on the device (store/loader/packing.py)
         mask = batch.loss_mask.to(dev)
         at = loss_positions(mask)  # [K]
         temp = token_temperatures(batch.temperatures.to(dev), cu, T)  # [T] derived on the device too

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rollshard.store.routing import RoutingShape
+from rollshard.store.format.routing import RoutingShape
 from rollshard.train.routing import RoutingReplayError, StoredRouting
 
 

@@ -3,12 +3,12 @@
 :func:`derive_dataset` reads the parent one row group at a time (memory stays bounded by a
 row group), hands each to ``transform(table) -> table`` and writes what comes back into a
 new dataset ``out``, one output shard per parent shard, through
-:class:`~rollshard.store.writer.ShardWriter` (row invariants checked, commits atomic).
+:class:`~rollshard.store.io.writer.ShardWriter` (row invariants checked, commits atomic).
 
 The rules, exactly:
 
 * ``transform`` gets one parent row group at a time, cast to
-  :data:`~rollshard.store.schema.ROW_SCHEMA` (no footer metadata), and returns a table of
+  :data:`~rollshard.store.format.schema.ROW_SCHEMA` (no footer metadata), and returns a table of
   the schema's columns (others are dropped, types cast). It may drop rows and may change
   the columns in ``mutable_columns`` (``()`` for a filter; ``("reward", "metadata")`` for a
   rescore). It may not add rows, repeat one or change any other column: for every row it
@@ -23,10 +23,10 @@ The rules, exactly:
   values) is copied byte for byte: same sha256, no re-encode. One with no row left
   produces no shard. Any other is rewritten. Either way the parent shard's sha256 is
   checked against its manifest before the output is committed (a copy as it is copied), so
-  a damaged shard is not carried over (:class:`~rollshard.store.errors.DataError`).
+  a damaged shard is not carried over (:class:`~rollshard.store.common.DataError`).
 * The output has one writer per parent writer, ``<writer_id>.<parent writer id>`` (the
   parent id hashed when that passes 128 characters), whose config is the parent writer's
-  plus the lineage (:mod:`rollshard.store.lineage`); a copied shard keeps its parent's footer.
+  plus the lineage (:mod:`rollshard.store.format.lineage`); a copied shard keeps its parent's footer.
 * Resume: progress is kept in ``out/_derive/state.json`` (written atomically): the
   derivation's identity, and for each parent shard done, its output shard. The parent
   shard in flight is recorded before its output is committed, so after a kill at any
@@ -56,14 +56,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.errors import DataError
-from rollshard.store.integrity import check_column_types, open_shard, verify_sha256
-from rollshard.store.lineage import derived_config, identity, lineage_entry
-from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, ShardInfo, fingerprint, load_manifests
-from rollshard.store.schema import ROW_SCHEMA, cast_table
-from rollshard.store.storage import PendingFile, Storage
-from rollshard.store.writer import ShardWriter, WriterOptions
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.common import DataError
+from rollshard.store.io.integrity import check_column_types, open_shard, verify_sha256
+from rollshard.store.format.lineage import derived_config, identity, lineage_entry
+from rollshard.store.format.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, ShardInfo, fingerprint, load_manifests
+from rollshard.store.format.schema import ROW_SCHEMA, cast_table
+from rollshard.store.io.storage import PendingFile, Storage
+from rollshard.store.io.writer import ShardWriter, WriterOptions
 
 STATE_DIR = "_derive"  # underscore: readers skip it
 STATE_FILE = f"{STATE_DIR}/state.json"
@@ -144,8 +144,8 @@ def derive_dataset(
     derivation for resume; ``command`` is recorded as is (default: ``operation``);
     ``writer_id`` (default: ``operation``) prefixes the output writers. ``progress`` shows
     a bar on stderr when it is a terminal. Raises :class:`DeriveError`, :class:`TransformError`,
-    :class:`~rollshard.store.schema.RowInvariantError` (a transformed row breaks an invariant)
-    and :class:`~rollshard.store.errors.DataError` (a damaged parent shard).
+    :class:`~rollshard.store.format.schema.RowInvariantError` (a transformed row breaks an invariant)
+    and :class:`~rollshard.store.common.DataError` (a damaged parent shard).
     """
     ds = parent if isinstance(parent, RolloutDataset) else RolloutDataset.open(parent)
     mutable = _check_mutable(mutable_columns)
@@ -546,14 +546,14 @@ class _State:
 
 class _lock:
     """An exclusive lock on ``out/_derive/lock``: two derives into one out refuse to mix (on S3 a lease,
-    store/s3.py, held as a writer id is)."""
+    store/io/s3.py, held as a writer id is)."""
 
     def __init__(self, storage: Storage):
         self.storage, self.fd, self.lease = storage, None, None
 
     def __enter__(self) -> "_lock":
         if self.storage.s3:
-            from rollshard.store.s3 import Lease, S3Error
+            from rollshard.store.io.s3 import Lease, S3Error
 
             self.storage.bucket.check_conditional_writes(self.storage.root)
             lease = Lease(self.storage.bucket, self.storage.path(f"{STATE_DIR}/lock.lease"), uri=self.storage.uri,

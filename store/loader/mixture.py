@@ -79,7 +79,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from rollshard.store.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import (
     FILTER_KEYS,
     MIXTURE_STATE_FORMAT,

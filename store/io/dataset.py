@@ -7,10 +7,10 @@ written (or was left behind by a crash) is never read.
 
 Opening reads every shard's footer (on a few threads): a shard that is missing, whose
 footer does not read, whose size is not the manifest's, or that was written with a
-newer schema major is refused then (:class:`rollshard.store.errors.DataError`,
-:class:`rollshard.store.schema.SchemaVersionError`), naming the shard, so no count or
+newer schema major is refused then (:class:`rollshard.store.common.DataError`,
+:class:`rollshard.store.format.schema.SchemaVersionError`), naming the shard, so no count or
 scan mixes it in silently. Checksums and row invariants are ``rollshard-store
-validate``'s and the loader's (store/integrity.py).
+validate``'s and the loader's (store/io/integrity.py).
 
 Every reader here has the columns of the current schema: a shard of schema 1.0 (without the
 1.1 sampling columns) reads as rows whose ``sampling_logprobs`` and ``sampling_support``
@@ -28,11 +28,11 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from rollshard.store.integrity import open_shard, verify_shard
-from rollshard.store.live import COMPLETE_DIR
-from rollshard.store.manifest import FAILURE_DIR, MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo, fingerprint, load_manifests
-from rollshard.store.schema import ROW_SCHEMA, cast_table, check_schema_version, config_of
-from rollshard.store.storage import TMP_DIR, Storage
+from rollshard.store.io.integrity import open_shard, verify_shard
+from rollshard.store.io.live import COMPLETE_DIR
+from rollshard.store.format.manifest import FAILURE_DIR, MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo, fingerprint, load_manifests
+from rollshard.store.format.schema import ROW_SCHEMA, cast_table, check_schema_version, config_of
+from rollshard.store.io.storage import TMP_DIR, Storage
 
 OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, small reads)
 
@@ -79,7 +79,7 @@ class RolloutDataset:
         return ds
 
     def _open_shards(self) -> list[dict[bytes, bytes]]:
-        """Every shard's footer metadata, after :func:`rollshard.store.integrity.open_shard`'s checks."""
+        """Every shard's footer metadata, after :func:`rollshard.store.io.integrity.open_shard`'s checks."""
         if self._metadata is None:
 
             def footer(shard: ShardInfo) -> pq.FileMetaData:
@@ -155,7 +155,7 @@ class RolloutDataset:
     # -- reading ----------------------------------------------------------------------------
 
     def parquet_file(self, shard: ShardInfo) -> pq.ParquetFile:
-        """One shard, after :func:`rollshard.store.integrity.open_shard`'s checks."""
+        """One shard, after :func:`rollshard.store.io.integrity.open_shard`'s checks."""
         return open_shard(self.storage, shard)[1]
 
     def to_arrow(self) -> pads.Dataset:
@@ -163,7 +163,7 @@ class RolloutDataset:
         return pads.dataset(self.files, schema=ROW_SCHEMA, format="parquet", filesystem=self.storage.fs)
 
     def verify(self) -> None:
-        """Every shard's bytes against its manifest (:func:`rollshard.store.integrity.verify_shard`): what a command
+        """Every shard's bytes against its manifest (:func:`rollshard.store.io.integrity.verify_shard`): what a command
         that reads every row runs before it uses any; :class:`DataError` naming the first shard that differs."""
         for shard in self.shards:
             verify_shard(self.storage, shard)

@@ -17,8 +17,8 @@ import datetime as dt
 import json
 from typing import Any
 
-from rollshard.store.manifest import MANIFEST_DIR
-from rollshard.store.storage import Storage
+from rollshard.store.format.manifest import MANIFEST_DIR
+from rollshard.store.io.storage import Storage
 
 COMPLETE_DIR = "_complete"
 

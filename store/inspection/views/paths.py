@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from rollshard.store.stats import tokenizer_path
+from rollshard.store.inspection.stats import tokenizer_path
 
 ROOT_MARKER = "pyproject.toml"
 

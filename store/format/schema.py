@@ -58,8 +58,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollshard.store.errors import DataError
-from rollshard.store.routing import ROUTING_COLUMN, RoutingShape, routing_problems
+from rollshard.store.common import DataError
+from rollshard.store.format.routing import ROUTING_COLUMN, RoutingShape, routing_problems
 
 SCHEMA_VERSION = "1.2"
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS): the logprob is then
@@ -123,7 +123,7 @@ ROW_SCHEMA = pa.schema(
         # not asked; both columns are absent from 1.0 shards). Under loss_mask 0: 0.0 and an empty support.
         pa.field("sampling_logprobs", pa.list_(pa.float32())),  # logprob under the truncated, renormalized distribution
         pa.field("sampling_support", pa.list_(pa.list_(pa.int32()))),  # the token ids the engine sampled from
-        # Schema 1.2: each MoE layer's top-k expert ids at every forwarded position (store/routing.py); null for a
+        # Schema 1.2: each MoE layer's top-k expert ids at every forwarded position (store/format/routing.py); null for a
         # dense model or an engine not asked; absent from older shards.
         pa.field("routed_experts", pa.binary()),
     ]
@@ -174,7 +174,7 @@ class Row:
     created_at: dt.datetime | None = None
     sampling_logprobs: Sequence[float] | None = None  # schema 1.1, see ROW_SCHEMA
     sampling_support: Sequence[Sequence[int]] | None = None
-    routed_experts: bytes | None = None  # schema 1.2, see store/routing.py (RoutingShape.encode makes it)
+    routed_experts: bytes | None = None  # schema 1.2, see store/format/routing.py (RoutingShape.encode makes it)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict in the schema's column types (shallow: token lists are not copied)."""
@@ -283,7 +283,7 @@ def check_table(table: pa.Table, *, limit: int = 20, routing: RoutingShape | Non
 
     Written for the common case of a clean table: a screen of whole-column reductions
     (:func:`_clean`), and the per-row detail of :func:`_check` only for a table it does not pass.
-    ``routing``: the dataset's routing shape (its run config's, store/routing.py), which the
+    ``routing``: the dataset's routing shape (its run config's, store/format/routing.py), which the
     ``routed_experts`` column is checked against; a table with routing and no shape is a problem.
     """
     has = _ALL_COLUMNS
@@ -306,7 +306,7 @@ def check_projection(table: pa.Table, *, limit: int = 20, routing: RoutingShape 
 
 def _check_routing(table: pa.Table, limit: int, has: set[str] | frozenset[str],
                    routing: RoutingShape | None) -> list[Problem]:
-    """The schema 1.2 ``routed_experts`` invariants (store/routing.py), when the table has the column and the
+    """The schema 1.2 ``routed_experts`` invariants (store/format/routing.py), when the table has the column and the
     token columns it is measured against."""
     if limit <= 0 or not has.issuperset((ROUTING_COLUMN, "prompt_tokens", "response_tokens")):
         return []

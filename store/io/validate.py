@@ -12,7 +12,7 @@ shard it checks, in order of cost:
   (a 1.0 shard lacks the two sampling columns of 1.1: read as nulls; one of them alone is a
   problem);
 * row group by row group (memory stays bounded by one row group): every row invariant
-  of :func:`rollshard.store.schema.check_table`, and the row, group, prompt-token and
+  of :func:`rollshard.store.format.schema.check_table`, and the row, group, prompt-token and
   response-token counts against the manifest, and each row group's rows, tokens and
   group-id hashes against the manifest's ``row_groups`` when it lists them.
 
@@ -38,12 +38,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rollshard.store.errors import one_line
-from rollshard.store.dataset import DatasetNotFoundError
-from rollshard.store.integrity import file_digests
-from rollshard.store.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
-from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import (
+from rollshard.store.common import one_line
+from rollshard.store.io.dataset import DatasetNotFoundError
+from rollshard.store.io.integrity import file_digests
+from rollshard.store.format.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
+from rollshard.store.format.routing import RoutingShape
+from rollshard.store.format.schema import (
     ADDED_COLUMNS,
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
@@ -53,8 +53,8 @@ from rollshard.store.schema import (
     check_table,
     config_of,
 )
-from rollshard.store.storage import Storage
-from rollshard.store.writer import row_group_info
+from rollshard.store.io.storage import Storage
+from rollshard.store.io.writer import row_group_info
 
 HASH_SEED = 0x5EED  # any fixed seed: hashes are compared within one run only
 PROBLEMS_PER_SHARD = 20  # invariant breaks listed per shard; the count of the rest is reported

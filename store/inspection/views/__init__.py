@@ -6,7 +6,7 @@
 * :mod:`.figures`: matplotlib figures of a dataset (imported lazily; the ``notebooks`` extra);
 * :mod:`.tokens`: one trajectory token by token (HTML and a per-token chart), the multi-agent episode;
 * :mod:`.metrics`: a training run's ``metrics.jsonl``;
-* :mod:`.mismatch`: the per-token audit report (:data:`rollshard.store.audit.AUDIT_SCHEMA`);
+* :mod:`.mismatch`: the per-token audit report (:data:`rollshard.store.inspection.audit.AUDIT_SCHEMA`);
 * :mod:`.html`: tables and figures as self-contained HTML fragments.
 
 Figures are :class:`matplotlib.figure.Figure` objects built without pyplot (no global state, safe in a

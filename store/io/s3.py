@@ -218,7 +218,7 @@ class Bucket:
 class Upload:
     """A file-like sink that uploads a shard in parts and makes it visible only on :meth:`complete`.
 
-    :class:`~rollshard.store.storage.HashingFile` calls :meth:`write` from its I/O thread, so the parts go up
+    :class:`~rollshard.store.io.storage.HashingFile` calls :meth:`write` from its I/O thread, so the parts go up
     while the next row groups are encoded; up to :data:`PARTS_IN_FLIGHT` at once (one request at a time
     leaves most of a link idle: S3's throughput is per connection).
     """

@@ -2,7 +2,7 @@
 prints as tables, and what its figures draw.
 
 Definitions are the store's own: reward statistics over finite rewards with the trainer's ddof
-(:mod:`rollshard.store.groups`), per-agent totals from :func:`rollshard.store.stats.dataset_stats` (so
+(:mod:`rollshard.store.format.groups`), per-agent totals from :func:`rollshard.store.inspection.stats.dataset_stats` (so
 the report's numbers are ``rollshard-store stats --json``'s), staleness as the trainer counts it (the
 newest integer version minus the row's ``weight_version``).
 """
@@ -15,9 +15,9 @@ from typing import Any, Iterable, Sequence
 
 import polars as pl
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.groups import REWARD_STD_DDOF, group_flags
-from rollshard.store.stats import dataset_stats
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.groups import REWARD_STD_DDOF, group_flags
+from rollshard.store.inspection.stats import dataset_stats
 
 RESPONSE_LEN = pl.col("loss_mask").list.len()  # == len(response_tokens), a schema invariant
 TRAINED = pl.col("loss_mask").list.sum()

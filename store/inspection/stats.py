@@ -7,7 +7,7 @@ response length of a row is the length of its ``loss_mask`` (1 byte per token in
 of 4 for the ids; equal lengths are a schema invariant), and the trainable tokens are
 the mask's sum.
 
-Definitions (:mod:`rollshard.store.groups`, shared with the loader and the trainer):
+Definitions (:mod:`rollshard.store.format.groups`, shared with the loader and the trainer):
 reward statistics use the finite rewards only (a failed row may have none) and the
 unbiased standard deviation (``REWARD_STD_DDOF``), as the trainer normalizes a group. A
 zero-variance group has two or more rows whose finite rewards are all equal: every
@@ -32,11 +32,11 @@ from typing import Any
 
 import polars as pl
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.groups import REWARD_STD_DDOF, group_flags
-from rollshard.store.lineage import lineage_of
-from rollshard.store.routing import CONFIG_KEY as ROUTING_KEY
-from rollshard.store.schema import STATUS_VALUES, Status
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.groups import REWARD_STD_DDOF, group_flags
+from rollshard.store.format.lineage import lineage_of
+from rollshard.store.format.routing import CONFIG_KEY as ROUTING_KEY
+from rollshard.store.format.schema import STATUS_VALUES, Status
 
 RESPONSE_LEN = pl.col("loss_mask").list.len().cast(pl.Int64)
 TRAINABLE = pl.col("loss_mask").list.sum().cast(pl.Int64)
@@ -136,7 +136,7 @@ def _parse_by_agent(counts: pl.DataFrame) -> dict[str, dict[str, Any]]:
 
 def inspect_summary(ds: RolloutDataset) -> dict[str, Any]:
     """Everything ``rollshard-store inspect`` shows; ``["stats"]`` is :func:`dataset_stats`, ``["lineage"]``
-    :func:`rollshard.store.lineage.lineage_of` (``[]`` unless the dataset was derived from another)."""
+    :func:`rollshard.store.format.lineage.lineage_of` (``[]`` unless the dataset was derived from another)."""
     lf = ds.scan()
     per_group = lf.group_by("group_id").agg(pl.col("agent").first(), *group_flags())
     finish, by_round, lengths, zero_var, versions, times = pl.collect_all(
@@ -215,7 +215,7 @@ def find_sample(ds: RolloutDataset, sample_id: str) -> dict[str, Any] | None:
 
 def tokenizer_path(config: dict[str, Any], base_dirs: list[str] | None = None) -> str | None:
     """A local tokenizer folder named anywhere in a run config (``tokenizer`` keys first, then
-    ``model`` ones), or None; load it with :func:`rollshard.store.tokenizer.load_tokenizer`.
+    ``model`` ones), or None; load it with :func:`rollshard.store.models.tokenizer.load_tokenizer`.
 
     A relative path (older datasets store the model path as given on the command line) is tried
     against the current directory, then each of ``base_dirs``; the first folder that holds a

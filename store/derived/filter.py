@@ -13,7 +13,7 @@ A :class:`RowFilter` keeps a row when every filter given passes (filters not giv
 
 Filters are per row: a reward range can keep part of a GRPO group (the trainer then
 normalizes the rows left); a group is never split across shards. :func:`filter_dataset`
-runs the filter through :func:`rollshard.store.derive.derive_dataset`, so shards whose rows
+runs the filter through :func:`rollshard.store.derived.derive.derive_dataset`, so shards whose rows
 all pass are copied byte for byte, the others rewritten, and the lineage records
 :meth:`RowFilter.details`.
 """
@@ -29,9 +29,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.derive import DeriveResult, derive_dataset
-from rollshard.store.schema import STATUS_VALUES
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.derived.derive import DeriveResult, derive_dataset
+from rollshard.store.format.schema import STATUS_VALUES
 
 OPERATION = "filter"
 INT_VERSION = r"^-?[0-9]{1,18}$"  # an integer version that fits int64

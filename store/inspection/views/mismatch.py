@@ -1,4 +1,4 @@
-"""Views of the per-token audit report (:mod:`rollshard.store.audit`): its summary as tables, the worst
+"""Views of the per-token audit report (:mod:`rollshard.store.inspection.audit`): its summary as tables, the worst
 trajectory (the one holding the token of largest ``|trainer_logprob - rollout_logprob|``) and its tokens, and
 which of the given datasets the report's rows are from (:func:`pair`).
 
@@ -7,7 +7,7 @@ with its row by (dataset, sample_id): its ``source``'s dataset, the one whose fi
 report of audit schema 1.0 names none: its rows are matched by sample_id alone, newest dataset first, with
 :data:`UNPAIRED` said as a warning.
 
-The numbers are :func:`rollshard.store.audit.summarize`'s and :func:`~rollshard.store.audit.worst_tokens`'s,
+The numbers are :func:`rollshard.store.inspection.audit.summarize`'s and :func:`~rollshard.store.inspection.audit.worst_tokens`'s,
 so the report, ``inspect --sample worst-mismatch`` and ``rollshard-train audit`` agree.
 """
 
@@ -20,10 +20,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollshard.store.audit import (STAT_KEYS, AuditedDataset, audited_datasets, per_token, read_audit, summarize,
+from rollshard.store.inspection.audit import (STAT_KEYS, AuditedDataset, audited_datasets, per_token, read_audit, summarize,
                                    worst_tokens)
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.stats import find_sample
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.inspection.stats import find_sample
 
 GROUP_TITLES = {
     "by_agent": "agent",
@@ -41,7 +41,7 @@ class AuditDatasetError(ValueError):
 
 
 def load(path: str) -> pa.Table:
-    """The audit report at ``path`` (one-line :class:`~rollshard.store.audit.AuditSchemaError` if it is not one)."""
+    """The audit report at ``path`` (one-line :class:`~rollshard.store.inspection.audit.AuditSchemaError` if it is not one)."""
     return read_audit(path)
 
 

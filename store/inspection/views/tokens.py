@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rollshard.store.views.figures import agent_colors, legend_outside, mpl, new_figure
+from rollshard.store.inspection.views.figures import agent_colors, legend_outside, mpl, new_figure
 
 LOW_QUANTILE, HIGH_QUANTILE = 0.02, 0.98  # the scale's red and green ends; rarer or likelier tokens saturate
 MIN_SPAN = 0.5  # nats: a row of near-equal logprobs is not stretched into false contrast

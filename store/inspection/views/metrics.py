@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rollshard.store.views.figures import legend_outside, new_figure
+from rollshard.store.inspection.views.figures import legend_outside, new_figure
 
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "infinity": math.inf, "-infinity": -math.inf}
 NOT_METRICS = {"step", "time"}  # the x axis and the wall clock
@@ -252,7 +252,7 @@ def staleness_figure(m: Metrics):
     if not hist:
         return None
     d = m.frame.select("step", *hist).fill_null(0.0).fill_nan(0.0)
-    from rollshard.store.views.figures import mpl
+    from rollshard.store.inspection.views.figures import mpl
 
     colors = mpl().colormaps["viridis"](np.linspace(0, 0.9, len(hist)))
     fig = new_figure(11, 3.6)

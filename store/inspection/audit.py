@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rollshard.store.errors import DataError, one_line
+from rollshard.store.common import DataError, one_line
 
 AUDIT_SCHEMA_VERSION = "1.1"  # 1.1: META_DATASETS names the datasets audited
 AUDIT_SCHEMA_MAJOR = 1

@@ -6,7 +6,7 @@ them, and one process at a time per writer id. What each kind of store guarantee
 * **Local** (and a POSIX file system shared by hosts): write-temp, fsync, rename (plus an fsync of
   the directory so the rename survives a power cut); a writer id is held with ``flock`` on
   ``_manifests/<writer_id>.lock`` (on NFS only as far as its server honours locks).
-* **S3** (store/s3.py): shards uploaded in parts and completed with ``If-None-Match`` (created once,
+* **S3** (store/io/s3.py): shards uploaded in parts and completed with ``If-None-Match`` (created once,
   visible whole on commit, an aborted upload never visible), manifests rewritten with ``If-Match`` on
   the ETag their writer last wrote, a writer id held by a lease object.
 * **Other pyarrow filesystems** (GCS, HDFS, Azure): shards written under ``_tmp/`` and moved into
@@ -199,9 +199,9 @@ class Storage:
 
     @property
     def bucket(self):
-        """The boto3 side of an S3 dataset (store/s3.py), made on first use."""
+        """The boto3 side of an S3 dataset (store/io/s3.py), made on first use."""
         if self._bucket is None:
-            from rollshard.store.s3 import Bucket, S3Error
+            from rollshard.store.io.s3 import Bucket, S3Error
 
             if self._explicit_fs:  # boto3 cannot take over its endpoint and credentials: writes would go elsewhere
                 raise S3Error(f"{self.uri}: writing through a given S3FileSystem is not supported; pass the s3:// "
@@ -214,7 +214,7 @@ class Storage:
               lease_wait_seconds: float | None = None) -> "Claim":
         """Hold ``writer_id`` for this process (module docstring) until the claim's ``release``."""
         if self.s3:
-            from rollshard.store.s3 import LEASE_SECONDS, Claim as S3Claim
+            from rollshard.store.io.s3 import LEASE_SECONDS, Claim as S3Claim
 
             return S3Claim(self.bucket, self.root, uri=self.uri, writer_id=writer_id, manifest_rel=manifest_rel,
                            lease_seconds=lease_seconds or LEASE_SECONDS,
@@ -290,7 +290,7 @@ class Storage:
 
 
 class Claim:
-    """What a writer holds while it writes as one writer id, on a local or other filesystem (S3: store/s3.py):
+    """What a writer holds while it writes as one writer id, on a local or other filesystem (S3: store/io/s3.py):
     a ``flock`` locally, nothing elsewhere (module docstring); its manifest is written with :meth:`Storage.write_atomic`."""
 
     took_over = False  # S3 only: the writer id was another (dead) process's lease
@@ -342,7 +342,7 @@ class PendingFile:
         self._tmp: str | None = None  # local and other filesystems: written here, moved to rel on commit
         self._upload = None  # S3: completed on commit
         if storage.s3:
-            from rollshard.store.s3 import Upload
+            from rollshard.store.io.s3 import Upload
 
             self._upload = Upload(storage.bucket, storage.path(rel))
             self._raw: Any = self._upload

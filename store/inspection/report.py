@@ -1,6 +1,6 @@
 """``rollshard-store report``: one self-contained HTML page with the views of ``notebooks/inspect_rollouts.ipynb``
 (and, given a run's metrics, ``notebooks/train_metrics.ipynb``'s), built from the same functions
-(:mod:`rollshard.store.views`), so the page and the notebooks show the same numbers and figures.
+(:mod:`rollshard.store.inspection.views`), so the page and the notebooks show the same numbers and figures.
 
 Several datasets are read as consecutive rounds (round 0 first): the page compares reward per agent
 across them, and details the last one. With an audit report (``rollshard-train audit``), the trajectory
@@ -25,13 +25,13 @@ from typing import Any, Callable
 
 import polars as pl
 
-from rollshard.store.storage import Storage
-from rollshard.store.dataset import RolloutDataset
-from rollshard.store.groups import REWARD_STD_DDOF
-from rollshard.store.stats import decode_each
-from rollshard.store.views import data, figures
-from rollshard.store.views.html import figure_html, table_html
-from rollshard.store.views.paths import dataset_tokenizer
+from rollshard.store.io.storage import Storage
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.format.groups import REWARD_STD_DDOF
+from rollshard.store.inspection.stats import decode_each
+from rollshard.store.inspection.views import data, figures
+from rollshard.store.inspection.views.html import figure_html, table_html
+from rollshard.store.inspection.views.paths import dataset_tokenizer
 
 TOKEN_ROWS = 5_000  # rows read for the token-level views
 MAX_TOKENS_SHOWN = 1_024  # one trajectory's tokens shown (a long one is cut, and says so)
@@ -65,7 +65,7 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
           step: Callable[[str], None] = lambda _: None, warn: Callable[[str], None] = lambda _: None) -> str:
     """The report page as HTML text. ``step(name)`` is called as each section starts (progress), ``warn(text)``
     with what the page had to guess (an audit report naming no dataset). An audit of none of ``datasets`` is
-    refused (:class:`~rollshard.store.views.mismatch.AuditDatasetError`) before any section is built.
+    refused (:class:`~rollshard.store.inspection.views.mismatch.AuditDatasetError`) before any section is built.
     ``held_out``: per round, ``{"round", "train_reward", "policy", "checkpoint"}`` with the held-out pass@1 of the
     round's policy and of the checkpoint its training made (None where not evaluated), as ``rollshard-loop
     --eval`` measures them: a section of its own beside the rewards. ``async_run``: the figures of a
@@ -78,7 +78,7 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
             raise ValueError(f"{ds.storage.uri}: the dataset has no rows (no committed shard); nothing to report")
     audit_table = pairing = None
     if audit is not None:
-        from rollshard.store.views import mismatch
+        from rollshard.store.inspection.views import mismatch
 
         step("reading the audit report")
         audit_table = mismatch.load(audit)
@@ -87,7 +87,7 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
             warn(f"--audit {audit} {mismatch.UNPAIRED}")
     run_metrics = None
     if metrics is not None:
-        from rollshard.store.views import metrics as metrics_views
+        from rollshard.store.inspection.views import metrics as metrics_views
 
         step("reading the metrics")
         run_metrics = metrics_views.read_metrics(metrics)
@@ -242,7 +242,7 @@ def _tokenizer(ds: RolloutDataset):
     path = dataset_tokenizer(ds.config, ds.storage.uri)
     if path is None:
         return None, "no local tokenizer named in the run config: showing token ids"
-    from rollshard.store.tokenizer import load_tokenizer
+    from rollshard.store.models.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path), f"decoded with {path}"
@@ -277,11 +277,11 @@ def _staleness(page: Page, lf, agents) -> None:
 
 
 def _trajectory(page: Page, lf, tokenizer, audit_table, pairing) -> None:
-    from rollshard.store.views import tokens as token_views
+    from rollshard.store.inspection.views import tokens as token_views
 
     row, trainer, why = None, None, "the first row with a tool/environment (masked) span, else the first row"
     if audit_table is not None:
-        from rollshard.store.views import mismatch
+        from rollshard.store.inspection.views import mismatch
 
         worst = mismatch.worst_sample(pairing.tokens(audit_table))
         if worst is not None:
@@ -318,7 +318,7 @@ def _trajectory(page: Page, lf, tokenizer, audit_table, pairing) -> None:
 
 
 def _episode(page: Page, lf, agents) -> None:
-    from rollshard.store.views import tokens as token_views
+    from rollshard.store.inspection.views import tokens as token_views
 
     prompt_id = data.pick_episode_prompt(lf)
     rows = data.episode(lf, prompt_id)
@@ -332,9 +332,9 @@ def _episode(page: Page, lf, agents) -> None:
 
 
 def _audit(page: Page, path: str, table, pairing) -> None:
-    from rollshard.store.views import mismatch
-    from rollshard.store.views import tokens as token_views
-    from rollshard.store.audit import worst_tokens
+    from rollshard.store.inspection.views import mismatch
+    from rollshard.store.inspection.views import tokens as token_views
+    from rollshard.store.inspection.audit import worst_tokens
 
     summary, frames = mismatch.summary_frames(table)
     worst = mismatch.worst_sample(pairing.tokens(table))
@@ -354,7 +354,7 @@ def _audit(page: Page, path: str, table, pairing) -> None:
 
 
 def _metrics(page: Page, path: str, m) -> None:
-    from rollshard.store.views import metrics as mv
+    from rollshard.store.inspection.views import metrics as mv
 
     parts = [_p(f"{html.escape(path)}: {m.steps} steps"
                 + (" (an unfinished last line skipped)" if m.skipped_last_line else "") + ".")]
@@ -392,7 +392,7 @@ def render(page: Page, datasets: list[str]) -> str:
     nav = "".join(f"<a href='#{sid}'>{html.escape(h)}</a>" for sid, h, _ in page.sections)
     body = "".join(f"<section id='{sid}'><h2>{html.escape(h)}</h2>{b}</section>" for sid, h, b in page.sections)
     made = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    from rollshard.store.schema import SCHEMA_VERSION
+    from rollshard.store.format.schema import SCHEMA_VERSION
 
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(page.title)}</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head><body>"

@@ -1,7 +1,7 @@
 """Checks that a shard is the file its manifest entry committed, before any of its rows is used.
 
-Readers (the loader, :class:`rollshard.store.dataset.RolloutDataset`) call these; each
-raises :class:`rollshard.store.errors.DataError` with one line naming the shard (its path
+Readers (the loader, :class:`rollshard.store.io.dataset.RolloutDataset`) call these; each
+raises :class:`rollshard.store.common.DataError` with one line naming the shard (its path
 relative to the dataset), the row (sample id) where there is one, and the problem.
 
 * :func:`open_shard`: the file is there, its footer reads, its schema major is one this
@@ -12,18 +12,18 @@ relative to the dataset), the row (sample id) where there is one, and the proble
   silently; a file that does not match was not written by rollshard's writer, whose
   other promises then do not hold either. The schema 1.1 sampling columns may be absent
   (a 1.0 shard), both together.
-* :func:`check_rows`: the row invariants of :func:`rollshard.store.schema.check_projection`
+* :func:`check_rows`: the row invariants of :func:`rollshard.store.format.schema.check_projection`
   on the block of columns just read.
 * :func:`verify_sha256`: the file's sha256 against the manifest's. It reads the whole
   file, so the loader runs it on a background thread (:class:`Checksums`) and holds back
   every step drawn from a shard until that shard is verified. The loader uses it only for a
   shard whose manifest entry lacks the byte ranges (below).
 * Per block (manifest version 3: each row group's byte range and sha256, and the footer's;
-  store/manifest.py): :func:`verify_ranges` checks the bytes of a block's row groups that the
+  store/format/manifest.py): :func:`verify_ranges` checks the bytes of a block's row groups that the
   loader read to decode them, :func:`verify_footer` the bytes after the last row group, both on
   the :class:`Checksums` thread. Against their XXH3-128 where the manifest records it (version 4:
   ~10x cheaper than sha256, so the check no longer competes with the decode for the cores; it
-  detects damage as the sha256 does, see store/manifest.py), else against their sha256. With the
+  detects damage as the sha256 does, see store/format/manifest.py), else against their sha256. With the
   4-byte magic (checked as it is) they tile the file (:func:`row_group_ranges`), so a rank
   verifies exactly the blocks it reads and every footer it opens; a damaged byte in a row group
   another rank owns is that rank's to find. The union of the ranks verifies every byte of the
@@ -44,10 +44,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from rollshard.store.errors import DataError, one_line
-from rollshard.store.manifest import ShardInfo
-from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import (
+from rollshard.store.common import DataError, one_line
+from rollshard.store.format.manifest import ShardInfo
+from rollshard.store.format.routing import RoutingShape
+from rollshard.store.format.schema import (
     ADDED_COLUMNS,
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
@@ -55,7 +55,7 @@ from rollshard.store.schema import (
     check_projection,
     check_schema_version,
 )
-from rollshard.store.storage import Storage
+from rollshard.store.io.storage import Storage
 
 __all__ = ["Checksums", "DataError", "FileDigests", "Job", "check_column_types", "check_rows", "file_digests", "open_shard",
            "row_group_ranges", "sampling_columns", "verify_footer", "verify_ranges", "verify_sha256", "verify_shard"]
@@ -255,7 +255,7 @@ def _size_error(shard: ShardInfo, size: int) -> DataError:
 def check_column_types(schema: pa.Schema, columns: Iterable[str], where: str) -> None:
     """Every column in ``columns`` is in ``schema`` with exactly the type :data:`ROW_SCHEMA` declares.
 
-    An optional column (:data:`~rollshard.store.schema.OPTIONAL_COLUMNS`, absent from shards of an older 1.x
+    An optional column (:data:`~rollshard.store.format.schema.OPTIONAL_COLUMNS`, absent from shards of an older 1.x
     schema) may be absent; present, its type must be exact too. The sampling columns come as a pair.
     """
     columns = list(columns)

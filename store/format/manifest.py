@@ -12,7 +12,7 @@ forward slashes, no empty, ``.`` or ``..`` component, no backslash, not absolute
 URI scheme. A manifest that lists anything else is refused when it is loaded, so no
 reader (validate included) opens a file outside the dataset because a manifest says so.
 
-**Row groups** (manifest version 2). Each entry written by :class:`~rollshard.store.writer.ShardWriter`
+**Row groups** (manifest version 2). Each entry written by :class:`~rollshard.store.io.writer.ShardWriter`
 also lists its shard's row groups (:class:`RowGroupInfo`): rows, tokens, and the 64-bit hashes of the
 group ids in it (:func:`group_hash`, in order of first appearance), so that the loader builds its blocks
 and checks that no group spans two shards without reading any row group (store/loader/blocks.py). An
@@ -26,8 +26,8 @@ A manifest of version 1 reads here; one of version 2 is refused by a rollshard t
 and their sha256, and the shard its ``footer_sha256``: the sha256 of everything after the last row group
 (the Thrift footer, its length and the closing magic). The ranges are contiguous, so the 4-byte magic
 ``PAR1`` at the start, the ranges and the footer tile the file: the loader verifies each block it reads on
-the bytes it reads, and the footer, instead of hashing whole shards (store/integrity.py). The writer records
-them at commit, from the bytes it writes (store/storage.py :class:`~rollshard.store.storage.HashingFile`);
+the bytes it reads, and the footer, instead of hashing whole shards (store/io/integrity.py). The writer records
+them at commit, from the bytes it writes (store/io/storage.py :class:`~rollshard.store.io.storage.HashingFile`);
 an entry without them (an older manifest, or a shard pyarrow laid out otherwise) has its whole file hashed.
 The whole-file ``sha256`` stays (``validate``, copying, the fingerprint).
 
@@ -52,9 +52,9 @@ import re
 import time
 from typing import Any
 
-from rollshard.store.errors import DataError
-from rollshard.store.schema import SCHEMA_VERSION
-from rollshard.store.storage import Storage
+from rollshard.store.common import DataError
+from rollshard.store.format.schema import SCHEMA_VERSION
+from rollshard.store.io.storage import Storage
 
 MANIFEST_DIR = "_manifests"
 SHARD_DIR = "shards"
@@ -143,7 +143,7 @@ class Manifest:
 
     def to_json(self, *, owner: str | None = None) -> bytes:
         """The manifest file; ``owner`` names the writer process (on S3 it also makes each owner's writes differ
-        in content, so that their ETags differ and ``If-Match`` fences them: store/s3.py)."""
+        in content, so that their ETags differ and ``If-Match`` fences them: store/io/s3.py)."""
         doc = {
             "format": MANIFEST_FORMAT,
             "manifest_version": MANIFEST_VERSION,

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from rollshard.store.gguf import gguf_folder, is_gguf
+from rollshard.store.models.gguf import gguf_folder, is_gguf
 
 STATE_FILE = "trainer_state.json"  # written by rollshard.train.checkpoint
 
@@ -24,7 +24,7 @@ class VersionError(ValueError):
 
 def resolve_model_path(path: str | os.PathLike) -> str:
     """Absolute path with links resolved (``latest`` -> ``step_00000012``); a ``.gguf`` file is its converted fp32
-    folder (:func:`rollshard.store.gguf.gguf_folder`, converted once); a non-local name is kept as given."""
+    folder (:func:`rollshard.store.models.gguf.gguf_folder`, converted once); a non-local name is kept as given."""
     p = Path(path).expanduser()
     if p.is_file() and is_gguf(p):
         return str(gguf_folder(p).resolve())

@@ -1,7 +1,7 @@
 """Lineage of a derived dataset: which dataset it was made from, by which operation, with what settings.
 
 A derived dataset (``rollshard-store filter``, ``rollshard-generate rescore``, any
-:func:`rollshard.store.derive.derive_dataset`) has one writer per writer of its parent,
+:func:`rollshard.store.derived.derive.derive_dataset`) has one writer per writer of its parent,
 and each writer's manifest config (also the key/value metadata of the shards that writer
 rewrote) is the parent writer's config with three keys set::
 
@@ -37,7 +37,7 @@ import json
 import os
 from typing import Any, Collection
 
-from rollshard.store.manifest import Manifest
+from rollshard.store.format.manifest import Manifest
 
 DERIVED_KEY = "derived"
 LINEAGE_KEY = "lineage"
@@ -94,14 +94,14 @@ def identity(entry: dict[str, Any]) -> dict[str, Any]:
 def lineage_of(dataset: Any) -> list[dict[str, Any]]:
     """The lineage of a dataset, newest derivation first; ``[]`` for a generated (not derived) dataset.
 
-    ``dataset`` is a :class:`~rollshard.store.dataset.RolloutDataset`, a list of
-    :class:`~rollshard.store.manifest.Manifest`, or a path (its manifests are read, no shard
+    ``dataset`` is a :class:`~rollshard.store.io.dataset.RolloutDataset`, a list of
+    :class:`~rollshard.store.format.manifest.Manifest`, or a path (its manifests are read, no shard
     is opened). Every writer of a derived dataset records the same lineage except for
     ``parent_writer``; the first writer's (by writer id) with a lineage is returned.
     """
     if isinstance(dataset, (str, os.PathLike)):
-        from rollshard.store.manifest import load_manifests
-        from rollshard.store.storage import Storage
+        from rollshard.store.format.manifest import load_manifests
+        from rollshard.store.io.storage import Storage
 
         manifests = load_manifests(Storage(dataset))
     elif isinstance(dataset, list):

@@ -20,7 +20,7 @@ there, null for rows without a support. A row group is cut by the bytes of the d
 counting an all-null sampling column, so rows without supports are grouped as before.
 
 Each manifest entry lists its shard's row groups (rows, tokens, group-id hashes;
-:class:`~rollshard.store.manifest.RowGroupInfo`), so that a loader opens the dataset without
+:class:`~rollshard.store.format.manifest.RowGroupInfo`), so that a loader opens the dataset without
 reading row group data, and each row group's byte range with its sha256 and its XXH3-128 (and the
 footer's two), hashed from the bytes as they are written, which the loader checks one block at a time.
 """
@@ -40,10 +40,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from rollshard.store.integrity import MAGIC, file_digests, row_group_ranges
-from rollshard.store.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
-from rollshard.store.routing import RoutingShape
-from rollshard.store.schema import (
+from rollshard.store.io.integrity import MAGIC, file_digests, row_group_ranges
+from rollshard.store.format.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
+from rollshard.store.format.routing import RoutingShape
+from rollshard.store.format.schema import (
     LIST_COLUMNS,
     ROW_SCHEMA,
     Row,
@@ -55,8 +55,8 @@ from rollshard.store.schema import (
     file_metadata,
     rows_to_table,
 )
-from rollshard.store.s3 import PreconditionFailed, S3Error
-from rollshard.store.storage import HashingFile, PendingFile, Storage, TMP_DIR
+from rollshard.store.io.s3 import PreconditionFailed, S3Error
+from rollshard.store.io.storage import HashingFile, PendingFile, Storage, TMP_DIR
 
 DICTIONARY_COLUMNS = [n for n in ROW_SCHEMA.names if n not in LIST_COLUMNS]
 
@@ -71,7 +71,7 @@ class WriterOptions:
     shard_bytes: int = 512 << 20  # a shard is committed once this many bytes are on disk
     dictionary_lists: bool = False  # dictionary-encode the list columns too (measured: worse)
     validate: bool = True  # check every invariant before a row is buffered
-    lease_seconds: float | None = None  # S3: the term of the writer id's lease (store/s3.py; None: its default)
+    lease_seconds: float | None = None  # S3: the term of the writer id's lease (store/io/s3.py; None: its default)
     lease_wait_seconds: float | None = None  # S3: how long to watch a lease held elsewhere lapse (None: one term)
 
 
@@ -217,7 +217,7 @@ class ShardWriter:
         return info
 
     def save_manifest(self) -> None:
-        """Write this writer's manifest (fenced on S3: store/s3.py)."""
+        """Write this writer's manifest (fenced on S3: store/io/s3.py)."""
         self._claim.save_manifest(self.manifest.to_json(owner=self._claim.token))
 
     def close(self) -> None:

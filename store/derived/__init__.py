@@ -1,0 +1,1 @@
+"""Datasets derived from another: the shard-by-shard primitive and row filters."""

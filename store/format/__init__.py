@@ -1,0 +1,1 @@
+"""The on-disk format: the row schema and its invariants, routing, manifests, lineage, group statistics."""
