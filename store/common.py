@@ -1,4 +1,8 @@
-"""The store's error for damaged or foreign data: :class:`DataError`.
+"""The helpers every stage shares, each defined once: errors and exit statuses, one-line messages, atomic file
+writes, retry backoff, progress bars. generate and train import them from here (imports run generate -> store
+<- train).
+
+The store's error for damaged or foreign data: :class:`DataError`.
 
 A file can break a promise the dataset makes (a checksum, a column type, a row
 invariant, a path inside the dataset). Those are not bugs and not usage errors, so
@@ -11,6 +15,12 @@ trainer's command line does) keep working.
 """
 
 from __future__ import annotations
+
+import os
+import random
+import uuid
+from pathlib import Path
+from typing import Any
 
 
 class DataError(ValueError):
@@ -34,3 +44,50 @@ def one_line(e: BaseException | str) -> str:
     message."""
     lines = (" ".join(part.split()) for part in str(e).splitlines())
     return "; ".join(p for p in lines if p) or type(e).__name__
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a folder's entries (a rename into it, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = True) -> None:
+    """``data`` to the local file ``path``, all or nothing: a temporary file beside it, fsynced, renamed over it (the
+    folder fsynced after). A reader sees the old file or the new one, never a part. ``durable=False`` skips the
+    fsyncs for files rewritten often whose loss in a power cut is harmless (a crash still leaves old or new)."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(final.parent)
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """The retry delay of every retrying loop: exponential backoff with "equal jitter", half the step fixed, half
+    uniform (so retries of many clients spread out). ``attempt`` counts from 0; the step is ``base * 2**attempt``,
+    at most ``cap``."""
+    step = min(cap, base * 2**attempt)
+    return step / 2 + (rng or random).uniform(0, step / 2)
+
+
+def progress(total: int | None = None, desc: str = "", unit: str = "it", **kwargs: Any):
+    """The progress bar of every long command (tqdm, on stderr; hidden when stderr is not a terminal unless
+    ``disable=False`` is given)."""
+    from tqdm import tqdm
+
+    kwargs.setdefault("disable", None)  # None: off when not a TTY
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(total=total, desc=desc, unit=unit, **kwargs)
