@@ -1,5 +1,5 @@
 import sys
 
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 
 sys.exit(main())

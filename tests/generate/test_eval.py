@@ -73,7 +73,7 @@ def test_a_missing_model_is_one_line(tmp_path, capsys):
 
 
 def test_eval_writes_a_dataset_and_its_figures(tiny_gpt2, tmp_path, capsys):
-    from rollshard.store.cli import main as store_main
+    from rollshard.store.commands import main as store_main
 
     out = tmp_path / "eval"
     argv = ["eval", "--model", str(tiny_gpt2), "--task", "arithmetic", "--limit", "3", "--n-samples", "4",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.format.schema import Row, Status
 from rollshard.store.inspection.stats import tokenizer_path
 from rollshard.store.io.writer import ShardWriter

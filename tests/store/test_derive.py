@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import rollshard.store.derived.derive as derive_mod
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.derived.derive import STATE_FILE, DeriveError, TransformError, derive_dataset
 from rollshard.store.common import DataError

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollshard.store.io import integrity
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import DataError, LoaderConfig, RolloutLoader, Step, hf_groups
 from rollshard.store.format.manifest import Manifest, ShardInfo

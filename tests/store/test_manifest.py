@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import DataError
 from rollshard.store.loader import LoaderConfig, RolloutLoader

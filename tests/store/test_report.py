@@ -25,7 +25,7 @@ from PIL import Image
 
 from rollshard.store.inspection import report as report_module
 from rollshard.store.inspection.audit import AUDIT_SCHEMA, AuditedDataset, write_audit
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.writer import ShardWriter

@@ -338,7 +338,7 @@ def test_hf_groups_carry_the_supports(mixed):
 def test_inspect_sample_shows_sampling_logprob_and_support_size_per_token(mixed, capsys):
     import json
 
-    from rollshard.store.cli import main
+    from rollshard.store.commands import main
 
     row = new_table().slice(0, 1).to_pylist()[0]
     assert main(["inspect", str(mixed), "--sample", row["sample_id"], "--json"]) == 0

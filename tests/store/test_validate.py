@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rollshard.store.cli import main
+from rollshard.store.commands import main
 from rollshard.store.format.manifest import Manifest, ShardInfo
 from rollshard.store.format.schema import META_CONFIG, META_SCHEMA_VERSION, SCHEMA_VERSION, Row, Status, rows_to_table
 from rollshard.store.io.storage import Storage
