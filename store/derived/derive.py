@@ -169,8 +169,8 @@ def derive_dataset(
         mutable_columns=mutable,
         command=command or operation,
     )
-    state = _State.open(out_storage, entry, ds, writer_id)
-    with _lock(out_storage), _progress_bar(progress, operation, ds.num_rows) as bar:
+    state = DeriveState.open(out_storage, entry, ds, writer_id)
+    with DeriveLock(out_storage), _progress_bar(progress, operation, ds.num_rows) as bar:
         for manifest in ds.manifests:
             out_wid = state.writer_for(manifest, writer_id)
             config = state.configs[out_wid]
@@ -421,7 +421,7 @@ def _read_state(storage: Storage) -> dict[str, Any]:
     return doc
 
 
-class _State:
+class DeriveState:
     """``out/_derive/state.json``: what a rerun must match, and which parent shards are done (module docstring)."""
 
     def __init__(self, storage: Storage, doc: dict[str, Any]):
@@ -441,7 +441,7 @@ class _State:
         return self.doc["done"]
 
     @classmethod
-    def open(cls, out: Storage, entry: dict[str, Any], parent: RolloutDataset, writer_id: str) -> "_State":
+    def open(cls, out: Storage, entry: dict[str, Any], parent: RolloutDataset, writer_id: str) -> "DeriveState":
         info = out.fs.get_file_info(out.root)
         if info.type == pafs.FileType.File:
             raise DeriveError(f"out {out.uri} is a file; give a new directory")
@@ -544,14 +544,14 @@ class _State:
         )
 
 
-class _lock:
+class DeriveLock:
     """An exclusive lock on ``out/_derive/lock``: two derives into one out refuse to mix (on S3 a lease,
     store/io/s3.py, held as a writer id is)."""
 
     def __init__(self, storage: Storage):
         self.storage, self.fd, self.lease = storage, None, None
 
-    def __enter__(self) -> "_lock":
+    def __enter__(self) -> "DeriveLock":
         if self.storage.s3:
             from rollshard.store.io.s3 import Lease, S3Error
 

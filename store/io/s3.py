@@ -92,7 +92,7 @@ def _md5_etag(data: bytes) -> str:
 class Bucket:
     """The boto3 side of one S3 filesystem: conditional puts, gets with ETags, multipart uploads."""
 
-    _probed: set[str] = set()  # buckets whose endpoint honours conditional writes (probed once per process)
+    probed: set[str] = set()  # buckets whose endpoint honours conditional writes (probed once per process)
     _probe_lock = threading.Lock()
 
     def __init__(self, fs: pafs.S3FileSystem):
@@ -183,7 +183,7 @@ class Bucket:
         in the module docstring rests on it."""
         bucket, _ = self.split(root)
         with self._probe_lock:
-            if bucket in self._probed:
+            if bucket in self.probed:
                 return
             probe = f"{root}/_manifests/.probe-{uuid.uuid4().hex}"
             self.put(probe, b"a", create=True)
@@ -191,7 +191,7 @@ class Bucket:
                 if self._refused(lambda: self.put(probe, b"b", create=True)) and self._refused(
                         lambda: self.put(probe, b"c", match=_md5_etag(b"x"))) and self._refused(
                         lambda: self._complete_once(probe)):
-                    self._probed.add(bucket)
+                    self.probed.add(bucket)
                     return
             finally:
                 self.delete(probe)
@@ -297,7 +297,7 @@ class Upload:
         pass
 
 
-def _process_identity(pid: int) -> dict[str, Any]:
+def process_identity(pid: int) -> dict[str, Any]:
     """What tells this process apart from any other, here or elsewhere: the host, the kernel's boot, the pid
     namespace (containers on one host share the boot), the pid and the process's start time (pids are reused)."""
     ident: dict[str, Any] = {"host": socket.gethostname(), "pid": pid}
@@ -315,7 +315,7 @@ def _process_identity(pid: int) -> dict[str, Any]:
 def _dead_here(holder: dict[str, Any]) -> bool:
     """The lease's holder is a process of this host and pid namespace that no longer runs (its pid is free, or
     now another process's)."""
-    me = _process_identity(os.getpid())
+    me = process_identity(os.getpid())
     if any(holder.get(k) != me.get(k) for k in ("host", "boot", "pidns")) or "boot" not in me:
         return False
     try:
@@ -324,7 +324,7 @@ def _dead_here(holder: dict[str, Any]) -> bool:
         return True
     except (PermissionError, ValueError, OverflowError):
         return False
-    return _process_identity(int(holder["pid"])).get("start") != holder.get("start")
+    return process_identity(int(holder["pid"])).get("start") != holder.get("start")
 
 
 MIN_LEASE_SECONDS = 10.0  # Last-Modified and Date have 1 s resolution: a shorter term could lapse mid-renewal
@@ -353,7 +353,7 @@ class Lease:
     def _body(self) -> bytes:
         # The token makes this holder's body differ from any other's: S3's ETag is a hash of the content, and
         # If-Match fences only writes whose content differs.
-        return json.dumps({"writer_id": self.writer_id, **_process_identity(os.getpid()), "seconds": self.seconds,
+        return json.dumps({"writer_id": self.writer_id, **process_identity(os.getpid()), "seconds": self.seconds,
                            "token": self.token}).encode()
 
     def acquire(self) -> None:
@@ -436,7 +436,7 @@ class Lease:
 
 def _here(holder: dict[str, Any]) -> bool:
     """The holder is a live process of this host and pid namespace (its lease will not lapse while we wait)."""
-    me = _process_identity(os.getpid())
+    me = process_identity(os.getpid())
     return "boot" in me and all(holder.get(k) == me.get(k) for k in ("host", "boot", "pidns"))
 
 

@@ -10,7 +10,8 @@ one shuffle window of groups, and packs each step's sequences into flat micro-ba
   manifest: a scan of the ``group_id`` column), and the check that no group spans two shards;
 * plan.py: the epoch's block order, each rank's share of it, its shuffle windows, the cursor;
 * read.py: one block read (column projection) and checked; filters.py: which rows and groups pass;
-* stream.py: a rank's groups filtered and cut into steps; pack.py: a step's micro-batches;
+* stream.py: a rank's groups filtered and cut into steps; assemble.py: a step from its groups, packed into
+  micro-batches (packing.py);
 * background.py: the reader and producer threads; steps.py: the loaders, ``sync`` and resume;
 * hf.py: :func:`hf_groups`, the same groups as a HF ``datasets.IterableDataset``.
 
@@ -78,33 +79,20 @@ once per loader, so with ``verify_data`` a rank then reads the whole of every su
 blocks is in.
 ``LoaderConfig.verify_data=False`` turns the checks off, for measuring what they cost only.
 
-**Sampling supports** (schema 1.1): read with the token columns from shards that have them (pack.py).
+**Sampling supports** (schema 1.1): read with the token columns from shards that have them (assemble.py).
 
 **Memory**: one window of groups, ``prefetch`` blocks and ``prefetch`` packed steps, independent of the
 dataset's size (plus one 8-byte hash per group while the dataset is opened).
 
 **Several datasets** (``--data a:0.7,b:0.3``): store/loader/mixture.py draws each dataset's group stream of
-this rank (:meth:`_Stream.groups`) and fills each step's group slots from them by weight.
+this rank (:meth:`stream.GroupStream.groups`) and fills each step's group slots from them by weight.
 """
 
-from rollshard.store.common import DataError  # noqa: F401
-from rollshard.store.loader.background import _END, _Background, _Failure, _Stopped  # noqa: F401
-from rollshard.store.loader.blocks import _Block, _open, _raise_split_groups, _scan_blocks, _shard_blocks  # noqa: F401
-from rollshard.store.loader.config import (  # noqa: F401
+from rollshard.store.common import DataError
+from rollshard.store.loader.config import (
     FILTER_KEYS,
-    HASH_AHEAD_BLOCKS,
-    JOIN_S,
-    MIN_BLOCKS_PER_RANK,
-    MIXTURE_STATE_FORMAT,
-    NO_VERSION,
-    OPEN_FILES,
-    POLL_S,
     SAMPLING_COLUMNS,
-    SCAN_THREADS,
     SMALL_COLUMNS,
-    SOURCE_KEYS,
-    STATE_FORMAT,
-    STATE_VERSION,
     SYNC_END,
     SYNC_FAILED,
     SYNC_STEP,
@@ -115,22 +103,31 @@ from rollshard.store.loader.config import (  # noqa: F401
     Step,
     Sync,
 )
-from rollshard.store.loader.filters import _Filters, _parse_version, _Segment, _Version, _VersionBox, _versions  # noqa: F401
-from rollshard.store.loader.hf import HF_GROUP_SCHEMA, hf_groups  # noqa: F401
-from rollshard.store.loader.pack import make_step  # noqa: F401
-from rollshard.store.loader.plan import _Cursor, _EpochEnd, _EpochPlan, _Item, _random_keys, deal  # noqa: F401
-from rollshard.store.loader.protocol import NoStepError, NoStepWarning, StepLoader, WrappedLoader  # noqa: F401
-from rollshard.store.loader.read import _BlockData, _read_block  # noqa: F401
-from rollshard.store.loader.steps import (  # noqa: F401
-    RolloutLoader,
-    _StepLoader,
-    check_state_header,
-    check_state_settings,
-    open_stream,
-    own_state,
-)
-from rollshard.store.loader.stream import _Stream  # noqa: F401
-from rollshard.store.loader.packing import PackedBatch  # noqa: F401
+from rollshard.store.loader.hf import HF_GROUP_SCHEMA, hf_groups
+from rollshard.store.loader.packing import PackedBatch
+from rollshard.store.loader.protocol import NoStepError, NoStepWarning, StepLoader, WrappedLoader
+from rollshard.store.loader.steps import RolloutLoader
 
-__all__ = ["DataError", "LoaderConfig", "LoaderStateError", "NoStepError", "NoStepWarning", "PackedBatch",
-           "RolloutLoader", "Step", "StepLoader", "WrappedLoader", "hf_groups"]
+__all__ = [
+    "DataError",
+    "FILTER_KEYS",
+    "HF_GROUP_SCHEMA",
+    "SAMPLING_COLUMNS",
+    "SMALL_COLUMNS",
+    "SYNC_END",
+    "SYNC_FAILED",
+    "SYNC_STEP",
+    "TOKEN_COLUMNS",
+    "LoaderConfig",
+    "LoaderStateError",
+    "NoStepError",
+    "NoStepWarning",
+    "PackedBatch",
+    "PeerFailedError",
+    "RolloutLoader",
+    "Step",
+    "StepLoader",
+    "Sync",
+    "WrappedLoader",
+    "hf_groups",
+]

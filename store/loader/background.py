@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterator
 from rollshard.store.loader.config import JOIN_S, POLL_S
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """Raised inside a background thread told to stop while it waits."""
 
 
-_END = object()
+END = object()
 
 
-class _Background:
+class Background:
     """Runs the generator ``produce(stop_event)`` on a daemon thread; items come through a bounded queue."""
 
     def __init__(self, produce: Callable[[threading.Event], Iterator[Any]], maxsize: int, name: str):
@@ -44,8 +44,8 @@ class _Background:
             for item in gen:
                 if not self._put(item):
                     return
-            self._put(_END)
-        except _Stopped:
+            self._put(END)
+        except Stopped:
             pass
         except BaseException as e:  # handed to the consumer, which raises it
             self._put(_Failure(e))
@@ -62,13 +62,13 @@ class _Background:
         return False
 
     def get(self, stop: threading.Event | None = None):
-        """The next item, or ``_END``; raises what the thread raised, or ``_Stopped`` once ``stop`` is set."""
+        """The next item, or ``END``; raises what the thread raised, or ``Stopped`` once ``stop`` is set."""
         while True:
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
                 if stop is not None and stop.is_set():
-                    raise _Stopped from None
+                    raise Stopped from None
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the loader's background thread ended without a result")
                 continue
@@ -92,7 +92,7 @@ class _Failure:
     error: BaseException
 
 
-_LIVE: "weakref.WeakSet[_Background]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[Background]" = weakref.WeakSet()
 
 
 @atexit.register

@@ -35,7 +35,7 @@ from rollshard.store.format.routing import ROUTING_COLUMN
 
 
 @dataclasses.dataclass(frozen=True)
-class _Block:
+class Block:
     """Row groups of one shard that hold whole groups (one row group unless a group spans several)."""
 
     shard: int
@@ -53,18 +53,18 @@ class _Scanned:
     tokens: bool
 
 
-def _open(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
+def open_dataset_shard(dataset: RolloutDataset, shard: int) -> tuple[Any, pq.ParquetFile]:
     """Size and schema version at every open; the footer read again unless the manifest records its sha256 (the
     checks then verify its bytes, store/io/integrity.py)."""
     info = dataset.shards[shard]
     return open_shard(dataset.storage, info, dataset.footer(shard) if info.has_ranges else None)
 
 
-def _hashes(group_ids: list[str]) -> np.ndarray:
+def hash_group_ids(group_ids: list[str]) -> np.ndarray:
     return np.frombuffer(group_hash(group_ids), "<i8") if group_ids else np.zeros(0, np.int64)
 
 
-def _shard_blocks(hashes: list[np.ndarray]) -> list[tuple[tuple[int, ...], int]]:
+def shard_blocks(hashes: list[np.ndarray]) -> list[tuple[tuple[int, ...], int]]:
     """Blocks of one shard as (row groups, group count), from the group hashes of each row group."""
     n = len(hashes)
     if n == 0:
@@ -87,7 +87,7 @@ def _shard_blocks(hashes: list[np.ndarray]) -> list[tuple[tuple[int, ...], int]]
     return blocks
 
 
-def _read_group_ids(pf: pq.ParquetFile, where: str, row_groups=None) -> list[list[str]]:
+def read_group_ids(pf: pq.ParquetFile, where: str, row_groups=None) -> list[list[str]]:
     """The group ids of each row group (``row_groups``: those only), in order of first appearance."""
     try:
         return [pc.unique(pf.read_row_group(rg, columns=["group_id"]).column(0)).to_pylist()
@@ -104,10 +104,10 @@ def _scan_shard(dataset: RolloutDataset, i: int, check_types: bool) -> _Scanned:
     if shard.row_groups is not None:  # the manifest's: nothing to read (open_shard checked them against the footer)
         hashes = [np.frombuffer(bytes.fromhex(r.group_hashes), "<i8") for r in shard.row_groups]
         return _Scanned(hashes=hashes, weights=[r.tokens for r in shard.row_groups], tokens=True)
-    f, pf = _open(dataset, i)
+    f, pf = open_dataset_shard(dataset, i)
     with f:
-        ids = _read_group_ids(pf, shard.path)
-    return _Scanned(hashes=[_hashes(g) for g in ids], weights=_compressed_bytes(footer), tokens=False)
+        ids = read_group_ids(pf, shard.path)
+    return _Scanned(hashes=[hash_group_ids(g) for g in ids], weights=_compressed_bytes(footer), tokens=False)
 
 
 def _compressed_bytes(footer: pq.FileMetaData) -> list[int]:
@@ -118,7 +118,7 @@ def _compressed_bytes(footer: pq.FileMetaData) -> list[int]:
     return out
 
 
-def _scan_blocks(dataset: RolloutDataset, check_types: bool = True) -> list[_Block]:
+def scan_blocks(dataset: RolloutDataset, check_types: bool = True) -> list[Block]:
     """Every block of the dataset; raises when a group has rows in two shards."""
     n = len(dataset.shards)
     if all(s.row_groups is not None for s in dataset.shards):  # no file to open: no thread to start
@@ -135,8 +135,8 @@ def _scan_blocks(dataset: RolloutDataset, check_types: bool = True) -> list[_Blo
     out = []
     for i, s in enumerate(scanned):
         weights = s.weights if by_tokens else (s.weights if not s.tokens else _compressed_bytes(dataset.footer(i)))
-        for rgs, ng in _shard_blocks(s.hashes):
-            out.append(_Block(shard=i, row_groups=rgs, num_groups=ng, weight=int(sum(weights[r] for r in rgs))))
+        for rgs, ng in shard_blocks(s.hashes):
+            out.append(Block(shard=i, row_groups=rgs, num_groups=ng, weight=int(sum(weights[r] for r in rgs))))
     return out
 
 
@@ -147,9 +147,9 @@ def _raise_split_groups(dataset: RolloutDataset, scanned: list[_Scanned], suspec
         rgs = [r for r, h in enumerate(s.hashes) if np.isin(h, suspects).any()]
         if not rgs:
             continue
-        f, pf = _open(dataset, i)
+        f, pf = open_dataset_shard(dataset, i)
         with f:
-            ids = {g for gs in _read_group_ids(pf, dataset.shards[i].path, rgs) for g in gs}
+            ids = {g for gs in read_group_ids(pf, dataset.shards[i].path, rgs) for g in gs}
         for g in sorted(ids):
             where[g].append(dataset.shards[i].path)
     split = {g: paths for g, paths in where.items() if len(paths) > 1}

@@ -28,7 +28,7 @@ HASH_AHEAD_BLOCKS = 8  # shards of the next blocks queued for their checksum bef
 # Below this many blocks per rank, whole blocks would share the groups out too unevenly (and a rank might get
 # none): every rank then reads every block and takes every world_size-th group of the one stream (plan.py).
 MIN_BLOCKS_PER_RANK = 4
-_TAG_BLOCKS, _TAG_WINDOW = 1, 2  # random streams: block order, window permutation
+TAG_BLOCKS, TAG_WINDOW = 1, 2  # random streams: block order, window permutation
 
 FILTER_KEYS = (
     "groups_examined",

@@ -9,7 +9,7 @@ groups left empty, then (optionally) groups whose remaining rewards are all equa
 no GRPO signal; a group of one row is one). The counts are of the groups this rank examined.
 
 The policy version may change between steps (:meth:`RolloutLoader.set_current_version`); a step is
-always planned with the version in effect when the trainer asks for it: a :class:`_Segment` records
+always planned with the version in effect when the trainer asks for it: a :class:`Segment` records
 the range of versions its staleness decisions hold for, and a prefetched step is re-planned when a
 version change falls outside it.
 """
@@ -28,11 +28,11 @@ from rollshard.store.format.groups import is_zero_variance
 from rollshard.store.loader.config import FILTER_KEYS, NO_VERSION, LoaderConfig
 
 if TYPE_CHECKING:
-    from rollshard.store.loader.read import _BlockData
+    from rollshard.store.loader.read import BlockData
 
 
 @dataclasses.dataclass(frozen=True)
-class _Filters:
+class Filters:
     statuses: pa.Array
     agents: pa.Array | None
     staleness: bool
@@ -40,7 +40,7 @@ class _Filters:
     routing: bool = False  # read the schema 1.2 routed_experts column where a shard has it
 
     @classmethod
-    def of(cls, cfg: LoaderConfig) -> "_Filters":
+    def of(cls, cfg: LoaderConfig) -> "Filters":
         return cls(
             statuses=pa.array(list(cfg.statuses), pa.string()),
             agents=None if cfg.agents is None else pa.array(list(cfg.agents), pa.string()),
@@ -54,12 +54,12 @@ class _Filters:
 def _versions(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
     idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
-    parsed = [_parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()]
+    parsed = [parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()]
     values = np.array(parsed + [NO_VERSION], np.int64)
     return values[idx]  # index -1 (null) picks NO_VERSION
 
 
-def _oldest_versions(small: pa.Table) -> np.ndarray:
+def oldest_versions(small: pa.Table) -> np.ndarray:
     """[rows] each row's oldest policy version: its ``weight_version``, or the least of its tokens' spans
     (``weight_versions``: a request continued across a weight update has several) when older; NO_VERSION when
     the row has no version."""
@@ -79,7 +79,7 @@ def _oldest_versions(small: pa.Table) -> np.ndarray:
     return oldest
 
 
-def _parse_version(version: Any, what: str) -> int:
+def parse_version(version: Any, what: str) -> int:
     try:
         return int(version)
     except (TypeError, ValueError) as e:
@@ -90,14 +90,14 @@ def _parse_version(version: Any, what: str) -> int:
 
 
 
-class _Segment:
+class Segment:
     """The rows examined while planning one step: counts by reason, and the versions the plan holds for.
 
     A plan made with staleness threshold ``t`` (keep rows with version >= t) is the same plan for any
     threshold in ``(lo, hi]``: ``lo`` is the newest version dropped as stale, ``hi`` the oldest kept.
     """
 
-    def __init__(self, threshold: int | None, filters: _Filters):
+    def __init__(self, threshold: int | None, filters: Filters):
         self.threshold, self.filters = threshold, filters
         self.lo, self.hi = -math.inf, math.inf
         self.counts = dict.fromkeys(FILTER_KEYS, 0)
@@ -105,7 +105,7 @@ class _Segment:
     def holds_for(self, threshold: int | None) -> bool:
         return threshold is None or self.lo < threshold <= self.hi
 
-    def examine(self, bd: _BlockData, j: int) -> np.ndarray | None:
+    def examine(self, bd: BlockData, j: int) -> np.ndarray | None:
         """Rows of group ``j`` of ``bd`` that pass every filter, or None when the group is dropped."""
         c, rows = self.counts, bd.group_rows[j]
         c["groups_examined"] += 1
@@ -146,13 +146,13 @@ class _Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Version:
+class PolicyVersion:
     text: str | None = None
     threshold: int | None = None  # keep rows with weight_version >= threshold (None: no staleness filter)
 
 
-class _VersionBox:
+class VersionBox:
     """The trainer's current policy version, shared with the producer thread."""
 
     def __init__(self) -> None:
-        self.current = _Version()
+        self.current = PolicyVersion()

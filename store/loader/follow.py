@@ -5,7 +5,7 @@ queue between them. :class:`FollowLoader` takes the shards in commit order (the 
 then the path), each one whole as soon as a manifest lists it, never before: a shard is part of the
 dataset only once committed (store/format/manifest.py), and no group spans two shards. Each shard's bytes are
 checked against its manifest's sha256 and its rows against the schema's invariants before any row of it
-reaches a step; the filters and the packing are the streaming loader's (filters.py, pack.py), so a step
+reaches a step; the filters and the packing are the streaming loader's (filters.py, assemble.py), so a step
 here is the step :class:`~rollshard.store.loader.RolloutLoader` would build from the same groups.
 
 Order: groups in the order they were committed (oldest first, no shuffle): a follower trains on what is
@@ -39,12 +39,12 @@ import pyarrow.parquet as pq
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import DataError
 from rollshard.store.io.live import is_complete
-from rollshard.store.loader.blocks import _Block
+from rollshard.store.loader.assemble import make_step
+from rollshard.store.loader.blocks import Block
 from rollshard.store.loader.config import LoaderConfig, LoaderStateError, Step
-from rollshard.store.loader.filters import _Filters, _parse_version, _Segment
-from rollshard.store.loader.pack import make_step
+from rollshard.store.loader.filters import Filters, Segment, parse_version
 from rollshard.store.loader.protocol import StepLoader
-from rollshard.store.loader.read import _BlockData, _read_block
+from rollshard.store.loader.read import BlockData, read_block
 from rollshard.store.format.manifest import ShardInfo, load_manifests
 from rollshard.store.io.storage import Storage
 
@@ -84,7 +84,7 @@ class FollowLoader(StepLoader):
         self.rank, self.world_size = 0, 1
         self.storage = path if isinstance(path, Storage) else Storage(path)
         self.poll_s, self.wait_s = poll_s, wait_s
-        self._filters = _Filters.of(config)
+        self._filters = Filters.of(config)
         self._used: list[str] = []  # shards every group of which was taken (examined), in the order taken
         self._partial: str | None = None  # the shard in use (some of its groups taken)
         self._next_group = 0  # its next group
@@ -109,7 +109,7 @@ class FollowLoader(StepLoader):
     def set_current_version(self, version: str | int) -> None:
         threshold = None
         if self.config.max_staleness is not None:
-            threshold = _parse_version(version, "current_version") - self.config.max_staleness
+            threshold = parse_version(version, "current_version") - self.config.max_staleness
         self._version_text, self._threshold = str(version), threshold
 
     @property
@@ -174,8 +174,8 @@ class FollowLoader(StepLoader):
         self._stop = False
         used, self._partial, self._next_group = self._mark  # from the last step taken
         del self._used[used:]
-        pending: list[tuple[_BlockData, int, np.ndarray]] = []
-        segment = _Segment(self._threshold, self._filters)
+        pending: list[tuple[BlockData, int, np.ndarray]] = []
+        segment = Segment(self._threshold, self._filters)
         waited = 0.0
         for info, bd, waited_for in self._shards():
             waited += waited_for
@@ -193,7 +193,7 @@ class FollowLoader(StepLoader):
                     self._set_mark()
                     yield self._step(pending, segment, waited)
                     pending, waited = [], 0.0
-                    segment = _Segment(self._threshold, self._filters)  # the version may have moved
+                    segment = Segment(self._threshold, self._filters)  # the version may have moved
         if self._stop:  # a stop while waiting: the groups read for the next step stay for a resume
             return
         self._set_mark()  # the end: the last groups are trained (tail "partial") or dropped, and counted
@@ -211,7 +211,7 @@ class FollowLoader(StepLoader):
         """The cursor as it stands is that of a step taken (what :meth:`state_dict` reports)."""
         self._mark = (len(self._used), self._partial, self._next_group)
 
-    def _step(self, pending, segment: _Segment, waited: float) -> Step:
+    def _step(self, pending, segment: Segment, waited: float) -> Step:
         step = make_step(pending, segment.counts, epoch=0, index=self._steps, cfg=self.config)
         step.metrics["follow_wait_s"] = waited
         self._steps += 1
@@ -222,7 +222,7 @@ class FollowLoader(StepLoader):
         self._dataset = RolloutDataset(self.storage, load_manifests(self.storage))
         return self._dataset
 
-    def _shards(self) -> Iterator[tuple[ShardInfo, _BlockData, float]]:
+    def _shards(self) -> Iterator[tuple[ShardInfo, BlockData, float]]:
         """The shards not used up, read and checked, each with the seconds waited for its commit: the one in
         use first, then in commit order; the iteration ends when the dataset is complete (or at a stop)."""
         taken = set(self._used)
@@ -245,7 +245,7 @@ class FollowLoader(StepLoader):
             taken.add(info.path)
             yield info, self._read(info), time.monotonic() - started
 
-    def _read(self, info: ShardInfo) -> _BlockData:
+    def _read(self, info: ShardInfo) -> BlockData:
         """The shard's bytes checked against its manifest, its rows against the invariants, as one block."""
         data = self.storage.read_bytes(info.path)
         if self.config.verify_data and hashlib.sha256(data).hexdigest() != info.sha256:
@@ -257,5 +257,5 @@ class FollowLoader(StepLoader):
             pf = pq.ParquetFile(pa.BufferReader(data))
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"{info.path}: not readable: {' '.join(str(e).split())}") from e
-        block = _Block(shard=0, row_groups=tuple(range(pf.metadata.num_row_groups)), num_groups=info.groups)
-        return _read_block(pf, block, self._filters, info.path, check=self.config.verify_data)
+        block = Block(shard=0, row_groups=tuple(range(pf.metadata.num_row_groups)), num_groups=info.groups)
+        return read_block(pf, block, self._filters, info.path, check=self.config.verify_data)

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.io.integrity import check_column_types, open_shard, verify_sha256
-from rollshard.store.loader.blocks import _Block, _hashes, _read_group_ids, _shard_blocks
+from rollshard.store.loader.blocks import Block, hash_group_ids, read_group_ids, shard_blocks
 from rollshard.store.loader.config import SAMPLING_COLUMNS, SMALL_COLUMNS, TOKEN_COLUMNS, LoaderConfig
-from rollshard.store.loader.filters import _Filters, _parse_version, _Segment
-from rollshard.store.loader.read import _read_block
+from rollshard.store.loader.filters import Filters, Segment, parse_version
+from rollshard.store.loader.read import read_block
 from rollshard.store.format.manifest import ShardInfo
 from rollshard.store.io.storage import Storage
 
@@ -68,10 +68,10 @@ def hf_groups(dataset: RolloutDataset | str | os.PathLike, config: LoaderConfig 
 
 def _hf_generate(shards: list[dict], root: str, config: dict) -> Iterator[dict]:
     cfg = LoaderConfig(**config)
-    filters = _Filters.of(cfg)
+    filters = Filters.of(cfg)
     threshold = None
     if cfg.max_staleness is not None:
-        threshold = _parse_version(cfg.current_version, "current_version") - cfg.max_staleness
+        threshold = parse_version(cfg.current_version, "current_version") - cfg.max_staleness
     storage = Storage(root)
     for info in map(ShardInfo.from_dict, shards):
         f, pf = open_shard(storage, info)
@@ -82,10 +82,10 @@ def _hf_generate(shards: list[dict], root: str, config: dict) -> Iterator[dict]:
             yield from _hf_shard_groups(pf, info.path, filters, threshold, cfg.verify_data)
 
 
-def _hf_shard_groups(pf: pq.ParquetFile, shard: str, filters: _Filters, threshold, check: bool) -> Iterator[dict]:
-    for rgs, n in _shard_blocks([_hashes(ids) for ids in _read_group_ids(pf, shard)]):
-        bd = _read_block(pf, _Block(shard=-1, row_groups=rgs, num_groups=n), filters, shard, check)
-        seg = _Segment(threshold, filters)
+def _hf_shard_groups(pf: pq.ParquetFile, shard: str, filters: Filters, threshold, check: bool) -> Iterator[dict]:
+    for rgs, n in shard_blocks([hash_group_ids(ids) for ids in read_group_ids(pf, shard)]):
+        bd = read_block(pf, Block(shard=-1, row_groups=rgs, num_groups=n), filters, shard, check)
+        seg = Segment(threshold, filters)
         for j in range(len(bd.group_ids)):
             rows = seg.examine(bd, j)
             if rows is None:

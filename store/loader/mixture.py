@@ -80,31 +80,29 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from rollshard.store.io.dataset import RolloutDataset
-from rollshard.store.loader import (
+from rollshard.store.loader.assemble import make_step
+from rollshard.store.loader.config import (
     FILTER_KEYS,
     MIXTURE_STATE_FORMAT,
     STATE_VERSION,
     LoaderConfig,
     LoaderStateError,
-    NoStepError,
-    NoStepWarning,
-    RolloutLoader,
     Step,
-    _BlockData,
-    _Cursor,
-    _EpochEnd,
-    _Item,
-    _Segment,
-    _StepLoader,
-    _Stream,
     Sync,
-    _VersionBox,
+)
+from rollshard.store.loader.filters import Segment, VersionBox
+from rollshard.store.loader.plan import Cursor, EpochEnd, ProducerItem
+from rollshard.store.loader.protocol import NoStepError, NoStepWarning
+from rollshard.store.loader.read import BlockData
+from rollshard.store.loader.steps import (
+    PrefetchingLoader,
+    RolloutLoader,
     check_state_header,
     check_state_settings,
-    make_step,
     open_stream,
     own_state,
 )
+from rollshard.store.loader.stream import GroupStream
 
 __all__ = ["MixtureLoader", "Source", "allocate", "open_loader", "parse_sources", "sources_text"]
 
@@ -273,14 +271,14 @@ class _MixCursor:
 class _Segments:
     """The staleness validity of a step planned from several sources: every source's plan must hold."""
 
-    def __init__(self, segs: list[_Segment]):
+    def __init__(self, segs: list[Segment]):
         self.segs = segs
 
     def holds_for(self, threshold: int | None) -> bool:
         return all(s.holds_for(threshold) for s in self.segs)
 
 
-class MixtureLoader(_StepLoader):
+class MixtureLoader(PrefetchingLoader):
     """Iterable of :class:`Step` drawn from several datasets by weight; see the module docstring.
 
     The same interface as :class:`RolloutLoader` (iteration from the cursor, ``state_dict``,
@@ -406,7 +404,7 @@ class MixtureLoader(_StepLoader):
         for st in getattr(self, "_streams", None) or []:
             st.checksums.close()
 
-    def _produce(self) -> Callable[[threading.Event], Iterator[_Item]]:
+    def _produce(self) -> Callable[[threading.Event], Iterator[ProducerItem]]:
         # the thread holds the mixer and a view of the version, never the loader, so an abandoned loader is freed
         mixer = _Mixer(self._streams, self.names, self.weights, self.config, self.rank, self.world_size)
         start, counts, version = self._cursor, dict(self._epoch_counts), self._version
@@ -435,14 +433,14 @@ class _Mixer:
     """This rank's mixed step stream, as a deterministic function of the cursor."""
 
     def __init__(
-        self, streams: list[_Stream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int
+        self, streams: list[GroupStream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int
     ):
         self.streams, self.names, self.weights, self.cfg = streams, tuple(names), weights, cfg
         self.rank, self.world_size = rank, world_size
 
     def items(
-        self, start: _MixCursor, counts: dict, preloaded: dict, held: dict, version: _VersionBox, stop: threading.Event
-    ) -> Iterator[_Item]:
+        self, start: _MixCursor, counts: dict, preloaded: dict, held: dict, version: VersionBox, stop: threading.Event
+    ) -> Iterator[ProducerItem]:
         if start.ended:
             return
         cfg, full = self.cfg, self.cfg.groups_per_step
@@ -450,13 +448,13 @@ class _Mixer:
         readers, gens = [], []
         try:
             for i, st in enumerate(self.streams):
-                at = _Cursor(cur[i]["epoch"], cur[i]["position"], 0)
+                at = Cursor(cur[i]["epoch"], cur[i]["position"], 0)
                 readers.append(st.reader(at, preloaded.get(i, {})))
                 gens.append(st.groups(at, readers[-1], held[i], stop))
             stats: collections.Counter = collections.Counter(counts)
             step = start.step
-            new_segs = lambda: [_Segment(version.current.threshold, st.filters) for st in self.streams]  # noqa: E731
-            pending: list[tuple[_BlockData, int, np.ndarray]] = []
+            new_segs = lambda: [Segment(version.current.threshold, st.filters) for st in self.streams]  # noqa: E731
+            pending: list[tuple[BlockData, int, np.ndarray]] = []
             owners: list[int] = []
             segs = new_segs()
             epochs_ended = [False]
@@ -473,7 +471,7 @@ class _Mixer:
                     yield self._step(pending, owners, segs, after, step, stats, stop, self._cursor(cur, step, True))
                     step += 1
                     if epochs_ended[0]:  # epoch_stats follows the sources' epochs (module docstring)
-                        yield _Item(step=None, cursor=after, epoch_counts=dict(stats), segment=_Segments(new_segs()))
+                        yield ProducerItem(step=None, cursor=after, epoch_counts=dict(stats), segment=_Segments(new_segs()))
                         epochs_ended[0] = False
                     pending, owners, segs = [], [], new_segs()
             stats[f"source/{self.names[i]}/exhausted"] = 1
@@ -495,18 +493,18 @@ class _Mixer:
                     stacklevel=2,
                 )
             end = self._cursor(cur, step, ended=True)
-            yield _Item(step=None, cursor=end, epoch_counts=dict(stats), segment=_Segments(segs), end=True)
+            yield ProducerItem(step=None, cursor=end, epoch_counts=dict(stats), segment=_Segments(segs), end=True)
         finally:
             for g in gens:
                 g.close()
             for r in readers:
                 r.close()
 
-    def _draw(self, i: int, gen, seg: _Segment, c: dict, stats: collections.Counter, epochs_ended: list[bool]):
+    def _draw(self, i: int, gen, seg: Segment, c: dict, stats: collections.Counter, epochs_ended: list[bool]):
         """The next group of source ``i`` that passes its filters, ``(block, index, rows kept)``; None when the
         source has run its epochs."""
         for g in gen:
-            if isinstance(g, _EpochEnd):
+            if isinstance(g, EpochEnd):
                 name = self.names[i]
                 if c["kept"] == 0 and self.cfg.num_epochs is None:
                     raise NoStepError(
@@ -529,7 +527,7 @@ class _Mixer:
     def _cursor(cur: list[dict], step: int, ended: bool = False) -> _MixCursor:
         return _MixCursor(sources=tuple(_SourceCursor(**c) for c in cur), step=step, ended=ended)
 
-    def _count(self, stats: collections.Counter, segs: list[_Segment]) -> dict[str, int]:
+    def _count(self, stats: collections.Counter, segs: list[Segment]) -> dict[str, int]:
         """Add the segments' filter counts to the run's (in total and per source); return their total."""
         total = dict.fromkeys(FILTER_KEYS, 0)
         for name, seg in zip(self.names, segs):
@@ -539,10 +537,10 @@ class _Mixer:
         stats.update(total)
         return total
 
-    def _step(self, pending, owners, segs, after: _MixCursor, index: int, stats, stop, ended: _MixCursor) -> _Item:
+    def _step(self, pending, owners, segs, after: _MixCursor, index: int, stats, stop, ended: _MixCursor) -> ProducerItem:
         """The step of ``pending``, with the end to take instead (``ended``) when another rank has no step."""
         for i, st in enumerate(self.streams):  # each source's shards, by its own checksums
-            st._verified([p for p, o in zip(pending, owners) if o == i], stop)
+            st.wait_verified([p for p, o in zip(pending, owners) if o == i], stop)
         counts = self._count(stats, segs)
         stats["steps"] += 1
         for o in owners:
@@ -556,5 +554,5 @@ class _Mixer:
         for o in owners:
             cut[f"source/{self.names[o]}/groups"] -= 1
             cut[f"source/{self.names[o]}/tail_dropped_groups"] += 1
-        end = _Item(step=None, cursor=ended, epoch_counts=dict(cut), segment=_Segments(segs), end=True)
-        return _Item(step=step, cursor=after, epoch_counts=dict(stats), segment=_Segments(segs), cut=end)
+        end = ProducerItem(step=None, cursor=ended, epoch_counts=dict(cut), segment=_Segments(segs), end=True)
+        return ProducerItem(step=step, cursor=after, epoch_counts=dict(stats), segment=_Segments(segs), cut=end)

@@ -232,12 +232,12 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
     zeros_u8, zeros_f32 = np.zeros(longest, np.uint8), np.zeros(longest, np.float32)
     idx, prompt_lens = order.tolist(), p_len.tolist()
     # Three [T] arrays: the position ids and the temperature are per sequence, derived by the consumer.
-    input_ids = _pooled(total, np.int64)  # [T]
+    input_ids = pooled_array(total, np.int64)  # [T]
     np.concatenate([t for i in idx for t in (seqs.prompt[i], seqs.response[i])], out=input_ids)
-    loss_mask = _pooled(total, np.float32)  # [T]
+    loss_mask = pooled_array(total, np.float32)  # [T]
     masks = [t for i, n in zip(idx, prompt_lens) for t in (zeros_u8[:n], _trainable(seqs.mask[i], n))]
     np.concatenate(masks, out=loss_mask)
-    logprobs = _pooled(total, np.float32)  # [T]
+    logprobs = pooled_array(total, np.float32)  # [T]
     np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
     temp = seqs.temperature[order]  # [S]
     temperatures = torch.from_numpy(np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
@@ -353,7 +353,7 @@ def _routing(seqs: Sequences, ids: list[int], T: int) -> dict[str, torch.Tensor]
     return {"routed_experts": torch.from_numpy(ids_out), "routed_valid": torch.from_numpy(valid)}
 
 
-def _pooled(n: int, dtype) -> np.ndarray:
+def pooled_array(n: int, dtype) -> np.ndarray:
     """An uninitialized writable array in Arrow's memory pool (freed when the last tensor view goes)."""
     dtype = np.dtype(dtype)
     return np.frombuffer(pa.allocate_buffer(n * dtype.itemsize), dtype)

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollshard.store.loader.blocks import _Block
-from rollshard.store.loader.config import _TAG_BLOCKS, _TAG_WINDOW, MIN_BLOCKS_PER_RANK, LoaderConfig, Step
+from rollshard.store.loader.blocks import Block
+from rollshard.store.loader.config import MIN_BLOCKS_PER_RANK, TAG_BLOCKS, TAG_WINDOW, LoaderConfig, Step
 
 if TYPE_CHECKING:
-    from rollshard.store.loader.filters import _Segment
+    from rollshard.store.loader.filters import Segment
 
 
 def _random_keys(n: int, *words: int) -> np.ndarray:
@@ -127,13 +127,13 @@ def share_out(weights: np.ndarray, sizes: np.ndarray, world_size: int, target: i
     return pieces, shares, len(owner) - k
 
 
-class _EpochPlan:
+class EpochPlan:
     """Block order, this rank's pieces of it and their window permutations, for one epoch."""
 
-    def __init__(self, blocks: list[_Block], cfg: LoaderConfig, epoch: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, blocks: list[Block], cfg: LoaderConfig, epoch: int, rank: int = 0, world_size: int = 1):
         self.cfg, self.epoch = cfg, epoch
         n, w = len(blocks), world_size
-        keys = _random_keys(n, cfg.seed, epoch, _TAG_BLOCKS)
+        keys = _random_keys(n, cfg.seed, epoch, TAG_BLOCKS)
         self.order = np.argsort(keys, kind="stable") if cfg.shuffle else np.arange(n)  # every rank's, [n]
         sizes = np.array([blocks[b].num_groups for b in self.order], np.int64)  # [n]
         self.shared = shared(n, w)
@@ -187,26 +187,26 @@ class _EpochPlan:
         lo, hi = self.bounds(k)
         if not self.cfg.shuffle:
             return np.arange(hi - lo)
-        return np.argsort(_random_keys(hi - lo, self.cfg.seed, self.epoch, _TAG_WINDOW, k), kind="stable")
+        return np.argsort(_random_keys(hi - lo, self.cfg.seed, self.epoch, TAG_WINDOW, k), kind="stable")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cursor:
+class Cursor:
     epoch: int = 0
     position: int = 0  # raw groups of this rank's epoch stream already examined
     step: int = 0  # index of the next step
 
 
 @dataclasses.dataclass(frozen=True)
-class _EpochEnd:
-    """Marks the end of an epoch in :meth:`_Stream.groups`."""
+class EpochEnd:
+    """Marks the end of an epoch in :meth:`GroupStream.groups`."""
 
     epoch: int
     num_groups: int  # raw groups of this rank's epoch stream
 
 
 @dataclasses.dataclass
-class _Item:
+class ProducerItem:
     """What the producer hands over: a step (or an epoch end, or new counts), the cursor after it, its validity.
 
     ``end``: the item ends this rank's epoch (the mixture: the run). ``cut``: for a step, the epoch end to take
@@ -215,9 +215,9 @@ class _Item:
     """
 
     step: Step | None
-    cursor: _Cursor
+    cursor: Cursor
     epoch_counts: dict[str, int]
-    segment: "_Segment"
+    segment: "Segment"
     end: bool = False
-    cut: "_Item | None" = None
+    cut: "ProducerItem | None" = None
     counts_after: dict[str, int] | None = None  # the counts the cursor carries on (None: ``epoch_counts``)

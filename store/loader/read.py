@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 
 from rollshard.store.common import DataError, one_line
 from rollshard.store.io.integrity import VALIDATE, check_rows, sampling_columns
-from rollshard.store.loader.blocks import _Block
+from rollshard.store.loader.blocks import Block
 from rollshard.store.loader.config import SMALL_COLUMNS, SPAN_COLUMNS, TOKEN_COLUMNS
-from rollshard.store.loader.filters import _Filters, _oldest_versions
+from rollshard.store.loader.filters import Filters, oldest_versions
 from rollshard.store.format.routing import ROUTING_COLUMN, RoutingShape, flat_bytes
 from rollshard.store.format.schema import config_of
 
@@ -33,13 +33,13 @@ def _bool(arr: pa.Array) -> np.ndarray:
     return arr.fill_null(False).to_numpy(zero_copy_only=False)
 
 
-class _BlockData:
+class BlockData:
     """One block in memory: the filter columns as numpy, token columns as flat values + offsets."""
 
     shard: int = -1  # index in dataset.shards (-1: read outside a loader)
     checks: list = []  # the checks of its bytes (store/io/integrity.py Job) a step drawing from it waits for
 
-    def __init__(self, small: pa.Table, filters: _Filters):
+    def __init__(self, small: pa.Table, filters: Filters):
         enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance
         codes = enc.indices.to_numpy()
         self.group_ids: list[str] = enc.dictionary.to_pylist()
@@ -49,7 +49,7 @@ class _BlockData:
         self.pass_agent = None
         if filters.agents is not None:
             self.pass_agent = _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
-        self.version = _oldest_versions(small) if filters.staleness else None
+        self.version = oldest_versions(small) if filters.staleness else None
         self.reward = small.column("reward").to_numpy().astype(np.float32)  # null (failed rows) -> NaN
         self.temperature = small.column("temperature").to_numpy().astype(np.float32)  # null -> NaN
         self.sample_id: list[str] = small.column("sample_id").to_pylist()
@@ -111,7 +111,7 @@ class _BlockData:
 
 
 
-def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str, check: bool = True) -> _BlockData:
+def read_block(pf: pq.ParquetFile, block: Block, filters: Filters, shard: str, check: bool = True) -> BlockData:
     """Column projection: the filter columns first, the token columns only when some row passes.
 
     With ``check``, the rows read are checked (:func:`rollshard.store.io.integrity.check_rows`) before
@@ -136,7 +136,7 @@ def _read_block(pf: pq.ParquetFile, block: _Block, filters: _Filters, shard: str
                    {n: tokens.column(n) for n in tokens.column_names})}
         check_rows(pa.table(columns), where, routing)
     try:
-        data = _BlockData(small, filters)
+        data = BlockData(small, filters)
     except DataError:
         raise
     except ValueError as e:  # a weight_version the staleness filter cannot read: name the block
@@ -162,7 +162,7 @@ def _one_chunk(table: pa.Table) -> pa.Table:
     return pa.table({n: _single(table.column(n)) for n in table.column_names})
 
 
-def _passes(small: pa.Table, filters: _Filters) -> np.ndarray:
+def _passes(small: pa.Table, filters: Filters) -> np.ndarray:
     """[rows] whether a row passes the status and agent filters (those that decide whether tokens are read)."""
     ok = _bool(pc.is_in(_single(small.column("status")), value_set=filters.statuses))
     if filters.agents is not None:

@@ -1,6 +1,6 @@
 """The loaders: iteration from the cursor on a producer thread, the agreement between ranks, exact resume.
 
-:class:`_StepLoader` is what :class:`RolloutLoader` (one dataset) and store/loader/mixture.py's
+:class:`PrefetchingLoader` is what :class:`RolloutLoader` (one dataset) and store/loader/mixture.py's
 ``MixtureLoader`` share: the producer thread, the cursor, the policy version, and the ``sync``
 agreement callback, called on the iterating thread (the trainer's) once for every step a rank is
 about to yield and once for every end of its epoch, so the same number of times on every rank.
@@ -13,8 +13,8 @@ import threading
 from typing import Any, Callable, Iterator
 
 from rollshard.store.io.dataset import RolloutDataset
-from rollshard.store.loader.background import _END, _Background
-from rollshard.store.loader.blocks import _scan_blocks
+from rollshard.store.loader.background import END, Background
+from rollshard.store.loader.blocks import scan_blocks
 from rollshard.store.loader.config import (
     MIXTURE_STATE_FORMAT,
     STATE_FORMAT,
@@ -28,17 +28,17 @@ from rollshard.store.loader.config import (
     Step,
     Sync,
 )
-from rollshard.store.loader.filters import _parse_version, _Version, _VersionBox
-from rollshard.store.loader.plan import _Cursor, _Item
+from rollshard.store.loader.filters import PolicyVersion, VersionBox, parse_version
+from rollshard.store.loader.plan import Cursor, ProducerItem
 from rollshard.store.loader.protocol import StepLoader
-from rollshard.store.loader.stream import _Stream
+from rollshard.store.loader.stream import GroupStream
 
 
-class _StepLoader(StepLoader):
+class PrefetchingLoader(StepLoader):
     """What every loader of steps shares: the producer thread, iteration from the cursor, the policy version.
 
     A subclass sets ``config``, ``rank``, ``world_size``, ``_cursor``, ``_epoch_counts`` and implements
-    :meth:`_produce` (a function of the stop event that yields :class:`_Item`, holding no reference to the
+    :meth:`_produce` (a function of the stop event that yields :class:`ProducerItem`, holding no reference to the
     loader), :meth:`state_dict`, :meth:`load_state_dict` and :meth:`_close_streams`.
     """
 
@@ -61,11 +61,11 @@ class _StepLoader(StepLoader):
         return config
 
     def _init_common(self) -> None:
-        self._version = _VersionBox()
+        self._version = VersionBox()
         if self.config.current_version is not None:
             self.set_current_version(self.config.current_version)
         self._epoch_stats: dict[str, float] = {}  # counts of the last finished epoch (incl. tail_dropped_groups)
-        self._producer: _Background | None = None
+        self._producer: Background | None = None
         self._held: dict = {}  # the producer's current window of blocks (reused by a restart)
 
     # -- public API ---------------------------------------------------------------------------
@@ -79,8 +79,8 @@ class _StepLoader(StepLoader):
         """The trainer's policy version; steps planned from now on filter staleness against it."""
         threshold = None
         if self.config.max_staleness is not None:
-            threshold = _parse_version(version, "current_version") - self.config.max_staleness
-        self._version.current = _Version(str(version), threshold)  # one assignment: read unlocked by the producer
+            threshold = parse_version(version, "current_version") - self.config.max_staleness
+        self._version.current = PolicyVersion(str(version), threshold)  # one assignment: read unlocked by the producer
 
     @property
     def current_version(self) -> str | None:
@@ -118,11 +118,11 @@ class _StepLoader(StepLoader):
     def _close_streams(self) -> None:
         raise NotImplementedError
 
-    def _produce(self) -> Callable[[threading.Event], Iterator[_Item]]:
+    def _produce(self) -> Callable[[threading.Event], Iterator[ProducerItem]]:
         raise NotImplementedError
 
-    def _start_producer(self) -> _Background:
-        self._producer = _Background(self._produce(), self.config.prefetch, f"rollshard-loader-steps-{self.rank}")
+    def _start_producer(self) -> Background:
+        self._producer = Background(self._produce(), self.config.prefetch, f"rollshard-loader-steps-{self.rank}")
         return self._producer
 
     def _stop_producer(self) -> None:
@@ -130,14 +130,14 @@ class _StepLoader(StepLoader):
             self._producer.close()
             self._producer = None
 
-    def _steps(self, producer: _Background) -> Iterator[Step]:
+    def _steps(self, producer: Background) -> Iterator[Step]:
         self._agreement_done = False  # the agreement itself failed or answered "a rank failed": say nothing more
         try:
             while True:
                 if self._producer is not producer:
                     raise RuntimeError("this loader iterator was replaced by a newer iter() or load_state_dict()")
                 item = producer.get()
-                if item is _END:
+                if item is END:
                     return
                 if not item.segment.holds_for(self._version.current.threshold):
                     # the policy version moved past a staleness decision of this prefetched step: re-plan it
@@ -188,7 +188,7 @@ class _StepLoader(StepLoader):
             )
         return least == SYNC_STEP
 
-    def _take(self, item: _Item) -> None:
+    def _take(self, item: ProducerItem) -> None:
         """Move the cursor past ``item``; an epoch end also becomes ``epoch_stats``."""
         self._cursor = item.cursor
         self._epoch_counts = item.epoch_counts if item.counts_after is None else dict(item.counts_after)
@@ -262,7 +262,7 @@ def check_state_settings(state: dict, mine: dict) -> None:
             )
 
 
-class RolloutLoader(_StepLoader):
+class RolloutLoader(PrefetchingLoader):
     """Iterable of :class:`Step`: whole GRPO groups of one rank's share, packed; see the package docstring.
 
     Iterating continues from the cursor (a new ``iter()`` picks up where the last step
@@ -286,7 +286,7 @@ class RolloutLoader(_StepLoader):
         self.dataset = dataset if isinstance(dataset, RolloutDataset) else RolloutDataset.open(dataset)
         self._stream = open_stream(self.dataset, config, rank, world_size)
         self._num_groups = self._stream.num_groups
-        self._cursor = _Cursor()
+        self._cursor = Cursor()
         self._epoch_counts: dict[str, int] = {}
         self._init_common()
 
@@ -331,7 +331,7 @@ class RolloutLoader(_StepLoader):
         check_state_header(state, STATE_FORMAT)
         check_state_settings(state, self.state_dict())
         self._stop_producer()
-        self._cursor = _Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
+        self._cursor = Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
         self._epoch_counts = dict(state.get("epoch_counts") or {})
         if state.get("current_version") is not None:
             self.set_current_version(state["current_version"])
@@ -347,7 +347,7 @@ class RolloutLoader(_StepLoader):
         if getattr(self, "_stream", None) is not None:
             self._stream.checksums.close()
 
-    def _produce(self) -> Callable[[threading.Event], Iterator[_Item]]:
+    def _produce(self) -> Callable[[threading.Event], Iterator[ProducerItem]]:
         # the thread holds the stream and a view of the version, never the loader, so an abandoned loader is freed
         stream, start, counts, version = self._stream, self._cursor, dict(self._epoch_counts), self._version
         preloaded, held = dict(self._held), {}  # copied here: a producer that outlived close() cannot touch it
@@ -355,7 +355,7 @@ class RolloutLoader(_StepLoader):
         return lambda stop: stream.items(start, counts, preloaded, held, version, stop)
 
 
-def open_stream(dataset: RolloutDataset, config: LoaderConfig, rank: int, world_size: int) -> _Stream:
+def open_stream(dataset: RolloutDataset, config: LoaderConfig, rank: int, world_size: int) -> GroupStream:
     """The group stream of one dataset (its blocks scanned and checked); the machinery a mixture draws from."""
-    return _Stream(dataset, _scan_blocks(dataset, check_types=config.verify_data), config, rank, world_size)
+    return GroupStream(dataset, scan_blocks(dataset, check_types=config.verify_data), config, rank, world_size)
 

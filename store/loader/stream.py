@@ -1,6 +1,6 @@
 """The stream: this rank's blocks read in plan order, their groups filtered and cut into steps.
 
-:meth:`_Stream.read_blocks` runs on the reader thread (``prefetch`` blocks ahead), :meth:`_Stream.items`
+:meth:`GroupStream.read_blocks` runs on the reader thread (``prefetch`` blocks ahead), :meth:`GroupStream.items`
 on the producer thread (``prefetch`` packed steps ahead); both are deterministic functions of the
 cursor, so a restart (a resume, a version change, an epoch ended by another rank) re-plans exactly.
 
@@ -18,7 +18,7 @@ once every block it draws from is verified (store/io/integrity.py :class:`Checks
 a shard whose bytes changed can cost a planned step, never a delivered one. When the manifest records the
 byte ranges (manifest version 3) the reader reads each block's row groups as one ranged read, queues the
 hash of exactly those bytes (XXH3-128 from manifest version 4 on, else sha256), and decodes the block from
-them (:func:`_held`), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
+them (:func:`block_reader`), so verifying costs no read beyond the block's own bytes; each shard's footer is checked once
 per loader, queued ``HASH_AHEAD_BLOCKS`` blocks before the reader reaches the shard. A rank thus verifies
 only the blocks it reads (every read of them), and the ranks together every byte each epoch. A shard
 whose entry lacks the ranges (an older manifest) is hashed whole, once per loader, as before.
@@ -40,24 +40,24 @@ import pyarrow.parquet as pq
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import DataError, one_line
 from rollshard.store.io.integrity import Checksums, Job, verify_ranges
-from rollshard.store.loader.background import _END, _Background, _Stopped
-from rollshard.store.loader.blocks import _Block, _open
+from rollshard.store.loader.assemble import make_step
+from rollshard.store.loader.background import END, Background, Stopped
+from rollshard.store.loader.blocks import Block, open_dataset_shard
 from rollshard.store.loader.config import HASH_AHEAD_BLOCKS, OPEN_FILES, SMALL_COLUMNS, LoaderConfig
-from rollshard.store.loader.filters import _Filters, _Segment, _VersionBox
-from rollshard.store.loader.pack import make_step
-from rollshard.store.loader.plan import _Cursor, _EpochEnd, _EpochPlan, _Item
+from rollshard.store.loader.filters import Filters, Segment, VersionBox
+from rollshard.store.loader.plan import Cursor, EpochEnd, EpochPlan, ProducerItem
 from rollshard.store.loader.protocol import NoStepError, NoStepWarning
-from rollshard.store.loader.read import _BlockData, _read_block
+from rollshard.store.loader.read import BlockData, read_block
 
 
-class _Stream:
+class GroupStream:
     """This rank's group stream and steps, as a deterministic function of the cursor."""
 
-    def __init__(self, dataset: RolloutDataset, blocks: list[_Block], cfg: LoaderConfig, rank: int, world_size: int):
+    def __init__(self, dataset: RolloutDataset, blocks: list[Block], cfg: LoaderConfig, rank: int, world_size: int):
         self.dataset, self.blocks, self.cfg = dataset, blocks, cfg
         self.rank, self.world_size = rank, world_size
-        self.filters = _Filters.of(cfg)
-        self._plans: dict[int, _EpochPlan] = {}
+        self.filters = Filters.of(cfg)
+        self._plans: dict[int, EpochPlan] = {}
         self.checksums = Checksums(
             dataset.storage, dataset.shards, f"rollshard-checksum-{rank}", by_range=True, footers=dataset.footer
         )
@@ -65,10 +65,10 @@ class _Stream:
         self._read_lock = threading.Lock()
         self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)
 
-    def plan(self, epoch: int) -> _EpochPlan:
+    def plan(self, epoch: int) -> EpochPlan:
         plan = self._plans.get(epoch)
         if plan is None:  # two threads may both build it; plans are pure, so either copy is right
-            plan = self._plans[epoch] = _EpochPlan(self.blocks, self.cfg, epoch, self.rank, self.world_size)
+            plan = self._plans[epoch] = EpochPlan(self.blocks, self.cfg, epoch, self.rank, self.world_size)
             for old in [e for e in list(self._plans) if e < epoch - 1]:  # a copy: the other thread may insert
                 self._plans.pop(old, None)
         return plan
@@ -80,8 +80,8 @@ class _Stream:
     # -- reading ------------------------------------------------------------------------------
 
     def read_blocks(
-        self, start: _Cursor, preloaded: dict, stop: threading.Event
-    ) -> Iterator[tuple[tuple[int, int], _BlockData]]:
+        self, start: Cursor, preloaded: dict, stop: threading.Event
+    ) -> Iterator[tuple[tuple[int, int], BlockData]]:
         """This rank's pieces from the start of ``start``'s window on, epoch after epoch, keyed (epoch, piece)."""
         files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
         epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
@@ -105,7 +105,7 @@ class _Stream:
             for f, _ in files.values():
                 f.close()
 
-    def _read(self, files: collections.OrderedDict, block: _Block, stop: threading.Event) -> _BlockData | None:
+    def _read(self, files: collections.OrderedDict, block: Block, stop: threading.Event) -> BlockData | None:
         """One block, checked; None when told to stop while waiting for a checksum."""
         info = self.dataset.shards[block.shard]
         shard = info.path
@@ -117,12 +117,12 @@ class _Stream:
                 rgs = [info.row_groups[r] for r in block.row_groups]
                 offset, end = rgs[0].offset, rgs[-1].offset + rgs[-1].length
                 try:
-                    held, raw = _held(f, info.bytes, offset, end, pf.metadata, block.row_groups)
+                    held, raw = block_reader(f, info.bytes, offset, end, pf.metadata, block.row_groups)
                 except OSError as e:
                     raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {one_line(e)}") from e
                 jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
                 pf = pq.ParquetFile(held, metadata=pf.metadata)
-            data = _read_block(pf, block, self.filters, shard, check=verify)
+            data = read_block(pf, block, self.filters, shard, check=verify)
             if len(data.group_ids) != block.num_groups:
                 raise DataError(
                     f"{shard}: row groups {list(block.row_groups)} hold {len(data.group_ids)} groups, "
@@ -140,7 +140,7 @@ class _Stream:
         self._count_read(block, data)
         return data
 
-    def _count_read(self, block: _Block, data: _BlockData) -> None:
+    def _count_read(self, block: Block, data: BlockData) -> None:
         footer = self.dataset.footer(block.shard)
         names = None if data.tokens is not None else set(SMALL_COLUMNS)  # None: every column read counts
         size = 0
@@ -153,7 +153,7 @@ class _Stream:
         with self._read_lock:
             self.read_stats.update(blocks=1, row_groups=len(block.row_groups), bytes=size)
 
-    def _verified(self, pending: list[tuple[_BlockData, int, np.ndarray]], stop: threading.Event) -> None:
+    def wait_verified(self, pending: list[tuple[BlockData, int, np.ndarray]], stop: threading.Event) -> None:
         """Wait until every shard and block ``pending`` draws from is verified (raises the DataError of one that is
         not): the shard's footer (or whole file, without ranges), then the block's bytes."""
         if not self.cfg.verify_data:
@@ -161,37 +161,37 @@ class _Stream:
         blocks = list({id(bd): bd for bd, _, _ in pending}.values())
         for shard in sorted({bd.shard for bd in blocks}):
             if not self.checksums.wait(shard, stop):
-                raise _Stopped
+                raise Stopped
         for bd in blocks:
             for job in bd.checks:
                 if not self.checksums.wait_job(job, stop):
-                    raise _Stopped
+                    raise Stopped
 
     def _file(self, files: collections.OrderedDict, shard: int) -> tuple[Any, pq.ParquetFile]:
         if shard in files:
             files.move_to_end(shard)
         else:
-            files[shard] = _open(self.dataset, shard)
+            files[shard] = open_dataset_shard(self.dataset, shard)
             if len(files) > OPEN_FILES:
                 files.popitem(last=False)[1][0].close()
         return files[shard]
 
-    def reader(self, start: _Cursor, preloaded: dict) -> _Background:
+    def reader(self, start: Cursor, preloaded: dict) -> Background:
         """The block reader thread from the start of ``start``'s window on (``preloaded``: blocks in memory)."""
-        return _Background(
+        return Background(
             lambda s: self.read_blocks(start, preloaded, s), self.cfg.prefetch, f"rollshard-loader-read-{self.rank}"
         )
 
     # -- groups and steps ---------------------------------------------------------------------
 
     def groups(
-        self, start: _Cursor, reader: _Background, held: dict, stop: threading.Event
-    ) -> Iterator[tuple[int, int, _BlockData, int] | _EpochEnd]:
+        self, start: Cursor, reader: Background, held: dict, stop: threading.Event
+    ) -> Iterator[tuple[int, int, BlockData, int] | EpochEnd]:
         """This rank's raw group stream from ``start`` on (before any filter), epoch after epoch.
 
         Yields ``(epoch, position after the group, block, index of the group in the block)`` for each group,
-        and an :class:`_EpochEnd` after each epoch's last. ``held`` holds the current window's blocks (read
-        through ``reader``); it is emptied when the epoch after an _EpochEnd is asked for.
+        and an :class:`EpochEnd` after each epoch's last. ``held`` holds the current window's blocks (read
+        through ``reader``); it is emptied when the epoch after an EpochEnd is asked for.
         """
         epoch, position = start.epoch, start.position
         while self.cfg.num_epochs is None or epoch < self.cfg.num_epochs:
@@ -206,19 +206,19 @@ class _Stream:
                         continue
                     i, q = int(where[perm[p]]), lo + int(perm[p])
                     yield epoch, lo + p + 1, held[(epoch, i)], int(plan.piece_start[i]) + q - int(plan.cum[i])
-            yield _EpochEnd(epoch=epoch, num_groups=plan.num_groups)
+            yield EpochEnd(epoch=epoch, num_groups=plan.num_groups)
             epoch, position = epoch + 1, 0
             held.clear()
 
     def items(
         self,
-        start: _Cursor,
+        start: Cursor,
         counts: dict[str, int],
         preloaded: dict,
         held: dict,
-        version: _VersionBox,
+        version: VersionBox,
         stop: threading.Event,
-    ) -> Iterator[_Item]:
+    ) -> Iterator[ProducerItem]:
         """Steps and epoch ends from ``start`` on: :meth:`groups` filtered and cut into this rank's steps.
 
         ``preloaded``: blocks already in memory, by (epoch, piece); ``held`` receives the blocks of the
@@ -235,71 +235,71 @@ class _Stream:
             counts, preloaded = {}, {}
             held.clear()
 
-    def _epochs(self, start: _Cursor, counts, gen, version: _VersionBox, stop) -> Iterator[_Item]:
+    def _epochs(self, start: Cursor, counts, gen, version: VersionBox, stop) -> Iterator[ProducerItem]:
         """The items of :meth:`items` until an epoch ends at its step cap; returns the cursor to go on from then
         (None: the stream is done)."""
         cfg = self.cfg
         step = start.step
         epoch_counts = collections.Counter(counts)
-        pending: list[tuple[_BlockData, int, np.ndarray]] = []
-        seg = _Segment(version.current.threshold, self.filters)
+        pending: list[tuple[BlockData, int, np.ndarray]] = []
+        seg = Segment(version.current.threshold, self.filters)
         for g in gen:
-            if isinstance(g, _EpochEnd):
+            if isinstance(g, EpochEnd):
                 if pending and cfg.tail == "partial":
-                    self._verified(pending, stop)
+                    self.wait_verified(pending, stop)
                     epoch_counts.update(seg.counts)
                     epoch_counts["steps"] += 1
-                    after = _Cursor(g.epoch, g.num_groups, step + 1)
+                    after = Cursor(g.epoch, g.num_groups, step + 1)
                     yield self._item(pending, seg, after, g.epoch, step, epoch_counts, left=0)
                     step += 1
-                    pending, seg = [], _Segment(seg.threshold, self.filters)
+                    pending, seg = [], Segment(seg.threshold, self.filters)
                 epoch_counts.update(seg.counts)
                 epoch_counts["tail_dropped_groups"] += len(pending)
                 if epoch_counts["steps"] == 0:
                     self._no_step(g.epoch, epoch_counts)
-                yield self._end(epoch_counts, _Cursor(g.epoch + 1, 0, step), seg)
+                yield self._end(epoch_counts, Cursor(g.epoch + 1, 0, step), seg)
                 epoch_counts = collections.Counter()
-                pending, seg = [], _Segment(version.current.threshold, self.filters)
+                pending, seg = [], Segment(version.current.threshold, self.filters)
                 continue
             epoch, after_position, bd, j = g
             if epoch_counts["steps"] >= self.step_cap(epoch):  # resumed at the cap, or a cap of 0
                 epoch_counts["left_groups"] += self.plan(epoch).left(after_position - 1)
                 if epoch_counts["steps"] == 0:
                     self._no_step(epoch, epoch_counts)
-                yield self._end(epoch_counts, _Cursor(epoch + 1, 0, step), seg)
-                return _Cursor(epoch + 1, 0, step)
+                yield self._end(epoch_counts, Cursor(epoch + 1, 0, step), seg)
+                return Cursor(epoch + 1, 0, step)
             kept = seg.examine(bd, j)
             if kept is not None:
                 pending.append((bd, j, kept))
             if len(pending) == cfg.groups_per_step:
-                self._verified(pending, stop)
+                self.wait_verified(pending, stop)
                 epoch_counts.update(seg.counts)
                 epoch_counts["steps"] += 1
                 left = self.plan(epoch).left(after_position)
-                after = _Cursor(epoch, after_position, step + 1)
+                after = Cursor(epoch, after_position, step + 1)
                 yield self._item(pending, seg, after, epoch, step, epoch_counts, left)
                 step += 1
-                pending, seg = [], _Segment(version.current.threshold, self.filters)
+                pending, seg = [], Segment(version.current.threshold, self.filters)
                 if left and epoch_counts["steps"] >= self.step_cap(epoch):  # every rank's share allows no more
                     epoch_counts["left_groups"] += left
-                    yield self._end(epoch_counts, _Cursor(epoch + 1, 0, step), seg)
-                    return _Cursor(epoch + 1, 0, step)
+                    yield self._end(epoch_counts, Cursor(epoch + 1, 0, step), seg)
+                    return Cursor(epoch + 1, 0, step)
         return None
 
     @staticmethod
-    def _end(epoch_counts: collections.Counter, after: _Cursor, seg: _Segment) -> _Item:
+    def _end(epoch_counts: collections.Counter, after: Cursor, seg: Segment) -> ProducerItem:
         """The end of this rank's epoch: its counts for ``epoch_stats``; the next epoch starts from nothing."""
         epoch_counts.update(tail_dropped_groups=0, left_groups=0)  # present, 0 or not
-        return _Item(step=None, cursor=after, epoch_counts=dict(epoch_counts), segment=seg, end=True, counts_after={})
+        return ProducerItem(step=None, cursor=after, epoch_counts=dict(epoch_counts), segment=seg, end=True, counts_after={})
 
     @staticmethod
-    def _pull(reader: _Background, held: dict, epoch: int, first: int, last: int, stop: threading.Event) -> None:
+    def _pull(reader: Background, held: dict, epoch: int, first: int, last: int, stop: threading.Event) -> None:
         """Make ``held`` hold exactly the pieces ``first..last`` of ``epoch`` (reading them in order)."""
         for key in [key for key in held if key < (epoch, first)]:
             del held[key]
         while (epoch, last) not in held:
             item = reader.get(stop)
-            if item is _END:
+            if item is END:
                 raise RuntimeError(f"block reader ended before block {last} of epoch {epoch}")
             key, data = item
             if key >= (epoch, first):
@@ -317,12 +317,12 @@ class _Stream:
             raise NoStepError(msg)  # repeating it forever would loop without a step
         warnings.warn(msg, NoStepWarning, stacklevel=2)
 
-    def _item(self, pending, seg: _Segment, cursor: _Cursor, epoch: int, index: int, epoch_counts, left: int) -> _Item:
+    def _item(self, pending, seg: Segment, cursor: Cursor, epoch: int, index: int, epoch_counts, left: int) -> ProducerItem:
         step = make_step(pending, seg.counts, epoch=epoch, index=index, cfg=self.cfg)
         cut_counts = collections.Counter(epoch_counts)  # another rank has no step: this one ends its epoch instead
         cut_counts.update(steps=-1, tail_dropped_groups=len(pending), left_groups=left)
-        cut = self._end(cut_counts, _Cursor(epoch + 1, 0, index), seg)
-        return _Item(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg, cut=cut)
+        cut = self._end(cut_counts, Cursor(epoch + 1, 0, index), seg)
+        return ProducerItem(step=step, cursor=cursor, epoch_counts=dict(epoch_counts), segment=seg, cut=cut)
 
 
 class _RangeCheck:
@@ -341,7 +341,7 @@ class _RangeCheck:
 HELD_SLACK = 4096
 
 
-def _held(f, size: int, offset: int, end: int, footer: pq.FileMetaData | None = None,
+def block_reader(f, size: int, offset: int, end: int, footer: pq.FileMetaData | None = None,
           row_groups: tuple[int, ...] = ()) -> tuple[pa.BufferReader, memoryview]:
     """A shard as Parquet sees it when only one block's bytes are in memory (the footer comes parsed), and those
     bytes ``[offset, end)``, read straight from ``f`` (natively: a Python file object would be called from Arrow's
@@ -355,7 +355,7 @@ def _held(f, size: int, offset: int, end: int, footer: pq.FileMetaData | None = 
     faults in). Otherwise (an unexpected layout): an anonymous mapping of the shard's size (pages never written take
     no memory), where a read elsewhere sees zeros: a decode error, which waits for the checksums to name the
     cause."""
-    if footer is not None and row_groups and _chunks_within(footer, row_groups, offset, end):
+    if footer is not None and row_groups and chunks_within(footer, row_groups, offset, end):
         buf = pa.allocate_buffer(end - offset + HELD_SLACK)
         view = memoryview(buf)[: end - offset]
         _read_into(f, view, offset)
@@ -379,7 +379,7 @@ def _read_into(f, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _chunks_within(footer: pq.FileMetaData, row_groups: tuple[int, ...], offset: int, end: int) -> bool:
+def chunks_within(footer: pq.FileMetaData, row_groups: tuple[int, ...], offset: int, end: int) -> bool:
     """Whether every column chunk of ``row_groups`` lies in ``[offset, end)`` by the footer."""
     for r in row_groups:
         if not 0 <= r < footer.num_row_groups:

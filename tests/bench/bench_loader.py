@@ -145,9 +145,9 @@ def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
     lens = [n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()]
     total = sum(lens)
     positions = np.arange(max(lens), dtype=np.int64)
-    position_ids = P._pooled(total, np.int64)  # [T]
+    position_ids = P.pooled_array(total, np.int64)  # [T]
     np.concatenate([positions[:n] for n in lens], out=position_ids)
-    temperature = P._pooled(total, np.float32)  # [T]
+    temperature = P.pooled_array(total, np.float32)  # [T]
     temps = np.concatenate([b.temperatures.numpy() for b in batches])  # [S]
     cu = np.zeros(len(lens) + 1, np.int64)
     np.cumsum(lens, out=cu[1:])
@@ -162,7 +162,7 @@ def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
 
 def loader_run_per_token(ds, config: LoaderConfig) -> dict:
     """loader_run with pack_with_per_token_arrays in place of the loader's packing (bench only)."""
-    import rollshard.store.loader.pack as loader_pack
+    import rollshard.store.loader.assemble as loader_pack
 
     real = loader_pack.pack
     loader_pack.pack = pack_with_per_token_arrays
@@ -175,21 +175,21 @@ def loader_run_per_token(ds, config: LoaderConfig) -> dict:
 def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
     """M tokens/s of packing alone (one thread, no reading) on one epoch's steps: the lean batch and the one
     before (five [T] arrays)."""
-    import rollshard.store.loader.pack as loader_pack
+    import rollshard.store.loader.assemble as loader_pack
     from rollshard.store.loader.packing import pack
 
-    steps, real = [], loader_pack._sequences
+    steps, real = [], loader_pack.gather_sequences
 
     def keep(groups):
         out = real(groups)
         steps.append(out[0])
         return out
 
-    loader_pack._sequences = keep
+    loader_pack.gather_sequences = keep
     try:
         loader_run(ds, config)
     finally:
-        loader_pack._sequences = real
+        loader_pack.gather_sequences = real
     tokens = sum(int(s.lengths().sum()) for s in steps)
     best = {"lean": float("inf"), "per_token_arrays": float("inf")}
     for _ in range(repeat):

@@ -179,14 +179,14 @@ def test_resume_after_a_kill_between_commit_and_record(parent, tmp_path, monkeyp
     attributes it to the parent shard in flight instead of deriving that shard again."""
     out = tmp_path / "out"
     if where == "after the rewrite's commit":
-        real_end = derive_mod._State.end
+        real_end = derive_mod.DeriveState.end
 
         def end(self, output):
             if output == "shards/filter.w0-00001.parquet":
                 raise Crash(where)
             real_end(self, output)
 
-        monkeypatch.setattr(derive_mod._State, "end", end)
+        monkeypatch.setattr(derive_mod.DeriveState, "end", end)
     else:
         real_commit = derive_mod.PendingFile.commit
 

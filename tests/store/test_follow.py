@@ -10,7 +10,7 @@ import pytest
 from rollshard.store.common import DataError
 from rollshard.store.io.live import mark_complete
 from rollshard.store.loader import LoaderConfig, RolloutLoader
-from rollshard.store.loader.filters import _oldest_versions
+from rollshard.store.loader.filters import oldest_versions
 from rollshard.store.loader.follow import FollowLoader, FollowTimeoutError
 from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
@@ -156,7 +156,7 @@ def test_the_oldest_span_sets_a_rows_staleness(tmp_path):
     )
     small = pa.table({"weight_version": ["5", "5", "2", None, "4"], "weight_versions": spans})
     none = np.iinfo(np.int64).min
-    assert _oldest_versions(small).tolist() == [5, 3, 2, none, 4]
+    assert oldest_versions(small).tolist() == [5, 3, 2, none, 4]
     # The loaders drop the continued row at current version 6, max_staleness 2 (oldest 3 < 4), keep the others.
     t = synthetic_table(2, 2, seed=3, weight_versions=("5",), **SMALL)
     v = t.column("weight_versions").to_pylist()

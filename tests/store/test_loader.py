@@ -622,11 +622,11 @@ def test_failed_rows_without_reward_are_dropped_and_counted(tmp_path):
 
 
 def test_a_block_decodes_the_same_from_the_pooled_buffer_and_from_the_mapping(tmp_path):
-    """_held: the pooled buffer (the footer puts the block's column chunks inside its bytes) and the fallback
+    """block_reader: the pooled buffer (the footer puts the block's column chunks inside its bytes) and the fallback
     mapping (any other layout) hand Parquet the same block."""
     import pyarrow.parquet as pq
 
-    from rollshard.store.loader.stream import _chunks_within, _held
+    from rollshard.store.loader.stream import block_reader, chunks_within
 
     table = synthetic_table(12, 3, seed=4, **SMALL)
     with ShardWriter(tmp_path, writer_id="w0", options=WriterOptions(row_group_bytes=1, shard_bytes=1 << 40)) as w:
@@ -641,12 +641,12 @@ def test_a_block_decodes_the_same_from_the_pooled_buffer_and_from_the_mapping(tm
     offset, end = info.row_groups[1].offset, info.row_groups[2].offset + info.row_groups[2].length
     expect = pq.ParquetFile(path).read_row_groups(list(rgs))
     with open(path, "rb") as f:
-        pooled, raw = _held(f, info.bytes, offset, end, footer, rgs)
-        mapped, raw_m = _held(f, info.bytes, offset, end)  # no footer: the mapping
+        pooled, raw = block_reader(f, info.bytes, offset, end, footer, rgs)
+        mapped, raw_m = block_reader(f, info.bytes, offset, end)  # no footer: the mapping
     assert bytes(raw) == bytes(raw_m) == path.read_bytes()[offset:end]
     for held in (pooled, mapped):
         assert pq.ParquetFile(held, metadata=footer).read_row_groups(list(rgs)).equals(expect)
     assert pooled.size() == mapped.size() == info.bytes
     # one byte short of the block's last chunk, or a row group from outside it: the mapping (reads elsewhere see 0)
-    assert _chunks_within(footer, rgs, offset, end)
-    assert not _chunks_within(footer, rgs, offset, end - 1) and not _chunks_within(footer, (0, 1), offset, end)
+    assert chunks_within(footer, rgs, offset, end)
+    assert not chunks_within(footer, rgs, offset, end - 1) and not chunks_within(footer, (0, 1), offset, end)

@@ -51,13 +51,13 @@ class Reads:
 
     def __init__(self, monkeypatch):
         self.by_thread: dict[str, list[tuple[str, tuple[int, ...]]]] = collections.defaultdict(list)
-        real = stream_mod._read_block
+        real = stream_mod.read_block
 
         def read_block(pf, block, filters, shard, check=True):
             self.by_thread[threading.current_thread().name].append((shard, block.row_groups))
             return real(pf, block, filters, shard, check)
 
-        monkeypatch.setattr(stream_mod, "_read_block", read_block)
+        monkeypatch.setattr(stream_mod, "read_block", read_block)
 
     def of_rank(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         return self.by_thread[f"rollshard-loader-read-{rank}"]

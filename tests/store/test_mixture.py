@@ -7,8 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, _Cursor, _EpochEnd
+from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step
 from rollshard.store.loader.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
+from rollshard.store.loader.plan import Cursor, EpochEnd
 from rollshard.store.synthetic import synthetic_table
 from tests.store.test_loader import SMALL, assert_steps_equal, delivered, rows_of_groups, with_columns, write
 
@@ -159,10 +160,10 @@ def rank_stream(path: str, config: LoaderConfig, rank: int, world_size: int, n: 
     """The first ``n`` group ids of one dataset's raw stream on ``rank`` (what a mixture draws that source from)."""
     with RolloutLoader(path, config, rank=rank, world_size=world_size) as lo:
         st, out = lo._stream, []
-        reader = st.reader(_Cursor(), {})
+        reader = st.reader(Cursor(), {})
         try:
-            for g in st.groups(_Cursor(), reader, {}, threading.Event()):
-                if not isinstance(g, _EpochEnd):
+            for g in st.groups(Cursor(), reader, {}, threading.Event()):
+                if not isinstance(g, EpochEnd):
                     out.append(g[2].group_ids[g[3]])
                 if len(out) == n:
                     break
@@ -307,7 +308,7 @@ def test_one_source_is_the_single_dataset_loader(two):
 def test_source_figures_of_a_micro_batch_worked_example():
     import torch
 
-    from rollshard.store.loader.pack import source_metrics
+    from rollshard.store.loader.assemble import source_metrics
     from rollshard.store.loader.packing import PackedBatch
 
     # Four sequences of 3, 0 (empty), 4 and 2 tokens, of groups 0, 1, 1, 0 (sources x, y); loss masks

@@ -139,7 +139,7 @@ def _put_lease(uri, writer_id, **body):
 
 def test_a_lease_of_a_dead_process_here_is_taken_at_once(s3_dataset):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    here = s3mod._process_identity(os.getpid())
+    here = s3mod.process_identity(os.getpid())
     _put_lease(s3_dataset, "w0", **{**here, "pid": int(dead.stdout), "start": 1}, seconds=3600)
     with ShardWriter(s3_dataset, writer_id="w0") as w:
         assert w._claim.took_over
@@ -149,7 +149,7 @@ def test_a_lease_of_a_dead_process_here_is_taken_at_once(s3_dataset):
 
 def test_a_pid_now_of_another_process_is_not_the_holder(s3_dataset):
     # After a restart the pid may belong to a live process again (a container's pid 1): its start time differs.
-    here = s3mod._process_identity(os.getpid())
+    here = s3mod.process_identity(os.getpid())
     _put_lease(s3_dataset, "w0", **{**here, "start": here["start"] - 1}, seconds=3600)
     with ShardWriter(s3_dataset, writer_id="w0") as w:
         assert w._claim.took_over
@@ -213,7 +213,7 @@ def test_an_endpoint_ignoring_conditional_writes_is_refused(s3_dataset, monkeypa
         return real_call(self, name, path, **kwargs)
 
     monkeypatch.setattr(s3mod.Bucket, "call", ignoring)
-    monkeypatch.setattr(s3mod.Bucket, "_probed", set())
+    monkeypatch.setattr(s3mod.Bucket, "probed", set())
     with pytest.raises(s3mod.S3Error, match="ignores conditional writes .* use an endpoint that supports them"):
         ShardWriter(s3_dataset, writer_id="w0")
     monkeypatch.undo()
@@ -333,7 +333,7 @@ def test_a_given_s3_filesystem_reads_by_uri_and_refuses_writes(s3_dataset):
 
 
 def test_filter_from_s3_into_s3_and_one_derive_at_a_time(s3_dataset):
-    from rollshard.store.derived.derive import DeriveError, _lock
+    from rollshard.store.derived.derive import DeriveError, DeriveLock
     from rollshard.store.derived.filter import RowFilter, filter_dataset
 
     table = synthetic_table(4, 2, seed=8, **SMALL)
@@ -341,7 +341,7 @@ def test_filter_from_s3_into_s3_and_one_derive_at_a_time(s3_dataset):
         w.write_groups(table)
     out = s3_dataset.rsplit("/", 1)[0] + "/kept"
     keep = frozenset(table.column("sample_id").to_pylist()[:4])  # groups 0 and 1
-    with _lock(Storage(out)):
+    with DeriveLock(Storage(out)):
         with pytest.raises(DeriveError, match="another process is deriving into .*kept; wait for it to finish"):
             filter_dataset(s3_dataset, out, RowFilter(sample_ids=keep), progress=False)
     filter_dataset(s3_dataset, out, RowFilter(sample_ids=keep), progress=False)

@@ -15,12 +15,12 @@ import torch
 
 from rollshard.store.format.groups import is_zero_variance
 from rollshard.store.loader.config import SOURCE_KEYS, LoaderConfig, Step
-from rollshard.store.loader.read import _BlockData
 from rollshard.store.loader.packing import PackedBatch, Sequences, pack
+from rollshard.store.loader.read import BlockData
 
 
 def make_step(
-    pending: list[tuple[_BlockData, int, np.ndarray]],
+    pending: list[tuple[BlockData, int, np.ndarray]],
     counts: dict[str, int],
     *,
     epoch: int,
@@ -35,7 +35,7 @@ def make_step(
     source names and each pending group's source index (``owners``): the step then carries
     :attr:`Step.group_sources` and per-source figures.
     """
-    seqs, zero_var = _sequences(pending)
+    seqs, zero_var = gather_sequences(pending)
     batches, efficiency = pack(seqs, cfg.micro_batch_tokens, cfg.micro_batch_support)
     metrics = {k: float(v) for k, v in counts.items()}
     metrics.update(
@@ -83,7 +83,7 @@ def source_metrics(batches: list[PackedBatch], group_sources: list[str], sources
     return out
 
 
-def _sequences(groups: list[tuple[_BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:
+def gather_sequences(groups: list[tuple[BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:
     cols: dict[str, list] = collections.defaultdict(list)
     zero_var = 0
     for g, (bd, _, rows) in enumerate(groups):
