@@ -12,7 +12,7 @@ relative to the dataset), the row (sample id) where there is one, and the proble
   silently; a file that does not match was not written by rollshard's writer, whose
   other promises then do not hold either. The schema 1.1 sampling columns may be absent
   (a 1.0 shard), both together.
-* :func:`check_rows`: the row invariants of :func:`rollshard.store.format.schema.check_projection`
+* :func:`check_rows`: the row invariants of :func:`rollshard.store.format.invariants.check_projection`
   on the block of columns just read.
 * :func:`verify_sha256`: the file's sha256 against the manifest's. It reads the whole
   file, so the loader runs it on a background thread (:class:`Checksums`) and holds back
@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from rollshard.store.common import DataError, one_line
+from rollshard.store.format.invariants import check_projection
 from rollshard.store.format.manifest import ShardInfo
 from rollshard.store.format.routing import RoutingShape
 from rollshard.store.format.schema import (
@@ -52,7 +53,6 @@ from rollshard.store.format.schema import (
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
     SCHEMA_VERSION,
-    check_projection,
     check_schema_version,
 )
 from rollshard.store.io.storage import Storage

@@ -12,7 +12,7 @@ shard it checks, in order of cost:
   (a 1.0 shard lacks the two sampling columns of 1.1: read as nulls; one of them alone is a
   problem);
 * row group by row group (memory stays bounded by one row group): every row invariant
-  of :func:`rollshard.store.format.schema.check_table`, and the row, group, prompt-token and
+  of :func:`rollshard.store.format.invariants.check_table`, and the row, group, prompt-token and
   response-token counts against the manifest, and each row group's rows, tokens and
   group-id hashes against the manifest's ``row_groups`` when it lists them.
 
@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from rollshard.store.common import one_line
 from rollshard.store.io.dataset import DatasetNotFoundError
 from rollshard.store.io.integrity import file_digests
+from rollshard.store.format.invariants import check_table
 from rollshard.store.format.manifest import MANIFEST_DIR, SHARD_DIR, ShardInfo, read_manifest
 from rollshard.store.format.routing import RoutingShape
 from rollshard.store.format.schema import (
@@ -50,7 +51,6 @@ from rollshard.store.format.schema import (
     SchemaVersionError,
     cast_table,
     check_schema_version,
-    check_table,
     config_of,
 )
 from rollshard.store.io.storage import Storage

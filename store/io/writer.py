@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from rollshard.store.io.integrity import MAGIC, file_digests, row_group_ranges
+from rollshard.store.format.invariants import check_table
 from rollshard.store.format.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
 from rollshard.store.format.routing import RoutingShape
 from rollshard.store.format.schema import (
@@ -49,7 +50,6 @@ from rollshard.store.format.schema import (
     Row,
     RowInvariantError,
     cast_table,
-    check_table,
     check_schema_version,
     data_bytes,
     file_metadata,

@@ -2,8 +2,8 @@
 
 The filter columns are read first, the token columns only when some row passes the status and agent
 filters; a shard that has the schema 1.1 sampling columns has them read with the token columns (a 1.0
-shard is read as before). With ``verify_data``, every block read has the row invariants of schema.py
-checked on the columns read (:func:`~rollshard.store.format.schema.check_projection`: logprobs finite and <= 0
+shard is read as before). With ``verify_data``, every block read has the row invariants of store/format/invariants.py
+checked on the columns read (:func:`~rollshard.store.format.invariants.check_projection`: logprobs finite and <= 0
 under the mask, lengths aligned, token ids non-negative, a known status, ...) before anything is built
 from them; a break is a :class:`~rollshard.store.common.DataError` naming the shard, the row groups and
 the sample.

@@ -18,7 +18,8 @@ from rollshard.generate.agents.multi_agent import JudgmentStatus, final_answer, 
 from rollshard.generate.agents.tool_loop import calculate, observation
 from rollshard.generate.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 from rollshard.generate.tasks import Prompt, get_task
-from rollshard.store.format.schema import Status, check_table, rows_to_table
+from rollshard.store.format.invariants import check_table
+from rollshard.store.format.schema import Status, rows_to_table
 from rollshard.store.models.tokenizer import apply_chat_template, encode, load_tokenizer
 
 

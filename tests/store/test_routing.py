@@ -9,7 +9,8 @@ import pytest
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, RolloutLoader
 from rollshard.store.format.routing import RoutingShape, RoutingShapeError
-from rollshard.store.format.schema import Row, RowInvariantError, Status, check_table, rows_to_table
+from rollshard.store.format.invariants import check_table
+from rollshard.store.format.schema import Row, RowInvariantError, Status, rows_to_table
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.validate import validate_dataset
 from rollshard.store.io.writer import ShardWriter, WriterOptions

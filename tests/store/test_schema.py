@@ -4,6 +4,7 @@ import math
 import pyarrow as pa
 import pytest
 
+from rollshard.store.format.invariants import check_projection, check_table
 from rollshard.store.format.schema import (
     OPTIONAL_COLUMNS,
     ROW_SCHEMA,
@@ -13,9 +14,7 @@ from rollshard.store.format.schema import (
     Status,
     WeightSpan,
     cast_table,
-    check_projection,
     check_schema_version,
-    check_table,
     file_metadata,
     rows_to_table,
 )

@@ -354,17 +354,18 @@ def _corruptions():
 
 @pytest.mark.parametrize("name,change", _corruptions(), ids=[n for n, _ in _corruptions()])
 def test_the_fast_screen_never_passes_a_row_the_full_check_refuses(tmp_path, name, change):
-    """check_table's screen (_clean) passes only tables in which _check finds nothing; the writer then refuses
+    """check_table's screen (is_clean) passes only tables in which find_problems finds nothing; the writer then refuses
     the group at its call, naming the sample, whether the group is fresh or a slice of a larger table."""
-    from rollshard.store.format.schema import ROW_SCHEMA, _check, _clean, check_table
+    from rollshard.store.format.invariants import check_table, find_problems, is_clean
+    from rollshard.store.format.schema import ROW_SCHEMA
     table = synthetic_table(3, 4, seed=7, **SMALL)
-    assert _clean(table, frozenset(ROW_SCHEMA.names)) and _check(table, 20, set(ROW_SCHEMA.names)) == []
+    assert is_clean(table, frozenset(ROW_SCHEMA.names)) and find_problems(table, 20, set(ROW_SCHEMA.names)) == []
     rows = table.to_pylist()
     change(rows[5])
     bad = pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
-    problems = _check(bad, 20, set(ROW_SCHEMA.names))
+    problems = find_problems(bad, 20, set(ROW_SCHEMA.names))
     assert problems, name  # every corruption here breaks an invariant
-    assert not _clean(bad, frozenset(ROW_SCHEMA.names))
+    assert not is_clean(bad, frozenset(ROW_SCHEMA.names))
     assert check_table(bad) == problems
     for group in (bad.slice(4, 4), pa.Table.from_pylist(rows[4:8], schema=ROW_SCHEMA)):
         with ShardWriter(tmp_path / name, writer_id="w0") as w:
@@ -374,10 +375,11 @@ def test_the_fast_screen_never_passes_a_row_the_full_check_refuses(tmp_path, nam
 
 
 def test_the_fast_screen_passes_clean_slices_and_projections():
-    from rollshard.store.format.schema import ROW_SCHEMA, _clean, check_projection
+    from rollshard.store.format.invariants import check_projection, is_clean
+    from rollshard.store.format.schema import ROW_SCHEMA
     table = synthetic_table(4, 3, seed=2, **SMALL)
     for start, n in ((0, 12), (3, 3), (5, 4), (11, 1), (6, 0)):
-        assert _clean(table.slice(start, n), frozenset(ROW_SCHEMA.names))
+        assert is_clean(table.slice(start, n), frozenset(ROW_SCHEMA.names))
     cols = ["sample_id", "response_tokens", "rollout_logprobs", "loss_mask", "temperature"]
-    assert _clean(table.select(cols), frozenset(cols))
+    assert is_clean(table.select(cols), frozenset(cols))
     assert check_projection(table.select(cols)) == []
