@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             parent = RolloutDataset.open(args.dataset)
         except (DatasetNotFoundError, SchemaVersionError) as e:
             raise UsageError(str(e)) from e
+        except DataError as e:  # a shard cut short or not Parquet: damaged data, said before anything is written
+            raise UsageError(f"{args.dataset}: {e}") from e
         recorded = _recorded_scorer(parent)
         task, system = _task_and_system(parent.config, args, recorded)
         reward, reward_url = args.reward, args.reward_url
