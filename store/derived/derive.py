@@ -47,7 +47,6 @@ import fcntl
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Collection
 
@@ -58,6 +57,7 @@ import pyarrow.fs as pafs
 
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import DataError
+from rollshard.store.common import progress as progress_bar
 from rollshard.store.io.integrity import check_column_types, open_shard, verify_sha256
 from rollshard.store.format.lineage import derived_config, identity, lineage_entry
 from rollshard.store.format.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, ShardInfo, fingerprint, load_manifests
@@ -170,7 +170,9 @@ def derive_dataset(
         command=command or operation,
     )
     state = DeriveState.open(out_storage, entry, ds, writer_id)
-    with DeriveLock(out_storage), _progress_bar(progress, operation, ds.num_rows) as bar:
+    hide = None if progress else True  # tqdm's disable: None hides the bar only when stderr is not a terminal
+    bar_options = dict(desc=operation, unit="rows", disable=hide, leave=False)  # leave=False: cleared when done
+    with DeriveLock(out_storage), progress_bar(ds.num_rows, **bar_options) as bar:
         for manifest in ds.manifests:
             out_wid = state.writer_for(manifest, writer_id)
             config = state.configs[out_wid]
@@ -179,7 +181,7 @@ def derive_dataset(
                 for shard in sorted(manifest.shards, key=lambda s: s.path):
                     if shard.path in state.done:
                         state.resumed += 1
-                        bar.advance(shard.rows)
+                        bar.update(shard.rows)
                         continue
                     _derive_shard(ds, shard, w, transform, mutable, state, bar)
         state.finish()
@@ -210,7 +212,7 @@ def _derive_shard(
             if rewriting:
                 w.write_groups(new)
                 w.flush()
-            bar.advance(old.num_rows)
+            bar.update(old.num_rows)
     record = {"parent": shard.path, "writer": w.writer_id, "rows_in": shard.rows, "rows_out": rows_out,
               "rows_changed": changed}
     if not rewriting:
@@ -579,33 +581,6 @@ class DeriveLock:
             os.close(self.fd)
         if self.lease is not None:
             self.lease.release()
-
-
-class _progress_bar:
-    """Rows done, on stderr when it is a terminal (a no-op otherwise)."""
-
-    def __init__(self, enabled: bool, what: str, total: int):
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("rows"), TimeRemainingColumn())
-            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task(what, total=total)
-
-    def advance(self, rows: int) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, rows)
-
-    def __enter__(self) -> "_progress_bar":
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _now() -> str:

@@ -52,7 +52,7 @@ import re
 import time
 from typing import Any
 
-from rollshard.store.common import DataError
+from rollshard.store.common import DataError, backoff_delay
 from rollshard.store.format.schema import SCHEMA_VERSION
 from rollshard.store.io.storage import Storage
 
@@ -218,9 +218,10 @@ def load_manifests(storage: Storage) -> list[Manifest]:
 
 
 # A read of an object store is a HEAD (its size) then ranged GETs: a manifest its writer rewrites between the two
-# reads as the first bytes of the new version, cut short. Such a read is not JSON; read again, a few times.
+# reads as the first bytes of the new version, cut short. Such a read is not JSON; read again, a few times, after
+# a backoff (store/common.py backoff_delay) from 0.025-0.05 s, doubling, at most 1 s.
 REMOTE_READ_ATTEMPTS = 5
-REMOTE_RETRY_S = 0.05
+REMOTE_RETRY_S, REMOTE_RETRY_CAP_S = 0.05, 1.0
 
 
 def read_manifest(storage: Storage, rel: str, where: str | None = None) -> Manifest:
@@ -234,7 +235,7 @@ def read_manifest(storage: Storage, rel: str, where: str | None = None) -> Manif
             torn = isinstance(e.__cause__, (json.JSONDecodeError, UnicodeDecodeError))
             if not torn or attempt == attempts:
                 raise
-            time.sleep(REMOTE_RETRY_S * attempt)
+            time.sleep(backoff_delay(attempt - 1, REMOTE_RETRY_S, REMOTE_RETRY_CAP_S))
 
 
 def fingerprint(shards: list[ShardInfo]) -> str:

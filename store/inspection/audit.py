@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rollshard.store.common import DataError, one_line
+from rollshard.store.common import DataError, one_line, write_atomic
 
 AUDIT_SCHEMA_VERSION = "1.1"  # 1.1: META_DATASETS names the datasets audited
 AUDIT_SCHEMA_MAJOR = 1
@@ -307,20 +307,17 @@ def write_audit(table: pa.Table, path: str | os.PathLike, *, datasets: list[Audi
                                                                            extra.items()}})
     table = table.select(AUDIT_SCHEMA.names).cast(schema)
     fs, where = _filesystem(path)
+    if isinstance(fs, pafs.LocalFileSystem):
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        write_atomic(where, sink.getvalue().to_pybytes())
+        return os.fspath(path)
     parent, name = where.rsplit("/", 1) if "/" in where else ("", where)
     tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
-    local = isinstance(fs, pafs.LocalFileSystem)
     try:
-        if local:
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, where)
-        else:
-            with fs.open_output_stream(tmp) as f:
-                pq.write_table(table, f, compression="zstd")
-            fs.move(tmp, where)
+        with fs.open_output_stream(tmp) as f:
+            pq.write_table(table, f, compression="zstd")
+        fs.move(tmp, where)
     except BaseException:
         try:
             fs.delete_file(tmp)

@@ -40,6 +40,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from rollshard.store.common import backoff_delay
+
 PART_BYTES = 8 << 20  # S3 parts are >= 5 MiB except the last; 8 MiB keeps a 512 MiB shard at 64 parts
 PARTS_IN_FLIGHT = 4  # parts uploading at once (32 MiB held), as pyarrow's and boto3's uploaders do
 LEASE_SECONDS = 60.0
@@ -83,6 +85,8 @@ def _status(e: Exception) -> int | None:
 
 
 CONFLICT_RETRIES = 4  # S3 answers 409 ConditionalRequestConflict to one of two racing conditional writes: retry it
+# The conflict retries' backoff (store/common.py backoff_delay): 0.05-0.1 s, then doubling, at most 1 s.
+CONFLICT_BACKOFF_S, CONFLICT_BACKOFF_CAP_S = 0.1, 1.0
 
 
 def _md5_etag(data: bytes) -> str:
@@ -116,7 +120,7 @@ class Bucket:
                 if _code(e) in ok:
                     return None
                 if _status(e) == 409 and attempt < CONFLICT_RETRIES:
-                    time.sleep(0.05 * 2**attempt)
+                    time.sleep(backoff_delay(attempt, CONFLICT_BACKOFF_S, CONFLICT_BACKOFF_CAP_S))
                     continue
                 if _status(e) in (409, 412):
                     raise PreconditionFailed(f"s3://{path} was written by someone else") from e

@@ -31,6 +31,8 @@ from typing import Any, BinaryIO
 
 import pyarrow.fs as pafs
 
+from rollshard.store.common import fsync_dir, write_atomic
+
 TMP_DIR = "_tmp"  # underscore: pyarrow.dataset and most readers skip it
 
 
@@ -263,8 +265,9 @@ class Storage:
         if not self.local:
             return []
         final = Path(self.path(rel))
-        # Exactly write_atomic's names (".NAME.<32 hex>.tmp"): a looser glob would also match the live temp
-        # file of another writer whose id extends this one's (".gen.json.x.json.<hex>.tmp" for "gen.json.x").
+        # Exactly the names of store/common.py write_atomic (".NAME.<32 hex>.tmp"): a looser glob would also match
+        # the live temp file of another writer whose id extends this one's (".gen.json.x.json.<hex>.tmp" for
+        # "gen.json.x").
         mine = re.compile(rf"\.{re.escape(final.name)}\.[0-9a-f]{{32}}\.tmp")
         removed = []
         for tmp in final.parent.glob(f".{final.name}.*.tmp"):
@@ -279,14 +282,7 @@ class Storage:
             with self.fs.open_output_stream(self.path(rel)) as f:
                 f.write(data)
             return
-        final = Path(self.path(rel))
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        write_atomic(self.path(rel), data)
 
 
 class Claim:
@@ -366,7 +362,7 @@ class PendingFile:
             final = Path(self.storage.path(self.rel))
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.storage.path(self._tmp), final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         else:
             self._raw.close()  # completes the upload of the temporary file
             self.storage.fs.move(self.storage.path(self._tmp), self.storage.path(self.rel))
@@ -385,11 +381,3 @@ class PendingFile:
         finally:
             if self._tmp is not None:
                 self.storage.delete(self._tmp)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
