@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+GATE_POLL_S = 0.05  # a closed gate re-reads the engine's weight version this often (the runner's poll)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdmissionGate:

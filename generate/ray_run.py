@@ -27,7 +27,6 @@ project exists to prevent (slime #1976).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import io
@@ -40,13 +39,16 @@ import sys
 import time
 from typing import Any
 
-from tqdm import tqdm
-
-from rollshard.generate import run
+from rollshard.generate.arguments import PROG
+from rollshard.generate.config import GenerateConfig
+from rollshard.generate.inputs import load_inputs
+from rollshard.generate.resume import ExistingDataset
+from rollshard.generate.run import main as run_main
+from rollshard.generate.run_config import run_config
 from rollshard.generate.runner import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from rollshard.store.common import UsageError, progress
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 
-PROG = run.PROG
 INSTALL_HINT = "pip install 'rollshard[ray]' (or bash scripts/setup.sh, which installs it)"
 ADDRESS = re.compile(r"^(auto|local|ray://[\w.\-]+:\d+|[\w.\-]+:\d+)$")
 CONNECT_TIMEOUT_S = 10.0  # a TCP answer from the cluster's address, before ray.init
@@ -72,12 +74,12 @@ def run_shard(argv: list[str], shard: int, num_shards: int, board) -> dict[str, 
     """One Ray task: the command for shard ``shard`` of ``num_shards``; returns its exit code and summary lines."""
     captured = io.StringIO()
 
-    def progress(done: int, total: int) -> None:
+    def report(done: int, total: int) -> None:
         board.update.remote(shard, done, total)  # fire and forget
 
     task_argv = [*argv, "--ray-task", "--shard-index", str(shard), "--num-shards", str(num_shards), "--no-progress"]
     with contextlib.redirect_stderr(_Tee(captured, sys.stderr)):
-        code = run.main(task_argv, progress=progress)
+        code = run_main(task_argv, progress=report)
     lines = [line for line in captured.getvalue().splitlines() if line.startswith(f"{PROG}:")]
     return {"shard": shard, "exit_code": code, "lines": lines[-REPORT_LINES:], "pid": os.getpid()}
 
@@ -98,17 +100,17 @@ class _Tee(io.TextIOBase):
             s.flush()
 
 
-def launch(argv: list[str], args: argparse.Namespace) -> int:
+def launch(argv: list[str], config: GenerateConfig, existing: ExistingDataset) -> int:
     """The driver (see the module docstring); UsageError for what the user can fix, before any task runs."""
-    address = _check_address(args.ray)
-    runtime_env = _runtime_env(args.ray_runtime_env)
-    _precheck(args)
+    address = _check_address(config.ray)
+    runtime_env = _runtime_env(config.ray_runtime_env)
+    prompts_total = _precheck(config, existing)
     ray = _import_ray(local=address == "local")
     start = time.monotonic()
-    _init(ray, address, args.num_shards, runtime_env)
+    _init(ray, address, config.num_shards, runtime_env)
     previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops the run as Ctrl-C does
     try:
-        return _drive(ray, argv, args, start)
+        return _drive(ray, argv, config, prompts_total, start)
     finally:
         signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
@@ -123,7 +125,7 @@ def _check_address(address: str) -> str:
     nothing listens."""
     address = address.strip()
     if not ADDRESS.match(address):
-        raise run.UsageError(
+        raise UsageError(
             f"--ray {address!r}: expected a Ray cluster address (host:port, auto, ray://host:port), or no value for a "
             "cluster of this machine"
         )
@@ -132,7 +134,7 @@ def _check_address(address: str) -> str:
         try:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
         except OSError as e:
-            raise run.UsageError(
+            raise UsageError(
                 f"--ray {address}: nothing answers there ({e}); start the cluster (`ray start --head`) or fix the address"
             ) from e
     return address
@@ -144,21 +146,21 @@ def _runtime_env(text: str | None) -> dict[str, Any] | None:
     try:
         env = json.loads(text)
     except ValueError as e:
-        raise run.UsageError(f"--ray-runtime-env is not JSON: {e}") from e
+        raise UsageError(f"--ray-runtime-env is not JSON: {e}") from e
     if not isinstance(env, dict):
-        raise run.UsageError(f"--ray-runtime-env must be a JSON object, got {type(env).__name__}")
+        raise UsageError(f"--ray-runtime-env must be a JSON object, got {type(env).__name__}")
     return env
 
 
-def _precheck(args: argparse.Namespace) -> None:
+def _precheck(config: GenerateConfig, existing: ExistingDataset) -> int:
     """The checks the command makes before it reaches an engine, made once here: a bad prompt source, plugin or
-    resume is one line from the driver, not n task failures."""
-    task, system, scorer, _ = run._load_inputs(args)
+    resume is one line from the driver, not n task failures. Returns the prompts of the run (every shard's)."""
+    inputs = load_inputs(config)
     try:
-        config = run._generation_config(args, system, task, scorer, run.sampling_params(args))
-        run._check_existing(args.out, config)
+        existing.check_run_config(run_config(config, inputs, config.sampling_params()))
     finally:
-        asyncio.run(scorer.close())
+        asyncio.run(inputs.scorer.close())
+    return inputs.prompts_total
 
 
 def _import_ray(*, local: bool):
@@ -168,7 +170,7 @@ def _import_ray(*, local: bool):
     try:
         import ray
     except ImportError as e:
-        raise run.UsageError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from e
+        raise UsageError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from e
     return ray
 
 
@@ -190,11 +192,11 @@ def _init(ray, address: str, num_shards: int, runtime_env: dict[str, Any] | None
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
         where = "a Ray cluster on this machine" if address == "local" else f"the Ray cluster at {address}"
         reason = " ".join(str(e).split())
-        raise run.UsageError(f"cannot start or reach {where}: {reason}; check --ray (start one with `ray start --head`)") from e
+        raise UsageError(f"cannot start or reach {where}: {reason}; check --ray (start one with `ray start --head`)") from e
 
 
-def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
-    n, retries = args.num_shards, args.ray_retries
+def _drive(ray, argv: list[str], config: GenerateConfig, prompts_total: int, start: float) -> int:
+    n, retries = config.num_shards, config.ray_retries
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     task = ray.remote(num_cpus=1, max_retries=0)(run_shard)  # reruns are ours: each one reported
     pending: dict[Any, tuple[int, int]] = {}  # ref -> (shard, attempt)
@@ -205,8 +207,7 @@ def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
 
     for shard in range(n):
         submit(shard, 1)
-    bar = tqdm(total=args.prompts_total, unit="prompt", desc=f"generate ({n} Ray tasks)", disable=args.no_progress,
-               dynamic_ncols=True)
+    bar = progress(total=prompts_total, unit="prompt", desc=f"generate ({n} Ray tasks)", disable=not config.progress)
     try:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
@@ -216,7 +217,7 @@ def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
                 shard, attempt = pending.pop(ref)
                 out, problem = _outcome(ray, ref)
                 if problem is not None and attempt <= retries:
-                    tqdm.write(
+                    bar.write(
                         f"{PROG}: shard {shard} of {n} failed (attempt {attempt} of {retries + 1}): {problem}; "
                         "rerunning it (it resumes from its committed rows)",
                         file=sys.stderr,
@@ -228,7 +229,7 @@ def _drive(ray, argv: list[str], args: argparse.Namespace, start: float) -> int:
         bar.close()
         return _interrupt(ray, pending)
     bar.close()
-    return _report(args, results, time.monotonic() - start)
+    return _report(config, prompts_total, results, time.monotonic() - start)
 
 
 def _outcome(ray, ref) -> tuple[dict[str, Any] | None, str | None]:
@@ -253,8 +254,11 @@ def _interrupt(ray, pending: dict[Any, tuple[int, int]]) -> int:
     return EXIT_INTERRUPTED
 
 
-def _report(args: argparse.Namespace, results: dict[int, tuple[dict[str, Any] | None, str | None, int]], seconds: float) -> int:
-    n = args.num_shards
+def _report(
+    config: GenerateConfig, prompts_total: int, results: dict[int, tuple[dict[str, Any] | None, str | None, int]],
+    seconds: float,
+) -> int:
+    n = config.num_shards
     codes = []
     for shard in range(n):
         out, problem, attempts = results[shard]
@@ -267,7 +271,7 @@ def _report(args: argparse.Namespace, results: dict[int, tuple[dict[str, Any] | 
             print(f"{prefix} {line[len(PROG) + 2:]}", file=sys.stderr)
         codes.append(out["exit_code"])
     try:
-        dataset = RolloutDataset.open(args.out)
+        dataset = RolloutDataset.open(config.out)
         shards = dataset.shards
         rows, tokens = sum(s.rows for s in shards), sum(s.response_tokens for s in shards)
         prompts = len(set(dataset.read(columns=["prompt_id"]).column("prompt_id").to_pylist())) if shards else 0
@@ -275,7 +279,7 @@ def _report(args: argparse.Namespace, results: dict[int, tuple[dict[str, Any] | 
         rows = tokens = prompts = 0
     rate = f"{rows / max(seconds, 1e-9):.1f} rows/s, {tokens / max(seconds, 1e-9):.0f} response tokens/s"
     print(
-        f"{PROG}: {n} Ray tasks in {seconds:.1f} s: {args.out} holds {prompts} of {args.prompts_total} prompts, "
+        f"{PROG}: {n} Ray tasks in {seconds:.1f} s: {config.out} holds {prompts} of {prompts_total} prompts, "
         f"{rows} rows, {tokens} response tokens ({rate} over the whole run)",
         file=sys.stderr,
     )

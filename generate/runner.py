@@ -8,14 +8,14 @@ same command skips done prompts and runs the rest. Sample ids and sampling seeds
 functions of (prompt, agent, round, index), so the rerun names and (on a deterministic
 engine) samples every row as an uninterrupted run would.
 
-Concurrency: at most ``concurrency`` engine requests in flight (:class:`GatedEngine`);
+Concurrency: at most ``concurrency`` engine requests in flight (:class:`~.engines.gated.GatedEngine`);
 episodes are started while fewer than ``EPISODES_PER_SLOT * ceil(concurrency / calls
 per round)`` run, so later rounds (one selector) do not leave request slots idle.
 
 Failures: a transient error (engine, transport, timeout) retries the whole episode
 with exponential backoff; an episode that still fails, or fails with a permanent error
 (a row breaking an invariant, a prompt longer than the context), goes to the failure
-ledger ``DATASET/_failures/<writer_id>.jsonl`` (prompt id, error, attempts), rewritten
+ledger ``DATASET/_failures/<writer_id>.jsonl`` (:mod:`.ledger`: prompt id, error, attempts), rewritten
 after each failure and at the end to hold exactly the prompts of this writer still
 missing. Nothing is dropped silently: a rerun retries them.
 
@@ -30,7 +30,7 @@ client's circuit breaker) stops the run the same way: complete episodes committe
 rest left for a rerun, exit :data:`EXIT_FAILURES` with one line.
 
 Following (a trainer reads the dataset as it is written): the prompts may be an endless iterator
-(:func:`repeat_prompts`, ``--repeat``), taken one at a time; :class:`~.admission.AdmissionGate`
+(:func:`~.tasks.schedule.repeat_prompts`, ``--repeat``), taken one at a time; :class:`~.admission.AdmissionGate`
 (``--max-ahead``) holds back new episodes while the engine's weight version says the trainer is too far
 behind, re-reading it every :data:`GATE_POLL_S` while episodes in flight go on. A run clears its writer's
 end-of-run marker (:mod:`rollshard.store.io.live`) before it can commit, and sets it again when it has done every
@@ -41,13 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime as dt
-import heapq
 import itertools
-import json
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -57,22 +53,16 @@ from typing import Any, Callable, Iterable, Iterator, Sized
 import aiohttp
 from tqdm import tqdm
 
-from rollshard.generate.admission import AdmissionGate, integer_version
+from rollshard.generate.admission import GATE_POLL_S, AdmissionGate, integer_version
 from rollshard.generate.agents import AgentSystem, Episode, play
 from rollshard.generate.chat import ChatFormat
-from rollshard.generate.engines.base import (
-    Engine,
-    EngineError,
-    EngineUnavailableError,
-    GenerateResult,
-    SamplingParams,
-)
+from rollshard.generate.engines.base import Engine, EngineError, EngineUnavailableError, SamplingParams
+from rollshard.generate.engines.gated import GatedEngine
+from rollshard.generate.ledger import Ledger, done_prompt_ids, failure_record
 from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
-from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from rollshard.store.io.live import clear_complete, mark_complete
-from rollshard.store.format.manifest import FAILURE_DIR
 from rollshard.store.format.routing import RoutingShape
 from rollshard.store.format.schema import Row, rows_to_table
 from rollshard.store.io.writer import ShardWriter
@@ -85,122 +75,6 @@ EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
 BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
 PROGRESS_EVERY_S = 0.25  # RunnerOptions.on_progress is called at most this often (and at the start and the end)
-GATE_POLL_S = 0.05  # a closed admission gate re-reads the engine's weight version this often
-PASS_SUFFIX = re.compile(r"~\d+$")  # --repeat names pass k >= 1 of prompt ID "ID~k"
-# Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs. A plugin's
-# identity (file and hash) is part of "agents", "task_plugin" and "reward". (The chat template and system prompt
-# change the rendered prompt, which the per-prompt hash check catches.)
-GENERATION_KEYS = (
-    "agents", "task", "task_plugin", "reward", "sampling", "seed", "input_key", "label_key", "id_key",
-    "allow_skipped_calls", "sampling_support", "engine_dtype",
-)
-# The value of a key in a config written before the key existed ("reward": the task's verifier, see _default).
-GENERATION_KEY_DEFAULTS = {"allow_skipped_calls": False, "task_plugin": None, "sampling_support": "off",
-                           "engine_dtype": "float32"}
-# Where a plugin's file lies differs between hosts and checkouts: in a plugin identity ({spec, file, sha256}) the
-# spec and sha256 identify it, the file is not compared.
-IDENTITY_PATH_KEY = "file"
-
-
-class ConfigMismatchError(ValueError):
-    """The dataset was generated with other settings than this run's."""
-
-
-def writer_id_for(shard_index: int, num_shards: int) -> str:
-    return f"gen-{shard_index}-of-{num_shards}"
-
-
-def shard_prompts(prompts: list[Prompt], shard_index: int, num_shards: int) -> list[Prompt]:
-    """This host's prompts: those whose position in the source is ``shard_index`` modulo ``num_shards``."""
-    return [p for p in prompts if p.index % num_shards == shard_index]
-
-
-def repeat_prompts(prompts: list[Prompt]) -> Iterator[Prompt]:
-    """``prompts`` over and over, without end (``--repeat``): pass 0 as they are, pass k >= 1 renamed ``ID~k``.
-    Sample ids and sampling seeds are functions of the prompt id, so each pass samples afresh, and a rerun skips
-    exactly the passes' prompts already in the dataset."""
-    assert prompts, "an empty source would cycle without ever yielding"
-    for k in itertools.count():
-        for p in prompts:
-            yield p if k == 0 else dataclasses.replace(p, prompt_id=f"{p.prompt_id}~{k}")
-
-
-def source_prompt_id(prompt_id: str) -> str:
-    """The source's id of a :func:`repeat_prompts` id: ``ID~k`` -> ``ID``; others unchanged."""
-    return PASS_SUFFIX.sub("", prompt_id)
-
-
-class GatedEngine(Engine):
-    """An engine behind a concurrency limit and a per-request timeout.
-
-    Free slots go to the waiting request of the *oldest* episode (lowest priority
-    number), not first come first served: episodes then finish about in the order
-    they started, so few are half done at any time (a crash loses little, the end of
-    the run has no long tail) while later episodes still fill every idle slot.
-    """
-
-    def __init__(self, engine: Engine, *, concurrency: int, request_timeout: float | None):
-        self.inner = engine
-        self.request_timeout = request_timeout
-        self._free = concurrency
-        self._waiters: list[tuple[int, int, asyncio.Future]] = []  # heap of (priority, arrival, future)
-        self._arrivals = itertools.count()
-
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None, priority: int = 0
-    ) -> GenerateResult:
-        await self._acquire(priority)
-        try:
-            if self.request_timeout is None:  # the engine enforces its own (the SGLang client does)
-                return await self.inner.generate(input_ids, sampling, rid=rid)
-            try:
-                return await asyncio.wait_for(self.inner.generate(input_ids, sampling, rid=rid), self.request_timeout)
-            except asyncio.TimeoutError as e:
-                raise EngineError(f"request {rid} got no response within {self.request_timeout:g} s") from e
-        finally:
-            self._release()
-
-    def for_episode(self, priority: int) -> "_EpisodeEngine":
-        return _EpisodeEngine(self, priority)
-
-    async def model_info(self) -> dict[str, Any]:
-        return await self.inner.model_info()
-
-    async def _acquire(self, priority: int) -> None:
-        if self._free and not self._waiters:
-            self._free -= 1
-            return
-        slot = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (priority, next(self._arrivals), slot))
-        try:
-            await slot
-        except asyncio.CancelledError:
-            if slot.done() and not slot.cancelled():  # handed a slot just as it was cancelled: pass it on
-                self._release()
-            raise
-
-    def _release(self) -> None:
-        while self._waiters:
-            _, _, slot = heapq.heappop(self._waiters)
-            if not slot.done():  # cancelled waiters are skipped
-                slot.set_result(None)
-                return
-        self._free += 1
-
-
-class _EpisodeEngine(Engine):
-    """The gated engine as one episode sees it: every request carries the episode's priority."""
-
-    def __init__(self, gate: GatedEngine, priority: int):
-        self.gate, self.priority = gate, priority
-
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None
-    ) -> GenerateResult:
-        return await self.gate.generate(input_ids, sampling, rid=rid, priority=self.priority)
-
-    async def model_info(self) -> dict[str, Any]:
-        return await self.gate.model_info()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -285,15 +159,6 @@ class Runner:
         """Episodes this run has started so far, failed ones too (the admission gate adds the dataset's prompts)."""
         return self._started
 
-    # -- resume -----------------------------------------------------------------------------
-
-    def done_prompt_ids(self) -> set[str]:
-        """Prompts with rows in the dataset (read after the writer adopted its crash orphans)."""
-        ds = RolloutDataset.open(self.writer.storage)
-        if not ds.shards:
-            return set()
-        return set(ds.read(columns=["prompt_id"]).column("prompt_id").unique().to_pylist())
-
     # -- the run ----------------------------------------------------------------------------
 
     async def run(self, prompts: Iterable[Prompt]) -> RunResult:
@@ -301,7 +166,7 @@ class Runner:
         (endless with :func:`repeat_prompts`: the run then ends when interrupted or when the engine is down)."""
         start = time.monotonic()
         self._stopping, self._signals, self._finishing = False, 0, False
-        self._done = self.done_prompt_ids()
+        self._done = done_prompt_ids(self.writer.storage)  # after the writer adopted its crash orphans
         clear_complete(self.writer.storage, self.writer.writer_id)  # before this run can commit anything
         queue = self._queue(prompts)
         self._ledger = Ledger(self.writer)
@@ -499,7 +364,7 @@ class Runner:
                     self.writer.write_groups(rows_to_table(out.rows))  # validates every row before buffering any
                     written.append((prompt, out))
                 except ValueError as e:
-                    self._fail(prompt, _failure(e, 1))
+                    self._fail(prompt, failure_record(e, 1))
         r = self._result
         for prompt, out in written:
             r.episodes += 1
@@ -543,8 +408,8 @@ class Runner:
                 if attempt + 1 < attempts:
                     await asyncio.sleep(min(self.options.backoff_s * 2**attempt, BACKOFF_MAX_S))
             except Exception as e:  # permanent (ContextFullError, RewardError, a plugin's rows): recorded, not retried
-                return _failure(e, attempt + 1)
-        return _failure(error, attempts)
+                return failure_record(e, attempt + 1)
+        return failure_record(error, attempts)
 
     def _engine_down(self, error: Exception) -> None:
         """Stop as on an interrupt: nothing more can be generated, and retrying every prompt would only wait."""
@@ -602,148 +467,3 @@ def _say(message: str, *, raw: bool = False) -> None:
         os.write((sys.__stderr__ or sys.stderr).fileno(), line.encode())
     except (OSError, ValueError, AttributeError):
         pass
-
-
-class Ledger:
-    """``DATASET/_failures/<writer_id>.jsonl``: one line per prompt of this writer that has no rows yet."""
-
-    def __init__(self, writer: ShardWriter):
-        self.storage = writer.storage
-        self.rel = f"{FAILURE_DIR}/{writer.writer_id}.jsonl"
-        self.writer_id = writer.writer_id
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.storage.remove_atomic_leftovers(self.rel)  # a crash inside an earlier save; this writer owns the file
-        if self.storage.exists(self.rel):
-            for line in self.storage.read_bytes(self.rel).decode().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    self.entries[entry["prompt_id"]] = entry
-        self._before = dict(self.entries)
-
-    @property
-    def path(self) -> str:
-        return self.storage.path(self.rel)
-
-    def record(self, prompt_id: str, failure: dict[str, Any]) -> None:
-        previous = self._before.get(prompt_id, {}).get("attempts", 0)
-        self.entries[prompt_id] = {
-            "prompt_id": prompt_id,
-            "error": failure["error"],
-            "attempts": previous + failure["attempts"],
-            "writer_id": self.writer_id,
-            "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        self._save()
-
-    def finish(self, done: set[str]) -> str | None:
-        """Drop prompts that now have rows; return the ledger's path if any prompt is left in it."""
-        self.entries = {k: v for k, v in self.entries.items() if k not in done}
-        if self.entries:
-            self._save()
-            return self.path
-        if self.storage.exists(self.rel):
-            self.storage.delete(self.rel)
-        return None
-
-    def _save(self) -> None:
-        self.storage.makedirs(FAILURE_DIR)
-        data = "".join(json.dumps(e, sort_keys=True) + "\n" for e in self.entries.values())
-        self.storage.write_atomic(self.rel, data.encode())
-
-
-def check_resume_config(dataset: RolloutDataset, config: dict[str, Any]) -> None:
-    """Refuse to add rows made with other generation settings to an existing dataset, naming the setting."""
-    for manifest in dataset.manifests:
-        old = manifest.config or {}
-        if not manifest.shards or "agents" not in old:
-            continue
-        for key in GENERATION_KEYS:
-            default = _default(key, old)
-            diff = _first_difference(old.get(key, default), config.get(key, default), key)
-            if diff is not None:
-                name, there, now = diff
-                raise ConfigMismatchError(
-                    f"{dataset.storage.uri} holds rows generated with another {name} ({_show(there)} there, "
-                    f"{_show(now)} now; writer {manifest.writer_id}); resume with the original settings or write "
-                    "to a new --out"
-                )
-
-
-def _default(key: str, old: dict[str, Any]) -> Any:
-    """What a config written before ``key`` was recorded meant by it."""
-    if key == "reward":  # every such dataset was scored by its task's verifier
-        return {"kind": "task", "task": old.get("task")}
-    return GENERATION_KEY_DEFAULTS.get(key)
-
-
-def _first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
-    """The first (dotted key, old value, new value) where two JSON-like values differ; None if equal. The file of a
-    plugin identity (a dict with a ``sha256``) is not compared (:data:`IDENTITY_PATH_KEY`)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = set(old) | set(new)
-        if "sha256" in old and "sha256" in new:
-            keys.discard(IDENTITY_PATH_KEY)
-        for key in sorted(keys, key=str):
-            diff = _first_difference(old.get(key), new.get(key), f"{path}.{key}")
-            if diff is not None:
-                return diff
-        return None
-    return None if old == new else (path, old, new)
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def check_resume_prompts(dataset: RolloutDataset, prompts: list[Prompt], hash_of, *, passes: bool = False) -> None:
-    """Refuse to resume when a prompt already in the dataset is not the same prompt any more.
-
-    Each row keeps ``metadata.prompt_hash`` (the rendered prompt ids and label, see
-    :func:`rollshard.generate.agents.base.prompt_hash`); ``hash_of(prompt)`` computes the
-    current one. A prompt source edited, reordered or swapped under position ids would
-    otherwise be skipped as done while the dataset holds the old prompts. Prompts not yet
-    in the dataset may be added freely. Rows written before hashes were kept are not checked.
-    ``passes`` (``--repeat``): the rows of every pass of a prompt (``ID~k``, :func:`repeat_prompts`) are its too.
-    """
-    stored = _stored_prompt_hashes(dataset)
-    if not stored:
-        return
-    ids_of: dict[str, list[str]] = {}  # source prompt id -> its ids in the dataset
-    for prompt_id in stored:
-        ids_of.setdefault(source_prompt_id(prompt_id) if passes else prompt_id, []).append(prompt_id)
-    for prompt in prompts:
-        ids = ids_of.get(prompt.prompt_id)
-        if not ids:
-            continue
-        now = hash_of(prompt)
-        for prompt_id in ids:
-            there = stored[prompt_id]
-            if now != there:
-                raise ConfigMismatchError(
-                    f"prompt {prompt_id!r} (position {prompt.index} of the source) is not the prompt "
-                    f"{dataset.storage.uri} holds under that id: its text, label or rendering changed (prompt hash "
-                    f"{there} there, {now} now); resume with the original prompt source or write to a new --out"
-                )
-
-
-def _stored_prompt_hashes(dataset: RolloutDataset) -> dict[str, str]:
-    """``prompt_id -> metadata.prompt_hash`` of the dataset's rows (one per prompt; none for older rows)."""
-    import polars as pl
-
-    if not dataset.shards:
-        return {}
-    frame = (
-        dataset.scan()
-        .select("prompt_id", pl.col("metadata").str.json_path_match("$.prompt_hash").alias("hash"))
-        .drop_nulls("hash")
-        .unique("prompt_id", keep="first")
-        .collect()
-    )
-    return dict(zip(frame["prompt_id"].to_list(), frame["hash"].to_list()))
-
-
-def _failure(error: BaseException, attempts: int) -> dict[str, Any]:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return {"error": f"{type(error).__name__}: {text}", "attempts": attempts}
-
-

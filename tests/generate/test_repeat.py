@@ -13,9 +13,9 @@ import pytest
 from rollshard.generate.agents import make_agent_system
 from rollshard.generate.engines.base import SamplingParams
 from rollshard.generate.run import main
-from rollshard.generate.runner import (
-    ConfigMismatchError, Runner, RunnerOptions, check_resume_prompts, repeat_prompts, source_prompt_id,
-)
+from rollshard.generate.resume import ConfigMismatchError, check_resume_prompts
+from rollshard.generate.runner import Runner, RunnerOptions
+from rollshard.generate.tasks.schedule import repeat_prompts, source_prompt_id
 from rollshard.generate.tasks import get_task, load_prompts
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.io.live import complete_writers

@@ -160,7 +160,7 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
 
 
 def test_the_shape_comes_from_the_model_folder_or_the_tokenizers(tiny_moe, tiny_qwen3, tmp_path):
-    from rollshard.generate.run import served_model_routing
+    from rollshard.generate.engine_setup import served_model_routing
     from rollshard.store.format.routing import RoutingShapeError
 
     assert served_model_routing([str(tiny_moe), None]) == SHAPE
@@ -184,13 +184,13 @@ class _Engine:
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
 def test_the_run_stores_routing_only_of_the_shape_the_engine_returns(tiny_moe, mode, capsys):
-    import argparse
-
-    from rollshard.generate.run import UsageError, resolve_routing
+    from rollshard.generate.engine_setup import resolve_routing
+    from rollshard.generate.engines import EngineSpec
+    from rollshard.store.common import UsageError
 
     def resolve(engine):
-        args = argparse.Namespace(routed_experts=mode, engine="http://127.0.0.1:9")
-        return asyncio.run(resolve_routing(args, engine, [str(tiny_moe)], SamplingParams()))
+        spec = EngineSpec.parse("http://127.0.0.1:9")
+        return asyncio.run(resolve_routing(mode, spec, engine, [str(tiny_moe)], SamplingParams()))
 
     assert resolve(_Engine(4)) == SHAPE
     with pytest.raises(UsageError, match=r"returns 6 expert ids per position, but .* describes 2 layers x top-2 = 4"):

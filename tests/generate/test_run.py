@@ -753,7 +753,7 @@ def test_an_sglang_answer_without_the_support_is_retried_then_ledgered(tiny_gpt2
 def test_a_config_from_before_the_support_means_off():
     from types import SimpleNamespace
 
-    from rollshard.generate.runner import ConfigMismatchError, check_resume_config
+    from rollshard.generate.resume import ConfigMismatchError, check_resume_config
 
     old = {"agents": {"name": "single"}, "sampling": {"temperature": 1.0}}  # no sampling_support key
     dataset = SimpleNamespace(
