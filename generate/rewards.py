@@ -22,7 +22,8 @@ prompt goes to the failure ledger whole, never a half-scored episode, and a reru
 
 Remote rewards (:class:`HttpScorer`): ``POST URL`` with the sample as a JSON object;
 the answer is a number or the dict above. Connection errors and 5xx answers are retried
-(3 attempts, backoff 0.5 s doubling); a 4xx answer or a malformed body fails the episode.
+(3 attempts, backoff steps of 0.5 s doubling, each wait jittered between half the step and the
+step: :func:`rollshard.store.common.backoff_delay`); a 4xx answer or a malformed body fails the episode.
 Before the first prompt the run probes the URL (:meth:`Scorer.probe`): a ``GET``, with the
 same retries, that a server must answer on that route. Any answer but a missing route (404,
 410), a refusal (401, 403) or a server error passes: a POST-only route answers 405, and a
@@ -46,13 +47,14 @@ import numpy as np
 
 from rollshard.generate.tasks.base import Task
 from rollshard.generate.tasks.verifiers import Verdict
-from rollshard.store.common import one_line
+from rollshard.store.common import backoff_delay, one_line
 from rollshard.store.format.schema import Row
 
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TIMEOUT_S = 60.0
 HTTP_ATTEMPTS = 3
-HTTP_BACKOFF_S = 0.5
+HTTP_BACKOFF_S = 0.5  # the first retry's backoff step (store's backoff_delay: waits between half of it and it)
+HTTP_BACKOFF_MAX_S = 30.0  # the step's cap (with HTTP_ATTEMPTS 3 the steps are 0.5 and 1 s: it never binds)
 CORRECT_AT = 1.0  # a user reward without "correct" counts as correct at this reward or above
 # Answers to the probe's GET that every POST of the run would get too: no such route, or not allowed.
 PROBE_REFUSED = frozenset({401, 403, 404, 410})
@@ -332,10 +334,10 @@ class HttpScorer(_Bounded):
                         f"{where} does not answer: {how} (after {HTTP_ATTEMPTS} attempts); check the reward server "
                         "is up at that URL and reachable from this machine"
                     ) from e
-                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                await _backoff(attempt)
                 continue
             if status >= 500 and not last:
-                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                await _backoff(attempt)
                 continue
             if status in PROBE_REFUSED or status >= 500:
                 raise RewardError(
@@ -357,7 +359,7 @@ class HttpScorer(_Bounded):
                 ) as resp:
                     text = await resp.text()
                     if resp.status >= 500 and not last:
-                        await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                        await _backoff(attempt)
                         continue
                     if resp.status != 200:
                         raise RewardError(f"{self.name} answered HTTP {resp.status}: {one_line(text)[:200]}")
@@ -368,7 +370,7 @@ class HttpScorer(_Bounded):
             except (aiohttp.ClientConnectionError, ConnectionError) as e:
                 if last:
                     raise RewardError(f"{self.name} unreachable after {HTTP_ATTEMPTS} attempts: {one_line(e)}") from e
-                await asyncio.sleep(HTTP_BACKOFF_S * 2**attempt)
+                await _backoff(attempt)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
@@ -405,6 +407,11 @@ def make_scorer(
         return FunctionScorer(plugin.obj, identity=plugin.identity, concurrency=concurrency, timeout=timeout)
     identity = {"kind": "task", "task": task.name, **({"plugin": task.plugin} if task.plugin else {})}
     return TaskScorer(task, identity)
+
+
+async def _backoff(attempt: int) -> None:
+    """The wait before retry ``attempt + 1`` of a remote reward call (``attempt`` counts from 0)."""
+    await asyncio.sleep(backoff_delay(attempt, HTTP_BACKOFF_S, HTTP_BACKOFF_MAX_S))
 
 
 def add_reward_arguments(group, *, reward_help: str) -> None:

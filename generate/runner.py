@@ -12,12 +12,13 @@ Concurrency: at most ``concurrency`` engine requests in flight (:class:`~.engine
 episodes are started while fewer than ``EPISODES_PER_SLOT * ceil(concurrency / calls
 per round)`` run, so later rounds (one selector) do not leave request slots idle.
 
-Failures: a transient error (engine, transport, timeout) retries the whole episode
-with exponential backoff; an episode that still fails, or fails with a permanent error
-(a row breaking an invariant, a prompt longer than the context), goes to the failure
-ledger ``DATASET/_failures/<writer_id>.jsonl`` (:mod:`.ledger`: prompt id, error, attempts), rewritten
-after each failure and at the end to hold exactly the prompts of this writer still
-missing. Nothing is dropped silently: a rerun retries them.
+Failures: a transient error (engine, transport, timeout) retries the whole episode with
+exponential backoff (:func:`rollshard.store.common.backoff_delay`); an episode that still
+fails, or fails with a permanent error (a row breaking an invariant, a prompt longer than
+the context), goes to the failure ledger ``DATASET/_failures/<writer_id>.jsonl``
+(:mod:`.ledger`: prompt id, error, attempts), rewritten after each failure and at the end to
+hold exactly the prompts of this writer still missing. Nothing is dropped silently: a rerun
+retries them.
 
 Interrupt (SIGINT/SIGTERM): stop starting episodes, cancel those in flight (a rerun
 regenerates them), commit every complete one, and return :data:`EXIT_INTERRUPTED`. The
@@ -51,7 +52,6 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Sized
 
 import aiohttp
-from tqdm import tqdm
 
 from rollshard.generate.admission import GATE_POLL_S, AdmissionGate, integer_version
 from rollshard.generate.agents import AgentSystem, Episode, play
@@ -61,7 +61,7 @@ from rollshard.generate.engines.gated import GatedEngine
 from rollshard.generate.ledger import Ledger, done_prompt_ids, failure_record
 from rollshard.generate.rewards import Scorer
 from rollshard.generate.tasks import Prompt, Task
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, backoff_delay, progress
 from rollshard.store.io.live import clear_complete, mark_complete
 from rollshard.store.format.routing import RoutingShape
 from rollshard.store.format.schema import Row, rows_to_table
@@ -73,7 +73,7 @@ TRANSIENT_ERRORS = (EngineError, asyncio.TimeoutError, aiohttp.ClientError, Conn
 # and episodes in the same round at once still leave no slot idle (measured in bench_generate.py).
 EPISODES_PER_SLOT = 4
 WRITE_BATCH = 64  # finished episodes handed to the writer at once (per-call costs amortized)
-BACKOFF_MAX_S = 30.0  # retry delays double from RunnerOptions.backoff_s up to this
+BACKOFF_MAX_S = 30.0  # retry steps double from RunnerOptions.backoff_s up to this
 PROGRESS_EVERY_S = 0.25  # RunnerOptions.on_progress is called at most this often (and at the start and the end)
 
 
@@ -82,7 +82,7 @@ class RunnerOptions:
     concurrency: int = 64
     request_timeout: float | None = 600.0
     retries: int = 2  # extra attempts of an episode after a transient error
-    backoff_s: float = 0.5  # delay before the first retry; doubles each attempt
+    backoff_s: float = 0.5  # the first retry's step (backoff_delay: a wait between half of it and it); doubles
     commit_every: int = 256  # episodes between shard commits
     commit_interval: float = 60.0  # seconds between shard commits
     seed: int = 0
@@ -176,13 +176,12 @@ class Runner:
         self._progress_done, self._progress_at = self._result.prompts_skipped, -math.inf
         self._in_dataset, self._started = len(self._done), 0  # the admission gate's count: these two added
         self._allowed: int | None = None  # episodes the gate lets start in all; None: the version is not read yet
-        self._bar = tqdm(
+        self._bar = progress(
             total=self._source_len,
             initial=self._result.prompts_skipped,
             unit="prompt",
             desc="generate",
             disable=not self.options.progress,
-            dynamic_ncols=True,
         )
         self._report_progress(final=True)
         self._install_signal_handlers()
@@ -406,7 +405,7 @@ class Runner:
             except TRANSIENT_ERRORS as e:
                 error = e
                 if attempt + 1 < attempts:
-                    await asyncio.sleep(min(self.options.backoff_s * 2**attempt, BACKOFF_MAX_S))
+                    await asyncio.sleep(backoff_delay(attempt, self.options.backoff_s, BACKOFF_MAX_S))
             except Exception as e:  # permanent (ContextFullError, RewardError, a plugin's rows): recorded, not retried
                 return failure_record(e, attempt + 1)
         return failure_record(error, attempts)

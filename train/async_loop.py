@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import fcntl
 import json
 import os
@@ -47,14 +48,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rollshard.store.common import one_line
+from rollshard.store.common import one_line, progress
 from rollshard.store.format.manifest import load_manifests
 from rollshard.store.io.storage import Storage
 from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
+from rollshard.train.loop_state import LOCK_FILE, STATE_FILE, LoopState
 from rollshard.train.metrics import read_metrics
 from rollshard.train.routing import reads_routing
 
@@ -74,8 +77,29 @@ class PushError(RuntimeError):
     """The engine did not load a policy the trainer wrote."""
 
 
+@dataclass(kw_only=True)
+class AsyncSettings:
+    """The settings of an --async run, from its command line; loop.json keeps them (``settings``), and a rerun
+    that changes one of :data:`FROZEN` is refused."""
+
+    mode: str = "async"  # what tells an --async run folder from one of rounds
+    model: str  # the policy the run starts from, a resolved model folder
+    engine: str  # 'embedded' or SGLang URL[,URL...]
+    seed: int
+    generate: list[str]  # rollshard-generate's flags (the loop's own left out)
+    train: list[str]  # rollshard-train's flags
+    max_staleness: int  # ETA: versions a trained row may lag the policy
+    update_every: int  # push the trainer's weights every K steps
+    serve_threads: int  # torch threads of the embedded engine (0: its default)
+    train_threads: int  # torch threads of the trainer (0: torch's default)
+    steps: int  # optimizer steps of the whole run
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class AsyncLoop:
-    def __init__(self, out: Path, settings: dict[str, Any], *, progress: bool, report: bool = True):
+    def __init__(self, out: Path, settings: AsyncSettings, *, progress: bool, report: bool = True):
         self.out, self.settings, self.progress, self.report = out, settings, progress, report
         self.children: dict[str, subprocess.Popen] = {}
         self._logs: list[IO] = []
@@ -91,44 +115,43 @@ class AsyncLoop:
     def from_args(cls, args: argparse.Namespace, model: str) -> "AsyncLoop":
         if args.steps is None or args.steps < 1:
             raise base.UsageError("--async needs --steps N (>= 1): the optimizer steps of the whole run")
-        args.max_staleness = 1 if args.max_staleness is None else args.max_staleness
-        args.serve_threads = 1 if args.serve_threads is None else args.serve_threads
-        if min(args.max_staleness, args.serve_threads, args.train_threads) < 0 or args.update_every < 1:
+        max_staleness = 1 if args.max_staleness is None else args.max_staleness
+        serve_threads = 1 if args.serve_threads is None else args.serve_threads
+        if min(max_staleness, serve_threads, args.train_threads) < 0 or args.update_every < 1:
             raise base.UsageError("--max-staleness, --serve-threads and --train-threads must be >= 0, --update-every >= 1")
         for flag, value, default in (("--window", args.window, 1), ("--audit", args.audit, False),
                                      ("--eval", args.eval, [])):  # fmt: skip
             if value != default:
                 raise base.UsageError(f"{flag} is for rounds; --async trains on one live dataset (drop {flag})")
-        settings = {
-            "mode": "async",
-            "model": model,
-            "engine": args.engine,
-            "seed": args.seed,
-            "generate": base._split("--generate", args.generate, base.GENERATE_OWNED + ASYNC_GENERATE_OWNED),
-            "train": base._split("--train", args.train, base.TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=base._train_flags()),
-            "max_staleness": args.max_staleness,
-            "update_every": args.update_every,
-            "serve_threads": args.serve_threads,
-            "train_threads": args.train_threads,
-            "steps": args.steps,
-        }
-        base._check_train_config(settings["train"])
+        settings = AsyncSettings(
+            model=model,
+            engine=args.engine,
+            seed=args.seed,
+            generate=base._split("--generate", args.generate, base.GENERATE_OWNED + ASYNC_GENERATE_OWNED),
+            train=base._split("--train", args.train, base.TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=base._train_flags()),
+            max_staleness=max_staleness,
+            update_every=args.update_every,
+            serve_threads=serve_threads,
+            train_threads=args.train_threads,
+            steps=args.steps,
+        )
+        base._check_train_config(settings.train)
         out = Path(args.out).resolve()
         loop = cls(out, settings, progress=not args.no_progress, report=not args.no_report)
-        loop.check_state(base._read_state(out))
+        loop.check_state(LoopState.read(out))
         return loop
 
-    def check_state(self, state: dict[str, Any] | None) -> None:
+    def check_state(self, state: LoopState | None) -> None:
         """A rerun continues only with the same settings (``--steps`` may grow)."""
         if state is None:
             return
-        before = state["settings"]
-        if before.get("mode") != "async":
+        if not state.is_async:
             raise base.UsageError(f"{self.out} holds rounds of the synchronous loop; choose a new --out for --async")
+        before, now = state.settings, self.settings.to_json()
         for key in FROZEN:
-            if before.get(key) != self.settings[key]:
+            if before.get(key) != now[key]:
                 raise base.UsageError(
-                    f"{self.out} was run with another {key} ({before.get(key)!r} there, {self.settings[key]!r} now); "
+                    f"{self.out} was run with another {key} ({before.get(key)!r} there, {now[key]!r} now); "
                     "rerun with the same settings to continue, or choose a new --out"
                 )
 
@@ -149,6 +172,16 @@ class AsyncLoop:
             raise base.UsageError(f"--generate: {base._last_error(done.stderr, 'rollshard-generate')}")
         return config.data.groups_per_step
 
+    def dry_run_commands(self, groups_per_step: int) -> list[list[str]]:
+        """The three processes' commands (the embedded engine's port is the one it will pick: PORT)."""
+        embedded = self.settings.engine == "embedded"
+        engine = "http://127.0.0.1:PORT" if embedded else self.settings.engine
+        return [
+            *([self.serve_command(self.settings.model, "0")] if embedded else []),
+            [sys.executable, "-m", "rollshard.generate", *self.generate_args(engine, groups_per_step)],
+            [sys.executable, "-m", "rollshard.train", *self.train_args()],
+        ]
+
     # ---- the stages' commands ----------------------------------------------------------------
 
     @property
@@ -160,33 +193,33 @@ class AsyncLoop:
         return self.out / "train"
 
     def first_version(self) -> int:
-        return int(base._policy_version(Path(self.settings["model"])))
+        return int(base._policy_version(Path(self.settings.model)))
 
     def generate_args(self, engine: str, groups_per_step: int) -> list[str]:
         s = self.settings
         return [
-            "--engine", engine, "--out", str(self.data), "--seed", str(s["seed"]), "--repeat",
-            "--max-ahead", str(s["max_staleness"]), "--step-episodes", str(groups_per_step),
+            "--engine", engine, "--out", str(self.data), "--seed", str(s.seed), "--repeat",
+            "--max-ahead", str(s.max_staleness), "--step-episodes", str(groups_per_step),
             "--first-version", str(self.first_version()),
             # a shard per step's worth of episodes, or per second: the trainer sees rows as soon as they are done
             "--commit-every", str(groups_per_step), "--commit-interval", str(COMMIT_INTERVAL_S),
-            *s["generate"], "--no-progress",
+            *s.generate, "--no-progress",
         ]  # fmt: skip
 
     def train_args(self) -> list[str]:
         s = self.settings
         resume = ["--resume"] if (self.train_out / "checkpoints").exists() else []
         return [
-            "--data", str(self.data), "--follow", "--model", s["model"], "--out", str(self.train_out), *resume,
-            "--max-steps", str(s["steps"]), "--export-every", str(s["update_every"]), "--save-every", str(SAVE_EVERY),
-            "--max-staleness", str(s["max_staleness"]), *s["train"], "--no-progress",
+            "--data", str(self.data), "--follow", "--model", s.model, "--out", str(self.train_out), *resume,
+            "--max-steps", str(s.steps), "--export-every", str(s.update_every), "--save-every", str(SAVE_EVERY),
+            "--max-staleness", str(s.max_staleness), *s.train, "--no-progress",
         ]  # fmt: skip
 
     # ---- running -----------------------------------------------------------------------------
 
     def run(self) -> int:
         self.out.mkdir(parents=True, exist_ok=True)
-        lock = open(self.out / base.LOCK_FILE, "a")
+        lock = open(self.out / LOCK_FILE, "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -198,7 +231,7 @@ class AsyncLoop:
             self._save()
             groups_per_step = self.check_stage_args()
             ckpt = latest_checkpoint(self.train_out)
-            if ckpt is not None and ckpt.step >= self.settings["steps"]:  # the trainer saves its last step
+            if ckpt is not None and ckpt.step >= self.settings.steps:  # the trainer saves its last step
                 return base.EXIT_OK
             return self._run(groups_per_step)
         except base.UsageError as e:
@@ -227,9 +260,10 @@ class AsyncLoop:
         if engine is None:
             return base.EXIT_INTERRUPTED if self._stop is not None else base.EXIT_FAILED
         self._start("generate", [sys.executable, "-m", "rollshard.generate", *self.generate_args(engine, groups_per_step)])
-        base._say(f"generating into {self.data} and training {self.settings['steps']} steps into {self.train_out} "
+        base._say(f"generating into {self.data} and training {self.settings.steps} steps into {self.train_out} "
                   f"(logs in {self.out / LOGS})")
-        bar = _bar(self.settings["steps"], self._trained_steps(), disable=not self.progress)
+        bar = progress(self.settings.steps, desc="async", unit="step", initial=self._trained_steps(),
+                       file=sys.stderr, disable=not self.progress)
         steps = self._trained_steps()
         while True:
             if self._stop is not None:
@@ -277,9 +311,9 @@ class AsyncLoop:
     def serve_command(self, policy: str, version: str) -> list[str]:
         """The embedded engine's server: ``rollshard-generate serve`` on a free port."""
         command = [sys.executable, "-m", "rollshard.generate", "serve", "--model", policy, "--port", "0",
-                   "--weight-version", version, "--seed", str(self.settings["seed"])]  # fmt: skip
-        if self.settings["serve_threads"]:
-            command += ["--threads", str(self.settings["serve_threads"])]
+                   "--weight-version", version, "--seed", str(self.settings.seed)]  # fmt: skip
+        if self.settings.serve_threads:
+            command += ["--threads", str(self.settings.serve_threads)]
         if reads_routing(policy):  # a MoE: the engine returns its routing, the rows store it, the trainer replays it
             command.append("--enable-return-routed-experts")
         return command
@@ -287,9 +321,9 @@ class AsyncLoop:
     def _start_engine(self) -> str | None:
         """The engine's URL(s): the given SGLang servers (loaded with the newest policy), or a serve child."""
         policy, version = self._newest_policy()
-        if self.settings["engine"] != "embedded":
-            self._push(self.settings["engine"], policy, version)
-            return self.settings["engine"]
+        if self.settings.engine != "embedded":
+            self._push(self.settings.engine, policy, version)
+            return self.settings.engine
         child = self._start("serve", self.serve_command(policy, version), stdout=subprocess.PIPE)
         for line in child.stdout:  # the server says where it listens once it is ready (or ends)
             found = READY.search(line)
@@ -305,7 +339,7 @@ class AsyncLoop:
         """What the engine starts on: the trainer's newest checkpoint (what it resumes from), else --model."""
         ckpt = latest_checkpoint(self.train_out)
         if ckpt is None:
-            return self.settings["model"], str(self.first_version())
+            return self.settings.model, str(self.first_version())
         return str(ckpt.path), ckpt.weight_version
 
     def _push_newest(self, engine: str) -> None:
@@ -333,7 +367,7 @@ class AsyncLoop:
 
     def _train_env(self) -> dict[str, str] | None:
         """The trainer's torch threads (``--train-threads``; 0: torch's default, every core)."""
-        threads = self.settings["train_threads"]
+        threads = self.settings.train_threads
         return {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
 
     def _start(self, name: str, command: list[str], stdout: int | None = None,
@@ -395,7 +429,7 @@ class AsyncLoop:
             return None
 
     def _finish(self, engine: str, seconds: float) -> None:
-        end = self._busy(engine) if self.settings["engine"] == "embedded" else None
+        end = self._busy(engine) if self.settings.engine == "embedded" else None
         self._stop_children()
         figures = run_figures(read_metrics(self.train_out), self.data, seconds)
         if end is not None and self._busy_start is not None:
@@ -419,13 +453,12 @@ class AsyncLoop:
         base._say(f"report: {path}")
 
     def _save(self, figures: dict[str, Any] | None = None) -> None:
-        state = {"version": base.STATE_VERSION, "settings": self.settings, "rounds": []}
-        previous = base._read_state(self.out) if (self.out / base.STATE_FILE).exists() else None
-        runs = (previous or {}).get("async_runs", [])
+        """loop.json: the settings, and the figures of every finished run (this one's added when given)."""
+        previous = LoopState.read(self.out) if (self.out / STATE_FILE).exists() else None
+        runs = (previous.async_runs if previous is not None else None) or []
         if figures is not None:
             runs = [*runs, figures]
-        state["async_runs"] = runs
-        Storage(self.out).write_atomic(base.STATE_FILE, json.dumps(state, indent=2).encode())
+        LoopState(settings=self.settings.to_json(), async_runs=runs).write(self.out)
 
 
 def run_figures(metrics: list[dict[str, Any]], data: Path, seconds: float) -> dict[str, Any]:
@@ -479,10 +512,4 @@ def _tail(path: Path, lines: int = 3) -> str:
         return ""
     return ": " + " | ".join(last) if last else ""
 
-
-def _bar(total: int, initial: int, *, disable: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", desc="async", file=sys.stderr, disable=disable,
-                dynamic_ncols=True)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
-from rollshard.train.config import add_config_flags, resolve
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.train.config import TrainConfig, add_config_flags, resolve
 
 PROG = "rollshard-train"
 
@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(config.to_yaml(), end="")
         return EXIT_OK
+    return train(config)
 
+
+def train(config: TrainConfig) -> int:
+    """Build the trainer on every process, run it, say how it ended; the command's exit status."""
     from rollshard.store.io.dataset import DatasetNotFoundError
     from rollshard.train.backends import close_env, parallel_env
     from rollshard.train.backends.distributed import close_distributed, init_distributed
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         _error(e)
         return EXIT_FAILED
-    except (ValueError, DatasetNotFoundError) as e:  # usage, data and loader-state errors (LoaderStateError too)
+    except (ValueError, DatasetNotFoundError, UsageError) as e:  # usage, data and loader-state errors
         _error(e)
         return EXIT_USAGE
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
@@ -97,20 +101,25 @@ def main(argv: list[str] | None = None) -> int:
         close_distributed(env)
     if trainer.stopped_by is not None:
         if env.is_main:
-            if trainer.saved_in_run:
-                where = f"saved step {trainer.step} to {trainer.checkpoint_path()}; rerun with --resume to continue"
-            elif trainer.last_saved is not None:  # resumed, then stopped before a new step finished
-                where = (
-                    f"no new step finished; the latest checkpoint is {trainer.checkpoint_path()} "
-                    f"(step {trainer.last_saved}); rerun with --resume to continue"
-                )
-            else:
-                where = "no step had finished, nothing to save"
-            print(f"{PROG}: interrupted ({trainer.stopped_by}); {where}", file=sys.stderr)
+            print(_interrupted(trainer), file=sys.stderr)
         return EXIT_INTERRUPTED
     if env.is_main:
         print(_summary(trainer))
     return EXIT_OK
+
+
+def _interrupted(trainer) -> str:
+    """One line: which signal stopped the run, and what was saved."""
+    if trainer.saved_in_run:
+        where = f"saved step {trainer.step} to {trainer.checkpoint_path()}; rerun with --resume to continue"
+    elif trainer.last_saved is not None:  # resumed, then stopped before a new step finished
+        where = (
+            f"no new step finished; the latest checkpoint is {trainer.checkpoint_path()} "
+            f"(step {trainer.last_saved}); rerun with --resume to continue"
+        )
+    else:
+        where = "no step had finished, nothing to save"
+    return f"{PROG}: interrupted ({trainer.stopped_by}); {where}"
 
 
 def _latest(out: str) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import io
 import json
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +46,13 @@ from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.format.manifest import FAILURE_DIR
 from rollshard.store.inspection.stats import dataset_stats
-from rollshard.store.io.storage import Storage
 from rollshard.store.models.gguf import is_gguf
 from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.loop_state import LOCK_FILE, LoopState, RoundState
 from rollshard.train.metrics import read_metrics
 
 PROG = "rollshard-loop"
-STATE_FILE = "loop.json"
-STATE_VERSION = 1
 # Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
 GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
 TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print-config", "--initial-version")
@@ -66,7 +66,6 @@ FROZEN_BY_ROWS = ("model",)
 AUDIT_OWNED = ("--data", "--model", "--out", "--json")
 EVAL_OWNED = ("--model", "--engine", "--out", "--json")
 EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
-LOCK_FILE = ".loop.lock"
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
 
 
@@ -161,13 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         _say("interrupted before round 0; rerun the same command to continue")
         return EXIT_INTERRUPTED
     if args.dry_run:
-        for k in range(args.rounds):
-            policy = str(loop.policy_path(k)) if k == 0 else f"<checkpoint of round {k - 1}>"
-            version = None if k == 0 else f"<version of round {k - 1}'s checkpoint>"
-            print(shlex.join(loop.generate_command(k, policy, version)))
-            if loop.settings["audit"] is not None:
-                print(shlex.join(loop.audit_command(k, policy)))
-            print(shlex.join(loop.train_command(k, policy)))
+        for command in loop.dry_run_commands(args.rounds):
+            print(shlex.join(command))
         return EXIT_OK
     code = loop.run(args.rounds)
     if code == EXIT_OK and not args.no_report:
@@ -196,15 +190,12 @@ def _main_async(args: argparse.Namespace) -> int:
         except UsageError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
-        engine = "http://127.0.0.1:PORT" if args.engine == "embedded" else args.engine  # serve picks the port
-        if args.engine == "embedded":
-            print(shlex.join(loop.serve_command(str(model), "0")))
-        print(shlex.join([sys.executable, "-m", "rollshard.generate", *loop.generate_args(engine, groups_per_step)]))
-        print(shlex.join([sys.executable, "-m", "rollshard.train", *loop.train_args()]))
+        for command in loop.dry_run_commands(groups_per_step):
+            print(shlex.join(command))
         return EXIT_OK
     code = loop.run()
-    state = _read_state(loop.out) or {}
-    figures = (state.get("async_runs") or [None])[-1]
+    state = LoopState.read(loop.out)
+    figures = state.async_runs[-1] if state is not None and state.async_runs else None
     if code == EXIT_OK and figures is not None:
         if args.json:
             print(json.dumps({"run": str(loop.out), "async": figures}, indent=2))
@@ -213,8 +204,26 @@ def _main_async(args: argparse.Namespace) -> int:
     return code
 
 
+@dataclass(kw_only=True)
+class LoopSettings:
+    """The settings of a run of rounds, from its command line; loop.json keeps them (``settings``), and a rerun
+    that changes one a finished stage used is refused (:data:`FROZEN_BY`)."""
+
+    model: str  # P_0, a resolved model folder
+    engine: str  # 'embedded' or SGLang URL[,URL...]
+    window: int  # rounds whose datasets a round trains on
+    seed: int  # round k generates with seed + k
+    generate: list[str]  # rollshard-generate's flags (the loop's own left out)
+    train: list[str]  # rollshard-train's flags
+    audit: list[str] | None = None  # rollshard-train audit's flags; None: no audit stage
+    eval: list[str] | None = None  # rollshard-generate eval's flags; None: no evaluations
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class Loop:
-    def __init__(self, out: Path, settings: dict[str, Any], rounds: list[dict[str, Any]], *, progress: bool):
+    def __init__(self, out: Path, settings: LoopSettings, rounds: list[RoundState], *, progress: bool):
         self.out, self.settings, self.rounds, self.progress = out, settings, rounds, progress
         self._child: subprocess.Popen | None = None
         self._stop: int | None = None  # the signal that asked the loop to stop
@@ -235,50 +244,49 @@ class Loop:
         generate_args = _split("--generate", args.generate, GENERATE_OWNED)
         train_args = _split("--train", args.train, TRAIN_OWNED, known=_train_flags())
         _check_train_config(train_args)
-        settings = {
-            "model": resolve_model_path(model),
-            "engine": args.engine,
-            "window": args.window,
-            "seed": args.seed,
-            "generate": generate_args,
-            "train": train_args,
-            "audit": _split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
-            "eval": _split("--eval", args.eval, EVAL_OWNED) if args.eval else None,
-        }
+        settings = LoopSettings(
+            model=resolve_model_path(model),
+            engine=args.engine,
+            window=args.window,
+            seed=args.seed,
+            generate=generate_args,
+            train=train_args,
+            audit=_split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
+            eval=_split("--eval", args.eval, EVAL_OWNED) if args.eval else None,
+        )
         # Links resolved, as the checkpoints' paths come back: loop.json keeps paths relative to it, so a run moves.
         out = Path(args.out).resolve()
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {args.out} is a file; the loop needs a folder (a new one, or an earlier run's)")
         loop = cls(out, settings, [], progress=not args.no_progress)
-        loop.rounds = loop.reconcile(_read_state(out))
+        loop.rounds = loop.reconcile(LoopState.read(out))
         return loop
 
-    def reconcile(self, state: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def reconcile(self, state: LoopState | None) -> list[RoundState]:
         """The rounds of a run's state, checked against this command's settings. A round whose generation
         committed rows, finished or not, freezes the policy it was given (``FROZEN_BY_ROWS``). A round not yet
         trained whose data folder was deleted (to regenerate it, after a flagged audit) starts over."""
-        if state is not None and state["settings"].get("mode") == "async":
+        if state is not None and state.is_async:
             raise UsageError(f"{self.out} is an --async run; rerun it with --async, or choose a new --out")
-        rounds: list[dict[str, Any]] = [] if state is None else state["rounds"]
+        rounds = [] if state is None else state.rounds
         for r in rounds:
-            if not r.get("trained") and r.get("generated") and self._committed_rows(r["round"]) is None:
-                train = self.round_dir(r["round"]) / "train"
+            if not r.trained and r.generated and self._committed_rows(r.round) is None:
+                train = self.round_dir(r.round) / "train"
                 if train.exists():  # its resume would continue a training of the deleted rows
-                    raise UsageError(f"round {r['round']}'s data folder is gone but its training {train} is not; "
+                    raise UsageError(f"round {r.round}'s data folder is gone but its training {train} is not; "
                                      "delete that too to generate and train the round anew")
-                for key in ("generated", "data", "audit"):
-                    r.pop(key, None)
-        for key, value in self.settings.items():
-            before = value if state is None else state["settings"].get(key)
+                r.generated, r.data, r.audit = False, None, None
+        for key, value in self.settings.to_json().items():
+            before = value if state is None else state.settings.get(key)
             if before == value or not FROZEN_BY[key]:
                 continue
-            done = [r["round"] for r in rounds if r.get(FROZEN_BY[key])]
+            done = [r.round for r in rounds if (r.generated if FROZEN_BY[key] == "generated" else r.trained)]
             if key in FROZEN_BY_ROWS:
-                done += [r["round"] for r in rounds if not r.get("generated") and self._committed_rows(r["round"])]
+                done += [r.round for r in rounds if not r.generated and self._committed_rows(r.round)]
             if done:
                 k, rows = min(done), FROZEN_BY[key] == "generated"
                 # Only rows no training used yet can be made again.
-                anew = rows and not any(r.get("trained") for r in rounds)
+                anew = rows and not any(r.trained for r in rounds)
                 hint = f", delete {self.round_dir(k) / 'data'} to generate round {k} anew," if anew else ""
                 raise UsageError(
                     f"{self.out} was run with another {key} ({before!r} there, {value!r} now; round {k}'s "
@@ -318,7 +326,7 @@ class Loop:
         done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
         if done.returncode != 0:
             raise UsageError(f"--generate: {_last_error(done.stderr, 'rollshard-generate')}")
-        if self.settings["eval"] is not None:  # eval's own flags, then the batch command's (--check-args)
+        if self.settings.eval is not None:  # eval's own flags, then the batch command's (--check-args)
             check = [*self.eval_command(policy, self.round_dir(0) / "eval_policy"), "--check-args"]
             done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
             if done.returncode != 0:
@@ -331,24 +339,36 @@ class Loop:
 
     def policy_path(self, k: int) -> Path:
         """P_k: --model for round 0, else the (resolved) checkpoint round k-1 finished with."""
-        return Path(self.settings["model"]) if k == 0 else self.out / self.rounds[k - 1]["checkpoint"]
+        return Path(self.settings.model) if k == 0 else self.out / self.rounds[k - 1].checkpoint
+
+    def dry_run_commands(self, rounds: int) -> list[list[str]]:
+        """The stages' commands of ``rounds`` rounds, a later round's policy and version named, not known."""
+        commands = []
+        for k in range(rounds):
+            policy = str(self.policy_path(k)) if k == 0 else f"<checkpoint of round {k - 1}>"
+            version = None if k == 0 else f"<version of round {k - 1}'s checkpoint>"
+            commands.append(self.generate_command(k, policy, version))
+            if self.settings.audit is not None:
+                commands.append(self.audit_command(k, policy))
+            commands.append(self.train_command(k, policy))
+        return commands
 
     def generate_command(self, k: int, policy: str, version: str | None = None) -> list[str]:
         return [sys.executable, "-m", "rollshard.generate", *self.generate_args(k, policy, version)]
 
     def generate_args(self, k: int, policy: str, version: str | None = None) -> list[str]:
         """rollshard-generate's flags for round k (what the loop's check runs with --check-args before round 0)."""
-        engine = self.settings["engine"]
+        engine = self.settings.engine
         if version is None:
-            version = self.rounds[k]["policy_version"] if k < len(self.rounds) else _policy_version(Path(policy))
+            version = self.rounds[k].policy_version if k < len(self.rounds) else _policy_version(Path(policy))
         where = (
             ["--engine", f"embedded:{policy}"] if engine == "embedded"
             # A folder without a version of its own (round 0's model) is served as the version the loop names.
             else ["--engine", engine, "--update-weights", policy, "--weight-version", version]
         )  # fmt: skip
         return [
-            *where, "--out", str(self.round_dir(k) / "data"), "--seed", str(self.settings["seed"] + k),
-            *self.settings["generate"], *self._quiet(),
+            *where, "--out", str(self.round_dir(k) / "data"), "--seed", str(self.settings.seed + k),
+            *self.settings.generate, *self._quiet(),
         ]  # fmt: skip
 
     def train_command(self, k: int, policy: str) -> list[str]:
@@ -356,12 +376,12 @@ class Loop:
 
     def train_args(self, k: int, policy: str) -> list[str]:
         """rollshard-train's flags for round k (what the loop's check parses before round 0, too)."""
-        first = max(0, k - self.settings["window"] + 1)
+        first = max(0, k - self.settings.window + 1)
         data = ",".join(str(self.round_dir(j) / "data") for j in range(first, k + 1))
         out = self.round_dir(k) / "train"
         # Killed after (or during) a save: continue from it. The trainer also repairs a save torn between renames.
         resume = ["--resume"] if (out / "checkpoints").exists() else []
-        train = self.settings["train"]
+        train = self.settings.train
         # With wandb, each round is a run of its own; name it after the round (every round's folder is `train`).
         if any("wandb" in t for t in train) and not any(t.startswith("--wandb-name") for t in train):
             train = ["--wandb-name", f"{self.out.name}/round_{k:03d}", *train]
@@ -371,16 +391,16 @@ class Loop:
         return [
             sys.executable, "-m", "rollshard.train", "audit", "--data", str(self.round_dir(k) / "data"),
             "--model", policy, "--out", str(self.round_dir(k) / "audit.parquet"), "--json",
-            *self.settings["audit"], *self._quiet(),
+            *self.settings.audit, *self._quiet(),
         ]  # fmt: skip
 
     def eval_command(self, policy: str, out: Path) -> list[str]:
         """rollshard-generate eval of ``policy`` (embedded), or of what the servers serve once they loaded it."""
-        engine = self.settings["engine"]
+        engine = self.settings.engine
         where = ["--model", policy] if engine == "embedded" else ["--engine", engine, "--update-weights", policy]
         return [
             sys.executable, "-m", "rollshard.generate", "eval", *where, "--out", str(out),
-            *self.settings["eval"], *self._quiet(),
+            *self.settings.eval, *self._quiet(),
         ]  # fmt: skip
 
     def _name(self, path: Path) -> str:
@@ -403,7 +423,7 @@ class Loop:
             _say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
             return EXIT_USAGE
         try:  # what a loop that held the folder until now left, not what this one read before the lock
-            self.rounds = self.reconcile(_read_state(self.out))
+            self.rounds = self.reconcile(LoopState.read(self.out))
         except UsageError as e:
             lock.close()
             _say(str(e))
@@ -423,19 +443,19 @@ class Loop:
 
     def _round(self, k: int, rounds: int) -> int:
         if k == len(self.rounds):
-            self.rounds.append({"round": k})
+            self.rounds.append(RoundState(round=k))
         state = self.rounds[k]
-        if state.get("trained") and (self.settings["eval"] is None or state.get("checkpoint_eval")):
+        if state.trained and (self.settings.eval is None or state.checkpoint_eval):
             return EXIT_OK
-        if k == 0 and self.settings["eval"] is not None and not state.get("eval"):
+        if k == 0 and self.settings.eval is not None and not state.eval:
             code, figures = self._eval(k, rounds, self.policy_path(0), self.round_dir(0) / "eval_policy")
             if code != EXIT_OK:
                 return code
-            state.update(eval=figures)
+            state.eval = figures
             self._save()
-        if state.get("trained"):
+        if state.trained:
             return self._eval_checkpoint(k, rounds)
-        if not state.get("generated"):
+        if not state.generated:
             # The policy as it is now: --model may have changed since a generation that committed nothing.
             policy = self.policy_path(k)
             if not policy.is_dir():
@@ -443,7 +463,7 @@ class Loop:
                      "or choose a new --out")
                 return EXIT_FAILED
             try:
-                state.update(policy=self._name(policy), policy_version=_policy_version(policy))
+                state.policy, state.policy_version = self._name(policy), _policy_version(policy)
             except VersionError as e:
                 _say(f"round {k}: {e}")
                 return EXIT_FAILED
@@ -451,40 +471,38 @@ class Loop:
             code = self._stage(k, rounds, "generating", self.generate_command(k, str(policy)))
             if code != EXIT_OK:
                 return code
-            state.update(generated=True, data=_data_summary(self.round_dir(k) / "data"))
-            state.setdefault("seconds", {})["generate"] = self._seconds
+            state.generated, state.data = True, _data_summary(self.round_dir(k) / "data")
+            state.seconds["generate"] = self._seconds
             self._save()
-        if self.settings["audit"] is not None and not state.get("audit"):
+        if self.settings.audit is not None and not state.audit:
             code, summary = self._audit(k, rounds)
             if code != EXIT_OK:
                 return code
-            state.update(audit=summary)
+            state.audit = summary
             self._save()
         code = self._stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
         if code != EXIT_OK:
             return code
-        state.setdefault("seconds", {})["train"] = self._seconds
+        state.seconds["train"] = self._seconds
         ckpt = latest_checkpoint(self.round_dir(k) / "train")
         if ckpt is None:  # nothing passed the filters: no step, no checkpoint
             _say(f"round {k}: training wrote no checkpoint (no step ran: see its output above); check the --train filters")
             return EXIT_FAILED
-        state.update(
-            trained=True, checkpoint=self._name(ckpt.path), checkpoint_version=ckpt.weight_version,
-            train=_train_summary(self.round_dir(k) / "train"),
-        )  # fmt: skip
+        state.trained, state.checkpoint, state.checkpoint_version = True, self._name(ckpt.path), ckpt.weight_version
+        state.train = _train_summary(self.round_dir(k) / "train")
         self._save()
         return self._eval_checkpoint(k, rounds)
 
     def _eval_checkpoint(self, k: int, rounds: int) -> int:
         """``--eval``: round k's checkpoint (P_{k+1}) on the held-out prompts; round k+1's policy is that one."""
         state = self.rounds[k]
-        if self.settings["eval"] is None or state.get("checkpoint_eval"):
+        if self.settings.eval is None or state.checkpoint_eval:
             return EXIT_OK
-        code, figures = self._eval(k, rounds, self.out / state["checkpoint"], self.round_dir(k) / "eval")
+        code, figures = self._eval(k, rounds, self.out / state.checkpoint, self.round_dir(k) / "eval")
         if code != EXIT_OK:
             return code
-        state.update(checkpoint_eval=figures)
-        state.setdefault("seconds", {})["eval"] = self._seconds
+        state.checkpoint_eval = figures
+        state.seconds["eval"] = self._seconds
         self._save()
         return EXIT_OK
 
@@ -521,7 +539,7 @@ class Loop:
         if self._stop is not None:  # a signal between stages: start no other
             _say(f"interrupted before {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
-        policy = "" if what.startswith("evaluating") else f" with {self.policy_path(k)} (version {self.rounds[k]['policy_version']})"
+        policy = "" if what.startswith("evaluating") else f" with {self.policy_path(k)} (version {self.rounds[k].policy_version})"
         _say(f"round {k + 1}/{rounds}: {what}{policy}")
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
@@ -558,18 +576,16 @@ class Loop:
             child.send_signal(signum)
 
     def _save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        state = {"version": STATE_VERSION, "settings": self.settings, "rounds": self.rounds}
-        Storage(self.out).write_atomic(STATE_FILE, json.dumps(state, indent=2).encode())
+        LoopState(settings=self.settings.to_json(), rounds=self.rounds).write(self.out)
 
     def write_report(self) -> None:
         """RUN/report.html: reward across the rounds, the last round's rows in detail, its training's metrics. A
         report that cannot be made (no matplotlib) is a warning: the rounds are done."""
         from rollshard.store.inspection import report
 
-        datasets = [str(self.round_dir(s["round"]) / "data") for s in self.rounds if s.get("generated")]
-        last = self.round_dir(self.rounds[-1]["round"])
-        audit = last / "audit.parquet" if self.rounds[-1].get("audit") else None  # its rows beside the trainer's
+        datasets = [str(self.round_dir(s.round) / "data") for s in self.rounds if s.generated]
+        last = self.round_dir(self.rounds[-1].round)
+        audit = last / "audit.parquet" if self.rounds[-1].audit else None  # its rows beside the trainer's
         try:
             page = report.build(datasets, metrics=str(last / "train" / "metrics.jsonl"), audit=audit and str(audit),
                                 held_out=self.held_out())
@@ -594,16 +610,15 @@ class Loop:
         """One entry per generated round: reward by agent of its rows, its training's step-0 mismatch."""
         rows = []
         for state in self.rounds:
-            if not state.get("generated"):
+            if not state.generated:
                 continue
-            train = state.get("train", {})
-            policy_eval = state.get("eval") if state["round"] == 0 else self.rounds[state["round"] - 1].get("checkpoint_eval")
+            policy_eval = state.eval if state.round == 0 else self.rounds[state.round - 1].checkpoint_eval
             rows.append({
-                "round": state["round"], "policy_version": state["policy_version"],
-                **state["data"], **train, "audit": state.get("audit"),
-                "checkpoint_version": state.get("checkpoint_version"),
-                "eval": policy_eval, "checkpoint_eval": state.get("checkpoint_eval"),
-                "seconds": state.get("seconds", {}),
+                "round": state.round, "policy_version": state.policy_version,
+                **state.data, **(state.train or {}), "audit": state.audit,
+                "checkpoint_version": state.checkpoint_version,
+                "eval": policy_eval, "checkpoint_eval": state.checkpoint_eval,
+                "seconds": state.seconds,
             })  # fmt: skip
         return rows
 
@@ -684,23 +699,6 @@ def _train_flags() -> set[str]:
     from rollshard.train.cli import build_parser as train_parser
 
     return set(train_parser()._option_string_actions)
-
-
-def _read_state(out: Path) -> dict[str, Any] | None:
-    path = out / STATE_FILE
-    if not path.exists():
-        if out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):  # a lock alone: a run that just began
-            raise UsageError(f"{out} exists and is not a {PROG} run (no {STATE_FILE}); choose a new --out")
-        return None
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is unreadable ({e}); choose a new --out") from e
-    if not (isinstance(state, dict) and isinstance(state.get("settings"), dict) and isinstance(state.get("rounds"), list)):
-        raise UsageError(f"{path} is not a {PROG} state file (no settings and rounds); choose a new --out")
-    if state.get("version", 0) > STATE_VERSION:
-        raise UsageError(f"{path} was written by a newer rollshard (state version {state['version']}); upgrade")
-    return state
 
 
 def _data_summary(path: Path) -> dict[str, Any]:

@@ -4,14 +4,15 @@ One pooled aiohttp session per event loop, bounded concurrency, several server U
 (each request goes to the one with the fewest requests in flight, a server's connection
 failures in a row each counting as a fair share of requests) or one sglang-router URL.
 
-Retries. Connection errors, timeouts, 5xx answers and aborts whose ``status_code`` is
->= 500 (the server's own failure: out of memory, retraction, its timeouts; see
-:mod:`.sglang_protocol`) are retried with exponential backoff and jitter, preferring
-another server; a 4xx is the caller's fault and fails at once. Every other abort (a
-client's ``/abort_request``, a weight update aborting all requests, a 4xx-type abort) is
-final: it comes back as an ``abort`` result. A retry gets a fresh server-side id,
-``retry<N>-<rid>``: SGLang aborts every request whose id *starts with* the aborted one,
-so a retry must not extend the id of the attempt it replaces.
+Retries. Connection errors, timeouts, 5xx answers and aborts whose ``status_code`` is >= 500
+(the server's own failure: out of memory, retraction, its timeouts; see
+:mod:`.sglang_protocol`) are retried with exponential backoff and jitter
+(:func:`rollshard.store.common.backoff_delay`), preferring another server; a 4xx is the
+caller's fault and fails at once. Every other abort (a client's ``/abort_request``, a weight
+update aborting all requests, a 4xx-type abort) is final: it comes back as an ``abort``
+result. A retry gets a fresh server-side id, ``retry<N>-<rid>``: SGLang aborts every request
+whose id *starts with* the aborted one, so a retry must not extend the id of the attempt it
+replaces.
 
 Abandoned attempts are aborted. When an attempt times out, or the task awaiting it is
 cancelled (Ctrl-C, a caller's ``wait_for``), the client posts ``/abort_request`` with the
@@ -97,10 +98,11 @@ from rollshard.generate.engines.sglang_protocol import (
     parse_response,
     preferred_sampling_differences,
 )
+from rollshard.store.common import backoff_delay
 from rollshard.store.format.schema import GREEDY_TEMPERATURE_EPS
 from rollshard.store.models.versions import VersionError, folder_weight_version
 
-__all__ = ["SGLangConfig", "SGLangEngine", "backoff_delay", "parse_response", "sampling_mask_problem"]
+__all__ = ["SGLangConfig", "SGLangEngine", "parse_response", "sampling_mask_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +153,6 @@ class _Retryable(Exception):
         super().__init__(message)
         self.connection = connection  # the server did not answer at all: counts for the breaker
         self.may_run_on = may_run_on  # the server may still be generating for it: abort it there
-
-
-def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:
-    """Exponential backoff with "equal jitter": half the step fixed, half uniform. ``attempt`` counts from 0."""
-    step = min(cap, base * 2**attempt)
-    return step / 2 + (rng or random).uniform(0, step / 2)
 
 
 class _Breaker:

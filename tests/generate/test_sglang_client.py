@@ -9,7 +9,7 @@ import pytest
 from rollshard.generate.engines import EngineError, SamplingParams, make_engine
 from rollshard.generate.engines.base import EngineSettingsError
 from rollshard.generate.engines.base import NEUTRAL_SAMPLING
-from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine, backoff_delay, parse_response
+from rollshard.generate.engines.sglang import SGLangConfig, SGLangEngine, parse_response
 from rollshard.store.format.schema import WeightSpan
 
 from tests.generate.sglang_fakes import IDS, LPS, FakeSGLang, free_port, ok_body, with_support
@@ -186,7 +186,10 @@ def test_4xx_is_not_retried():
 
 
 def test_backoff_is_exponential_jittered_and_capped():
+    """The client's retry wait (store's backoff_delay, with SGLangConfig's base and cap)."""
     import random
+
+    from rollshard.store.common import backoff_delay
 
     rng = random.Random(0)
     for attempt, step in enumerate([0.5, 1.0, 2.0, 4.0, 8.0, 8.0]):

@@ -224,22 +224,27 @@ def test_async_bad_input_is_one_line(tiny_gpt2, tmp_path, extra, message):
 
 
 def test_a_run_folder_keeps_its_mode(tmp_path):
-    from rollshard.train.async_loop import AsyncLoop
-    from rollshard.train.loop import Loop, UsageError
+    import dataclasses
+
+    from rollshard.train.async_loop import AsyncLoop, AsyncSettings
+    from rollshard.train.loop import Loop, LoopSettings, UsageError
+    from rollshard.train.loop_state import LoopState
 
     out = tmp_path / "r"
     out.mkdir()
     (out / "loop.json").write_text(json.dumps({"version": 1, "settings": {"mode": "async"}, "rounds": []}))
+    rounds = LoopSettings(model="m", engine="embedded", window=1, seed=0, generate=[], train=[])
     with pytest.raises(UsageError, match="is an --async run; rerun it with --async"):
-        Loop(out, {"model": "m"}, [], progress=False).reconcile(json.loads((out / "loop.json").read_text()))
+        Loop(out, rounds, [], progress=False).reconcile(LoopState.read(out))
+    settings = AsyncSettings(model="m", engine="embedded", seed=0, generate=[], train=[], max_staleness=1,
+                             update_every=1, serve_threads=1, train_threads=0, steps=4)
     with pytest.raises(UsageError, match="holds rounds of the synchronous loop; choose a new --out for --async"):
-        AsyncLoop(out, {"model": "m"}, progress=False).check_state({"settings": {"model": "m"}, "rounds": []})
-    settings = {"model": "m", "engine": "embedded", "seed": 0, "generate": [], "train": [], "max_staleness": 1,
-                "update_every": 1, "serve_threads": 1, "train_threads": 0, "steps": 4}
-    AsyncLoop(out, {**settings, "steps": 8}, progress=False).check_state({"settings": {**settings, "mode": "async"}})
+        AsyncLoop(out, settings, progress=False).check_state(LoopState(settings=rounds.to_json()))
+    AsyncLoop(out, dataclasses.replace(settings, steps=8), progress=False).check_state(
+        LoopState(settings=settings.to_json()))  # --steps may grow
     with pytest.raises(UsageError, match=r"another max_staleness \(1 there, 2 now\)"):
-        AsyncLoop(out, {**settings, "max_staleness": 2}, progress=False).check_state(
-            {"settings": {**settings, "mode": "async"}})
+        AsyncLoop(out, dataclasses.replace(settings, max_staleness=2), progress=False).check_state(
+            LoopState(settings=settings.to_json()))
 
 
 def test_dry_run_prints_the_three_commands_and_writes_nothing(tiny_gpt2, tiny_moe, tmp_path):

@@ -17,9 +17,11 @@ import polars as pl
 import pytest
 from safetensors.torch import load_file
 
+from rollshard.store.common import UsageError
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.train.cli import main as train_main
 from rollshard.train.loop import main as loop_main
+from rollshard.train.loop_state import RoundState
 from rollshard.train.metrics import read_metrics
 
 from tests.gated_main import REPO, Gate, wait_for_gate
@@ -380,7 +382,7 @@ def test_a_round_whose_rows_were_deleted_under_its_training_is_refused(tiny_gpt2
     args = loop_args(tiny_gpt2, out)
     from rollshard.train.loop import Loop, build_parser
 
-    settings = Loop.from_args(build_parser().parse_args(args)).settings
+    settings = Loop.from_args(build_parser().parse_args(args)).settings.to_json()
     (out / "round_000" / "train").mkdir(parents=True)  # a training begun on rows since deleted
     (out / "loop.json").write_text(json.dumps({"version": 1, "settings": settings, "rounds": [
         {"round": 0, "policy": str(tiny_gpt2), "policy_version": "0", "generated": True}]}))
@@ -426,7 +428,7 @@ def _loop_for_stages(tiny_gpt2, tmp_path):
     from rollshard.train.loop import Loop, build_parser
 
     loop = Loop.from_args(build_parser().parse_args(loop_args(tiny_gpt2, tmp_path / "run")))
-    loop.rounds = [{"round": 0, "policy_version": "0"}]
+    loop.rounds = [RoundState(round=0, policy_version="0")]
     return loop
 
 
@@ -544,3 +546,26 @@ def test_a_stage_hears_the_forwarded_signal_when_the_loop_was_started_ignoring_i
     finally:
         signal.signal(signal.SIGINT, previous)
     assert code == 130
+
+
+def test_a_state_file_of_an_earlier_rollshard_reads_and_writes_back_unchanged(tmp_path):
+    from rollshard.train.loop_state import LoopState
+
+    # Every field a round can hold, as rollshard wrote loop.json before its rounds were typed; round 1 is new.
+    written = {"version": 1, "settings": {"model": "/m", "engine": "embedded", "window": 1, "seed": 0, "generate": [],
+                                          "train": [], "audit": [], "eval": ["--task", "arithmetic"]}, "rounds": [
+        {"round": 0, "policy": "/m", "policy_version": "0", "generated": True,
+         "data": {"rows": 4, "failed_prompts": 0, "reward_mean": 0.5, "reward_by_agent": {"policy": 0.5}},
+         "seconds": {"generate": 1.0, "train": 2.0, "eval": 3.0}, "audit": {"tokens": 8, "mean": 0.0, "max": 0.0},
+         "trained": True, "checkpoint": "round_000/train/checkpoints/step_00000001", "checkpoint_version": "1",
+         "train": {"steps": 1, "mismatch_mean": 0.0, "mismatch_max": 0.0, "last_loss": 0.1},
+         "eval": {"pass@1": 0.25}, "checkpoint_eval": {"pass@1": 0.5}},
+        {"round": 1, "policy": "round_000/train/checkpoints/step_00000001", "policy_version": "1"},
+    ]}  # fmt: skip
+    (tmp_path / "loop.json").write_text(json.dumps(written))
+    state = LoopState.read(tmp_path)
+    assert state.rounds[0].trained and state.rounds[0].seconds["eval"] == 3.0 and not state.rounds[1].generated
+    assert state.to_json() == written  # a field at its default is left out, as before
+    (tmp_path / "loop.json").write_text(json.dumps({**written, "rounds": [{"round": 0, "polcy": "/m"}]}))
+    with pytest.raises(UsageError, match="round 0 has fields this rollshard does not know \\(polcy\\)"):
+        LoopState.read(tmp_path)
