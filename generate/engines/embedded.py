@@ -120,7 +120,10 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str = "float32"
 
 
 @dataclasses.dataclass(eq=False)
-class _Request:
+class Request:
+    """One request as the worker holds it: its prompt and sampling, and the tokens, logprobs (and supports, routed
+    experts) it has produced so far."""
+
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
@@ -182,12 +185,12 @@ class EmbeddedEngine(Engine):
         self._last_logit_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._full_attention = kv_cache.full_attention_only(self.model.config)
         self._seeds = random.Random(seed)
-        self._queue: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._swap: tuple[Any, str, str, threading.Event] | None = None  # (model, path, version, done)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._live: set[_Request] = set()  # submitted and not yet answered, for abort()
+        self._live: set[Request] = set()  # submitted and not yet answered, for abort()
         self.num_in_flight = 0  # requests submitted and not yet answered
         self.busy_seconds = 0.0  # the worker's time on a non-empty batch (prefill and decode); written by it only
         self._ready_at = time.monotonic()
@@ -235,7 +238,7 @@ class EmbeddedEngine(Engine):
             generator = torch.Generator().manual_seed(seed)
         except (RuntimeError, ValueError, TypeError, OverflowError) as e:
             raise EngineError(f"request {rid}: sampling_seed {seed!r} is not a 64-bit integer seed: {e}") from e
-        req = _Request(
+        req = Request(
             rid=rid,
             input_ids=list(input_ids),
             sampling=sampling,
@@ -248,7 +251,7 @@ class EmbeddedEngine(Engine):
             generator=generator,
         )
 
-        def _mark(fut: asyncio.Future, req: _Request = req) -> None:
+        def _mark(fut: asyncio.Future, req: Request = req) -> None:
             req.cancelled = fut.cancelled()
 
         req.future.add_done_callback(_mark)
@@ -370,7 +373,7 @@ class EmbeddedEngine(Engine):
 
     def _serve(self) -> None:
         batch = Batch()
-        waiting: list[_Request] = []
+        waiting: list[Request] = []
         while True:
             if self._closed.is_set():
                 for req in batch.rows + waiting + self._drain():
@@ -395,12 +398,12 @@ class EmbeddedEngine(Engine):
             try:
                 with torch.inference_mode():
                     if admit:
-                        batch = self._admit(batch, admit)
+                        batch = self.admit(batch, admit)
                     if batch.rows:
-                        batch = self._finish_rows(batch)
+                        batch = self.finish_rows(batch)
                     if batch.rows:
-                        self._decode(batch)
-                        batch = self._finish_rows(batch)
+                        self.decode_step(batch)
+                        batch = self.finish_rows(batch)
             except Exception as e:  # a failed forward fails its requests, never the worker
                 for req in batch.rows + admit:
                     if req.finish is None:
@@ -408,7 +411,7 @@ class EmbeddedEngine(Engine):
                 batch = Batch()
             self.busy_seconds += time.monotonic() - busy_from
 
-    def _drop_aborted(self, waiting: list[_Request]) -> list[_Request]:
+    def _drop_aborted(self, waiting: list[Request]) -> list[Request]:
         """Answer the waiting requests that were aborted (with no tokens, as SGLang's waiting queue does)."""
         keep = []
         for req in waiting:
@@ -419,8 +422,8 @@ class EmbeddedEngine(Engine):
                 keep.append(req)
         return keep
 
-    def _drain(self, block: bool = False) -> list[_Request]:
-        out: list[_Request] = []
+    def _drain(self, block: bool = False) -> list[Request]:
+        out: list[Request] = []
         if block:
             try:
                 out.append(self._queue.get(timeout=IDLE_POLL_S))
@@ -443,14 +446,17 @@ class EmbeddedEngine(Engine):
         self.weight_version = version
         done.set()
 
-    def _admit(self, batch: Batch, new: list[_Request]) -> Batch:
+    # -- the worker's steps: admit, decode_step, finish_rows (tests/bench/bench_decode.py runs them in its own
+    # thread to profile one batch) ------------------------------------------------------------------------------
+
+    def admit(self, batch: Batch, new: list[Request]) -> Batch:
         """Prefill ``new`` (in chunks of MAX_PREFILL_TOKENS), sample each first token, merge into ``batch``."""
         for req in new:
             req.weight_version = self.weight_version
             if req.max_new_tokens == 0:
                 req.finish = {"type": "length", "length": 0}
                 self._answer(req)
-        chunks: list[list[_Request]] = [[]]
+        chunks: list[list[Request]] = [[]]
         for req in sorted((r for r in new if r.finish is None), key=lambda r: len(r.input_ids)):
             longest = max([len(r.input_ids) for r in chunks[-1]] + [len(req.input_ids)])
             if chunks[-1] and longest * (len(chunks[-1]) + 1) > MAX_PREFILL_TOKENS:
@@ -461,7 +467,7 @@ class EmbeddedEngine(Engine):
                 batch = batch.merge(self._prefill(chunk), _columns_wanted(batch.rows + chunk))
         return batch
 
-    def _prefill(self, rows: list[_Request]) -> Batch:
+    def _prefill(self, rows: list[Request]) -> Batch:
         """One left-padded forward over ``rows``' distinct prompts (n samples of one prompt are prefilled once, their
         cache copied); their cache, sampling state and first tokens."""
         distinct: dict[tuple[int, ...], int] = {}
@@ -501,11 +507,11 @@ class EmbeddedEngine(Engine):
             [r.sampling for r in rows], [r.generator for r in rows], logits.shape[-1], self.device
         )
         first = sampling.sample_first(logits)
-        self._record(rows, *first)
+        self.record(rows, *first)
         next_pos = torch.tensor([len(r.input_ids) for r in rows], device=self.device)  # [n]
         return Batch(list(rows), kv, sampling, next_pos, first[0])
 
-    def _decode(self, batch: Batch) -> None:
+    def decode_step(self, batch: Batch) -> None:
         """One token for every row of ``batch``: a forward over the column cache, written in place."""
         batch.kv = kv = kv_cache.reserve(batch.kv, 1)
         mask = kv.mask[..., : kv.n + 1]  # [B, 1, 1, n + 1] prepared: transformers builds none
@@ -528,10 +534,10 @@ class EmbeddedEngine(Engine):
                 if asked[i]:
                     req.routed.append(ids[i : i + 1].clone())
         step = batch.sampling.sample(out.logits[:, -1, :])
-        self._record(batch.rows, *step)
+        self.record(batch.rows, *step)
         batch.last = step[0]
 
-    def _record(self, rows: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor, supports) -> None:
+    def record(self, rows: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor, supports) -> None:
         """Append each row's token and logprob (and support, when it asked), and apply its stop rules."""
         supports = supports or [None] * len(rows)
         for req, tok, lp, support in zip(rows, tokens.tolist(), logprobs.tolist(), supports):
@@ -542,7 +548,7 @@ class EmbeddedEngine(Engine):
                 req.out_sampling_lps.append(support[1])
             self._check_stop(req, tok)
 
-    def _check_stop(self, req: _Request, tok: int) -> None:
+    def _check_stop(self, req: Request, tok: int) -> None:
         if tok in req.stop_ids:
             req.finish = {"type": "stop", "matched": tok}
             return
@@ -555,7 +561,8 @@ class EmbeddedEngine(Engine):
         if len(req.out_ids) >= req.max_new_tokens:
             req.finish = {"type": "length", "length": len(req.out_ids)}
 
-    def _finish_rows(self, batch: Batch) -> Batch:
+    def finish_rows(self, batch: Batch) -> Batch:
+        """``batch`` without its rows that finished (answered), were aborted (answered) or were cancelled."""
         keep = []
         for i, req in enumerate(batch.rows):
             if req.abort_requested and req.finish is None:
@@ -568,13 +575,13 @@ class EmbeddedEngine(Engine):
 
     # ---- answers ----------------------------------------------------------------------------
 
-    def _answer(self, req: _Request) -> None:
+    def _answer(self, req: Request) -> None:
         _deliver(req, _set_result, self._result(req))
 
-    def _fail(self, req: _Request, err: Exception) -> None:
+    def _fail(self, req: Request, err: Exception) -> None:
         _deliver(req, _set_exception, err)
 
-    def _result(self, req: _Request) -> GenerateResult:
+    def _result(self, req: Request) -> GenerateResult:
         sp, finish = req.sampling, dict(req.finish or {})
         ids = req.out_ids
         trim_ids = (
@@ -613,7 +620,7 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
-def _columns_wanted(rows: list[_Request]) -> int:
+def _columns_wanted(rows: list[Request]) -> int:
     """Cache columns to reserve beyond the used ones: the most tokens a row may still generate, up to one growth."""
     return min(max((r.max_new_tokens - len(r.out_ids) for r in rows), default=0), kv_cache.GROW_COLUMNS)
 
@@ -633,7 +640,7 @@ def _version_of(path: str | Path, given: str | None) -> str | None:
         raise EngineError(str(e)) from e
 
 
-def _deliver(req: _Request, setter, value: Any) -> None:
+def _deliver(req: Request, setter, value: Any) -> None:
     try:
         req.loop.call_soon_threadsafe(setter, req.future, value)
     except RuntimeError:  # the caller's event loop is gone: nobody is waiting for this answer

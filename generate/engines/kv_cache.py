@@ -43,13 +43,13 @@ class KV:
 def column_cache(kv: KV):
     """The transformers cache a decode step runs on: its ``update`` writes column ``kv.n`` of ``kv``'s buffers
     and returns the views ``[:, :, :n + 1]``; ``kv.n`` advances once the last layer has written."""
-    return _column_cache_class()(kv)
+    return column_cache_class()(kv)
 
 
 _CLASS = None
 
 
-def _column_cache_class():
+def column_cache_class():
     """Built on first use, so importing this module does not import transformers."""
     global _CLASS
     if _CLASS is None:

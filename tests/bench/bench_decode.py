@@ -28,8 +28,11 @@ against transformers ``generate()`` on the same batches, side by side in one run
     round and count, ``generate()`` and a fresh engine at that count, in turn.
 
 ``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
-``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The JSON records the load
-average before and after each part (the machine may be shared) and the thread count.
+``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The profile part drives the
+engine's worker steps (``EmbeddedEngine.admit``, ``decode_step``, ``finish_rows``, ``Request``), public since they
+were renamed from ``_admit``, ``_decode``, ``_finish_rows``, ``_Request``: for a source older than that, run that
+commit's own bench_decode.py. The JSON records the load average before and after each part (the machine may be
+shared) and the thread count.
 """
 
 from __future__ import annotations
@@ -92,11 +95,11 @@ def _instrument(engine) -> None:
 
     for fn in ("reserve", "select", "merge"):
         _label(kv_cache, fn, "cache")
-    _label(kv_cache._column_cache_class(), "update", "cache")
+    _label(kv_cache.column_cache_class(), "update", "cache")
     _label(SamplingRows, "sample", "sampler")
     _label(engine.model, "forward", "model")
-    _label(engine, "_record", "bookkeeping")
-    _label(engine, "_finish_rows", "bookkeeping")
+    _label(engine, "record", "bookkeeping")
+    _label(engine, "finish_rows", "bookkeeping")
 
 
 def _requests(engine, ids: list[list[int]], new_tokens: int, loop):
@@ -104,13 +107,13 @@ def _requests(engine, ids: list[list[int]], new_tokens: int, loop):
     import torch
 
     from rollshard.generate.engines import SamplingParams
-    from rollshard.generate.engines.embedded import _Request
+    from rollshard.generate.engines.embedded import Request
 
     out = []
     for i, prompt in enumerate(ids):
         sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=i)
         out.append(
-            _Request(
+            Request(
                 rid=str(i), input_ids=prompt, sampling=sp, seed=i, loop=loop, future=loop.create_future(),
                 start=time.perf_counter(), stop_ids=frozenset(), max_new_tokens=new_tokens,
                 generator=torch.Generator().manual_seed(i),
@@ -128,16 +131,16 @@ def _run_steps(engine, reqs, profiler=None) -> list[float]:
 
     steps = []
     with torch.inference_mode():
-        batch = engine._finish_rows(engine._admit(Batch(), reqs))
+        batch = engine.finish_rows(engine.admit(Batch(), reqs))
         while batch.rows:
             t0 = time.perf_counter()
             if profiler is not None:
                 with torch.profiler.record_function("step"):
-                    engine._decode(batch)
-                    batch = engine._finish_rows(batch)
+                    engine.decode_step(batch)
+                    batch = engine.finish_rows(batch)
             else:
-                engine._decode(batch)
-                batch = engine._finish_rows(batch)
+                engine.decode_step(batch)
+                batch = engine.finish_rows(batch)
             steps.append(time.perf_counter() - t0)
     return steps
 

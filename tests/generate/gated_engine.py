@@ -27,13 +27,13 @@ class GatedEngine(EmbeddedEngine):
         self.release.clear()
         self._block_at = len(self.batch_sizes) + n
 
-    def _decode(self, batch) -> None:
+    def decode_step(self, batch) -> None:
         self.batch_sizes.append(len(batch.rows))
         if len(self.batch_sizes) == self._block_at:
             self.blocked.set()
             if not self.release.wait(GATE_TIMEOUT_S):
                 raise RuntimeError("the test never released the gate")
-        super()._decode(batch)
+        super().decode_step(batch)
 
     async def wait_blocked(self) -> None:
         assert await asyncio.to_thread(self.blocked.wait, GATE_TIMEOUT_S), "the worker never reached the gate"

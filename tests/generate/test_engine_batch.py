@@ -187,9 +187,9 @@ def test_threads_sets_the_workers_torch_threads(tiny_gpt2):
     seen: list[int] = []
 
     class Recording(GatedEngine):
-        def _decode(self, batch) -> None:
+        def decode_step(self, batch) -> None:
             seen.append(torch.get_num_threads())
-            super()._decode(batch)
+            super().decode_step(batch)
 
     async def go():
         async with Recording(tiny_gpt2, threads=1) as eng:
