@@ -36,7 +36,7 @@ import pyarrow as pa
 from rollshard.generate.agents import AgentSystem, make_agent_system
 from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments, gather_all, make_scorer
 from rollshard.generate.tasks import Task, get_task
-from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset, check_dataset_out
 from rollshard.store.derived.derive import DeriveError, TransformError, derive_dataset
 from rollshard.store.common import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.format.lineage import lineage_of
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_dataset_out(args.out, fix="give a new or empty folder, or the unfinished output of this rescore to "
+                          "resume")
         try:
             parent = RolloutDataset.open(args.dataset)
         except (DatasetNotFoundError, SchemaVersionError) as e:

@@ -40,7 +40,7 @@ import pyarrow as pa
 import torch
 
 from rollshard.store.inspection.audit import AUDIT_SCHEMA
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.format.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run_audit(args)
-    except (ValueError, DatasetNotFoundError) as e:  # usage and data errors (DataError, ModelCheckError among them)
+    except (ValueError, DatasetNotFoundError, UsageError) as e:  # usage and data errors (DataError, ModelCheckError)
         _error(e)
         return EXIT_USAGE
     except OSError as e:  # a read or write failed under us (permissions, disk full, S3 refused)
@@ -192,7 +192,9 @@ class AuditResult:
 
 def run_audit(args: argparse.Namespace) -> AuditResult:
     """Check the inputs, build the trainer's backend, stream every row through it, write and summarize."""
-    from rollshard.store.inspection.audit import AuditedDataset, check_destination, summarize, worst_tokens, write_audit
+    from rollshard.store.inspection.audit import (AuditedDataset, check_destination, is_audit_report, summarize,
+                                                  worst_tokens, write_audit)
+    from rollshard.store.io.destination import check_out_file
     from rollshard.store.loader.mixture import parse_sources
     from rollshard.train.audit_output import worst_with_context
     from rollshard.train.setup import check_model_path
@@ -204,6 +206,8 @@ def run_audit(args: argparse.Namespace) -> AuditResult:
     model = check_model_path(args.model)
     if args.out:
         check_destination(args.out)  # a bad --out said now, not after the model load and the whole pass
+        check_out_file(args.out, own=is_audit_report, kind="a rollshard-train audit report",
+                       fix="name a new file, or a report this command wrote to replace it")
     from rollshard.store.io.dataset import RolloutDataset
 
     datasets = {s.name: RolloutDataset.open(s.path) for s in sources}  # DatasetNotFoundError before the model loads

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.io.destination import check_out_folder
 from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
 from rollshard.store.format.manifest import FAILURE_DIR
 from rollshard.store.inspection.stats import dataset_stats
@@ -66,6 +67,8 @@ FROZEN_BY_ROWS = ("model",)
 AUDIT_OWNED = ("--data", "--model", "--out", "--json")
 EVAL_OWNED = ("--model", "--engine", "--out", "--json")
 EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
+# What a run folder holds: the rounds and their state, the report; --async: its dataset, training and logs.
+RUN_ENTRIES = ("round_*", "loop.json", "report.html", "data", "train", "logs")
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
 
 
@@ -650,6 +653,8 @@ def _check_engine_and_out(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out} is a file; the loop needs a folder (a new one, or an earlier run's)")
+    check_out_folder(out, accepts=RUN_ENTRIES, kind="a rollshard-loop run folder",
+                     fix="choose a new or empty folder, or an earlier run's to continue it")
 
 
 def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[str] | None = None) -> list[str]:

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rollshard.store.io.destination import check_out_folder
 from rollshard.store.models.gguf import is_gguf
 from rollshard.store.models.versions import folder_weight_version, resolve_model_path
 from rollshard.train.config import TrainConfig
@@ -87,6 +88,17 @@ def check_out_dir(out: str, *, data: str) -> None:
         raise ValueError(f"--out {out} is a file; choose a directory")
     if (o / "config.json").is_file():
         raise ValueError(f"--out {out} is a model folder (it has config.json); choose a new directory for the run")
+    check_out_folder(out, accepts=run_entries(), kind="a rollshard-train run folder",
+                     fix="choose a new or empty directory, or a run's folder to resume it (--resume)")
+
+
+def run_entries() -> frozenset[str]:
+    """What a training run's folder holds: checkpoints, weights-only policy exports, metrics, TensorBoard events,
+    the wandb run (and wandb's own folder when it is written there)."""
+    from rollshard.train.checkpoint import CKPT_DIR, POLICY_DIR
+    from rollshard.train.loggers import METRICS_FILE, WANDB_RUN_FILE
+
+    return frozenset({CKPT_DIR, POLICY_DIR, METRICS_FILE, "tb", WANDB_RUN_FILE, "wandb"})  # tb: TensorBoard's
 
 
 def run_norm_len(configs: list[dict[str, Any]]) -> int | None:

@@ -13,11 +13,12 @@ from rollshard.store.commands.parser import PROG
 from rollshard.store.common import EXIT_OK, UsageError
 from rollshard.store.derived.filter import (RowFilter, filter_dataset, parse_list, parse_weight_versions,
                                             read_sample_ids)
-from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.dataset import RolloutDataset, check_dataset_out
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     row_filter = parse_filter(args)
+    check_dataset_out(args.out, fix="give a new or empty folder, or the unfinished output of this filter to resume")
     ds = RolloutDataset.open(args.path)
     check_agents(ds, row_filter, args.path)
     command = shlex.join([PROG, *ctx.argv])

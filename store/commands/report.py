@@ -11,6 +11,7 @@ from rollshard.store.commands.console import Context, warning
 from rollshard.store.commands.parser import PROG
 from rollshard.store.common import EXIT_OK, UsageError, one_line, progress
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
+from rollshard.store.io.destination import check_out_file
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -21,14 +22,17 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def check_inputs(args: argparse.Namespace) -> None:
-    """What can be refused before the page is built: the --out path, the --audit and --metrics files, and every
-    byte of the datasets against their manifests."""
+    """What can be refused before the page is built: the --out path (a local file in a folder that exists, new or
+    a page this command wrote), the --audit and --metrics files, and every byte of the datasets against their
+    manifests."""
     from rollshard.store.inspection import report
 
     try:
         report.check_out(args.out)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    check_out_file(args.out, own=report.is_page, kind="a rollshard report page",
+                   fix="name a new file, or a page this command wrote to replace it")
     for path, flag in ((args.audit, "--audit"), (args.metrics, "--metrics")):
         if path is not None and "://" not in path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path}: no such file")

@@ -293,6 +293,15 @@ def check_destination(path: str | os.PathLike, flag: str = "--out") -> None:
                          f"{flag} {text.rstrip('/')}/audit.parquet")
 
 
+def is_audit_report(path: str | os.PathLike) -> bool:
+    """Whether the local file at ``path`` is an audit report :func:`write_audit` wrote (rewriting it is a rerun)."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowException):  # not Parquet
+        return False
+    return META_AUDIT_VERSION in metadata
+
+
 def write_audit(table: pa.Table, path: str | os.PathLike, *, datasets: list[AuditedDataset],
                 metadata: dict[str, str] | None = None) -> str:
     """Write ``table`` (cast to :data:`AUDIT_SCHEMA`) to ``path`` (local or a pyarrow URI such as s3://)

@@ -21,6 +21,7 @@ import html
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import polars as pl
@@ -35,6 +36,8 @@ from rollshard.store.inspection.views.paths import dataset_tokenizer
 
 TOKEN_ROWS = 5_000  # rows read for the token-level views
 MAX_TOKENS_SHOWN = 1_024  # one trajectory's tokens shown (a long one is cut, and says so)
+PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+TITLE = "rollshard report:"  # every page's title starts so: with PAGE_START, how a page to replace is recognized
 
 
 @dataclass
@@ -93,7 +96,7 @@ def build(datasets: list[str], *, audit: str | None = None, metrics: str | None 
         run_metrics = metrics_views.read_metrics(metrics)
 
     ds = opened[-1]
-    page = Page(f"rollshard report: {ds.storage.uri}")
+    page = Page(f"{TITLE} {ds.storage.uri}")
     lf = ds.scan()
     agents = data.agent_order(lf)
     step("overview")
@@ -394,7 +397,7 @@ def render(page: Page, datasets: list[str]) -> str:
     made = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     from rollshard.store.format.schema import SCHEMA_VERSION
 
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(page.title)}</title>"
+    return (f"{PAGE_START}<title>{html.escape(page.title)}</title>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head><body>"
             f"<h1>{html.escape(page.title)}</h1><nav>{nav}</nav>{body}"
             f"<footer>rollshard-store report of {html.escape(', '.join(datasets))}; schema {SCHEMA_VERSION}; "
@@ -414,6 +417,13 @@ def check_out(out: str) -> str:
     if not os.path.isdir(folder):
         raise ValueError(f"--out {out}: no folder {folder}; create it first or choose another path")
     return target
+
+
+def is_page(path: Path) -> bool:
+    """Whether the file at ``path`` is a page :func:`write` wrote (rewriting it is a rerun)."""
+    start = f"{PAGE_START}<title>{TITLE}".encode()
+    with open(path, "rb") as f:
+        return f.read(len(start)) == start
 
 
 def write(text: str, out: str) -> str:

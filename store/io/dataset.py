@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from rollshard.store.io import destination
 from rollshard.store.io.integrity import open_shard, verify_shard
 from rollshard.store.io.live import COMPLETE_DIR
 from rollshard.store.format.manifest import FAILURE_DIR, MANIFEST_DIR, SHARD_DIR, Manifest, ShardInfo, fingerprint, load_manifests
@@ -45,10 +45,13 @@ DATASET_ENTRIES = frozenset({SHARD_DIR, MANIFEST_DIR, TMP_DIR, FAILURE_DIR, COMP
 def foreign_entries(path: str | os.PathLike) -> list[str]:
     """The entries of a local folder that no rollshard dataset holds (sorted; empty for a dataset, an empty or a
     missing folder, or a URI): a writer refuses to make a dataset of such a folder."""
-    folder = Path(path)
-    if "://" in str(path) or not folder.is_dir():
-        return []
-    return sorted(p.name for p in folder.iterdir() if p.name not in DATASET_ENTRIES and not p.name.startswith("."))
+    return destination.foreign_entries(path, DATASET_ENTRIES)
+
+
+def check_dataset_out(path: str | os.PathLike, *, fix: str, also: frozenset[str] = frozenset()) -> None:
+    """Refuse (:class:`~rollshard.store.common.UsageError`) an ``--out`` that is a file or a folder holding more
+    than a dataset does (and the names in ``also``: a command's own files beside the dataset)."""
+    destination.check_out_folder(path, accepts=DATASET_ENTRIES | also, kind="a rollshard dataset", fix=fix)
 
 
 class DatasetNotFoundError(FileNotFoundError):
