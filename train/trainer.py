@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, StepLoader
+from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, Step, StepLoader
 from rollshard.store.loader.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
@@ -490,7 +490,7 @@ class Trainer:
         weights; with one mini-batch pi_prox is the policy of the gradient pass (its logprobs detached)."""
         return self.cfg.loss.mode == "decoupled" and self.cfg.trainer.mini_batches > 1
 
-    def train_step(self, step: Any) -> dict[str, float]:
+    def train_step(self, step: Step) -> dict[str, float]:
         """One loader step: advantages, (proximal/reference logprobs), updates; merged metrics.
 
         The host reads the step's figures from its own copy of the micro-batches (``step.micro_batches``; the
@@ -612,7 +612,7 @@ class Trainer:
         return f"stopped without saving this step; {saved}; lower --lr or check the data, then --resume"
 
     def _advantages(
-        self, step: Any, host: list[PackedBatch], acc: MetricAccumulator, device: torch.device
+        self, step: Step, host: list[PackedBatch], acc: MetricAccumulator, device: torch.device
     ) -> list[torch.Tensor]:
         """Per-token advantages of every micro-batch (on ``device``), from the whole groups of the step (read from
         the host's micro-batches)."""
@@ -650,10 +650,10 @@ class Trainer:
             self.backend.logprobs(dummy_batch().to(self.backend.device), grad=False, reference=reference)
         return out
 
-    def _data_metrics(self, step: Any, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
+    def _data_metrics(self, step: Step, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
         """Reward by agent (and by source, for a mixture), staleness counts, sizes, and the loader's own figures
         (as sums / means; a mixture's ``source/<name>/*`` figures at the top level, not under ``loader/``)."""
-        group_sources = getattr(step, "group_sources", None)  # [G] a mixture's source of each group
+        group_sources = step.group_sources  # [G] a mixture's source of each group; None for one dataset
         for mb in mbs:
             origin = [f"source/{group_sources[g]}/reward" for g in mb.seq_group.tolist()] if group_sources else None
             for s, (agent, r) in enumerate(zip(mb.agents, mb.rewards.tolist())):
@@ -672,7 +672,7 @@ class Trainer:
         acc.add_sum("data/tokens", float(sum(mb.num_tokens for mb in mbs)))
         acc.add_sum("data/sequences", float(sum(mb.num_sequences for mb in mbs)))
         acc.add_sum("data/micro_batches", float(len(mbs)))
-        for k, v in (getattr(step, "metrics", None) or {}).items():
+        for k, v in step.metrics.items():
             if k.startswith("source/"):  # source/<name>/<figure>: per rank (summed) like the packing figures
                 (acc.add_sum if k.rsplit("/", 1)[1] in LOADER_PER_RANK else acc.add_mean)(k, float(v))
             elif k in LOADER_PER_RANK:

@@ -83,12 +83,14 @@ def test_norm_len_and_out_dir_read_every_source(tiny_dataset, tiny_gpt2, tmp_pat
 def test_source_figures_are_summed_over_ranks_and_the_epoch_averaged():
     from types import SimpleNamespace
 
+    from rollshard.store.loader import Step
     from rollshard.train.metrics import MetricAccumulator
 
     states = []
     for groups in (3.0, 2.0):  # two ranks' shares of one global step
-        step = SimpleNamespace(group_sources=["a"] * int(groups), metrics={
-            "source/a/groups": groups, "source/a/loss_tokens": 10 * groups, "source/a/epoch": 1.0, "groups": groups})
+        step = Step(micro_batches=[], group_ids=[f"g{i}" for i in range(int(groups))], epoch=0, index=0,
+                    group_sources=["a"] * int(groups), metrics={"source/a/groups": groups,
+                    "source/a/loss_tokens": 10 * groups, "source/a/epoch": 1.0, "groups": groups})  # fmt: skip
         acc = MetricAccumulator()
         Trainer._data_metrics(SimpleNamespace(), step, [], acc)
         states.append(acc.state())

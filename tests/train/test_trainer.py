@@ -280,14 +280,14 @@ def test_loader_figures_of_each_rank_add_up():
     from rollshard.train.metrics import MetricAccumulator
     from rollshard.train.trainer import Trainer as T
 
-    class Step:
-        def __init__(self, zero_var):
-            self.metrics = {"zero_variance_groups": zero_var, "groups": 2.0, "groups_examined": 4.0}
+    from rollshard.store.loader import Step
 
     ranks = []
     for zero_var in (1.0, 0.0):  # two ranks: one zero-variance group on the first
         acc = MetricAccumulator()
-        T._data_metrics(object.__new__(T), Step(zero_var), [], acc)
+        step = Step(micro_batches=[], group_ids=[], epoch=0, index=0,
+                    metrics={"zero_variance_groups": zero_var, "groups": 2.0, "groups_examined": 4.0})
+        T._data_metrics(object.__new__(T), step, [], acc)
         ranks.append(acc.state())
     merged = MetricAccumulator.merged(ranks).result()
     assert merged["loader/zero_variance_groups"] == 1.0 and merged["loader/groups"] == 4.0  # this rank's: summed
