@@ -40,7 +40,7 @@ import pyarrow as pa
 import torch
 
 from rollshard.store.inspection.audit import AUDIT_SCHEMA
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, progress
 from rollshard.store.format.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
@@ -380,8 +380,6 @@ def _loader_config(args: argparse.Namespace):
 def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str, tally: CorrectionTally,
             routing: RoutingTally | None = None) -> tuple[list[pa.RecordBatch], int]:
     """Every row of every source through the backend: the report's batches and the rows audited."""
-    from tqdm import tqdm
-
     from rollshard.store.loader import NoStepWarning, RolloutLoader
 
     cfg = _loader_config(args)
@@ -389,8 +387,8 @@ def _stream(backend, datasets: dict, args: argparse.Namespace, *, model: str, ta
     total = sum(ds.num_rows for ds in datasets.values())
     vocab = backend.vocab_size
     batches, rows = [], 0
-    bar = tqdm(total=min(total, args.max_rows or total), unit="row", file=sys.stderr, disable=not args.progress,
-               dynamic_ncols=True, desc="audit")
+    bar = progress(min(total, args.max_rows or total), desc="audit", unit="row", file=sys.stderr,
+                   disable=not args.progress)
     try:
         for name, ds in datasets.items():
             loader = RolloutLoader(ds, cfg)

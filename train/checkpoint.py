@@ -55,6 +55,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from rollshard.store.common import fsync_dir
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.sharded import SHARDS_DIR
 
@@ -167,7 +168,7 @@ def save_checkpoint(
         if replaced:
             os.replace(final, aside)  # kept whole until the new folder is in place
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         _link_atomic(root / LATEST, final.name)
         if replaced:
             shutil.rmtree(aside)
@@ -254,14 +255,6 @@ def _missing_shards(folder: Path, world_size: int) -> str | None:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     """fsync every file, then every folder (deepest first), so a rename of ``folder`` publishes durable data."""
     for dirpath, _, filenames in os.walk(folder, topdown=False):
@@ -274,7 +267,7 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(dirpath)
 
 
 def _recover_aside(root: Path) -> None:
@@ -286,7 +279,7 @@ def _recover_aside(root: Path) -> None:
             shutil.rmtree(old)
         else:
             os.replace(old, final)
-            _fsync_dir(root)
+            fsync_dir(root)
 
 
 def _link_atomic(link: Path, target: str) -> None:
@@ -295,7 +288,7 @@ def _link_atomic(link: Path, target: str) -> None:
         tmp.unlink()
     tmp.symlink_to(target)
     os.replace(tmp, link)
-    _fsync_dir(link.parent)
+    fsync_dir(link.parent)
 
 
 def _prune(root: Path, keep_last: int, published: Path) -> None:

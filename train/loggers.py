@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollshard.store.io.storage import Storage
+from rollshard.store.common import write_atomic
+from rollshard.store.inspection.views.metrics import read_metrics_lines
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
@@ -118,12 +119,13 @@ class JsonlLogger:
         self.resume_step = resume_step
         self._kept = None
         if resume_step is not None and self.path.exists():
-            self._kept = [ln for ln, rec in _records(self.path) if rec["step"] <= resume_step]
+            read = read_metrics_lines(self.path)
+            self._kept = [ln for ln, rec in zip(read.lines, read.values) if rec["step"] <= resume_step]
 
     def open(self) -> "JsonlLogger":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._kept is not None:  # the lines up to the checkpoint, replacing the file whole (a kill keeps one)
-            Storage(self.path.parent).write_atomic(self.path.name, "".join(ln + "\n" for ln in self._kept).encode())
+            write_atomic(self.path, "".join(ln + "\n" for ln in self._kept))
         elif self.resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file
         self._file = self.path.open("a")
@@ -234,9 +236,7 @@ class WandbLogger:
     def _save_state(self) -> None:
         # Replaced whole, so a killed process leaves the old record or the new; not fsynced: it is rewritten
         # every step, and losing the last few to a power cut only re-sends steps wandb then refuses as old.
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "step": self.logged}) + "\n")
-        os.replace(tmp, self.state_path)
+        write_atomic(self.state_path, json.dumps({"id": self.run.id, "step": self.logged}) + "\n", durable=False)
 
 
 def integer_histogram(values: list[float]):
@@ -298,20 +298,7 @@ def _finite(v: float) -> float | str:
     return v if math.isfinite(v) else str(v)
 
 
-def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(line, record)`` of every complete line; a torn last line (killed mid-write) is left out."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    out = []
-    for i, ln in enumerate(lines):
-        try:
-            out.append((ln, json.loads(ln)))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break  # only the last line can be cut by a kill; the lines before it were flushed whole
-            raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); repair or delete that line") from e
-    return out
-
-
 def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """The ``metrics.jsonl`` records of a run, in step order (a torn last line left out)."""
-    return [rec for _, rec in _records(Path(out) / METRICS_FILE)]
+    """The ``metrics.jsonl`` records of a run, in step order (a torn last line left out; another line that is not
+    JSON raises a ValueError naming it: rollshard.store.inspection.views.metrics.read_metrics_lines)."""
+    return read_metrics_lines(Path(out) / METRICS_FILE).values

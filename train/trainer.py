@@ -51,6 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rollshard.store.common import progress
 from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, Step, StepLoader
 from rollshard.store.loader.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
@@ -368,13 +369,9 @@ class Trainer:
 
         Raises :class:`NoStepError` when no step was ever trained (no checkpoint exists), and
         :class:`NonFiniteError` at a non-finite loss or gradient."""
-        from tqdm import tqdm
-
         tr = self.cfg.trainer
-        bar = tqdm(
-            total=self.planned_steps(), initial=self.step, unit="step", file=sys.stderr,
-            disable=not (self.env.is_main and tr.progress), dynamic_ncols=True,
-        )
+        bar = progress(self.planned_steps(), unit="step", initial=self.step, file=sys.stderr,
+                       disable=not (self.env.is_main and tr.progress))
         started = time.perf_counter()
         signal_checked = False  # after the first step's rows were read: a damaged shard is said alone, first
         try:

@@ -1,5 +1,6 @@
 """A training run's ``metrics.jsonl`` (one JSON object per step, as ``rollshard-train`` writes it): read it,
-group its keys into panels, and plot them.
+group its keys into panels, and plot them. :func:`read_metrics_lines` is the one reader of the file's lines,
+for these views and for the trainer (its ``--resume`` keeps the lines up to the checkpoint's step).
 
 Read defensively: an unfinished last line is a step being written (skipped); the trainer writes
 non-finite values as the strings ``"nan"``/``"inf"``; text values are not metrics. A metric that is 0 at
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,33 @@ class MetricsError(ValueError):
     """A metrics file that is not JSON lines."""
 
 
+@dataclass(frozen=True)
+class MetricsLines:
+    """The complete lines of a ``metrics.jsonl`` in file order, each as written and as parsed."""
+
+    lines: list[str]  # each non-blank line as written, without its newline
+    values: list[Any]  # each line's JSON value (a step's record: a JSON object)
+    torn_last_line: bool  # the last line was not JSON (a step being written, or a kill mid-write): left out
+
+
+def read_metrics_lines(path: str | os.PathLike) -> MetricsLines:
+    """Every complete line of a ``metrics.jsonl``. Only its last line can be cut short (the trainer flushes each
+    line whole, so a kill tears the last one at most): a last line that is not JSON is left out; any other raises
+    :class:`MetricsError` naming it. OSError when the file cannot be read."""
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    values = []
+    for i, line in enumerate(lines):
+        try:
+            values.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                return MetricsLines(lines[:-1], values, torn_last_line=True)
+            raise MetricsError(f"{path}:{i + 1}: not JSON ({e.msg}); repair or delete that line (is this a "
+                               "rollshard-train metrics.jsonl?)") from e
+    return MetricsLines(lines, values, torn_last_line=False)
+
+
 def number(v: Any) -> float | None:
     """A metric value as a float; None for text and anything else that is not a number."""
     if isinstance(v, bool):
@@ -79,21 +108,10 @@ class Metrics:
 def read_metrics(path: str) -> Metrics:
     """JSON lines -> one row per step; an unparsable last line is a step being written, any other an error."""
     try:
-        with open(path) as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
+        read = read_metrics_lines(path)
     except OSError as e:
         raise MetricsError(f"cannot read metrics file {path}: {e.strerror or e}") from e
-    records, skipped = [], False
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                skipped = True
-                break
-            raise MetricsError(f"{path}:{i + 1}: not JSON ({e.msg}); is this a metrics.jsonl?") from e
-        if isinstance(rec, dict):
-            records.append(rec)
+    records, skipped = [rec for rec in read.values if isinstance(rec, dict)], read.torn_last_line
     if not records:
         raise MetricsError(f"{path}: no metrics (no JSON object per line); is this a rollshard-train metrics.jsonl?")
     keys = sorted({k for r in records for k, v in r.items() if number(v) is not None})
