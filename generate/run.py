@@ -127,8 +127,9 @@ async def _probe_reward(scorer: Scorer) -> None:
 async def _generate(
     config: GenerateConfig, inputs: Inputs, existing: ExistingDataset, progress: Progress | None
 ) -> int:
+    """Check the resume, reach the engine and read what it serves, check the prompts, run, report."""
     sampling = config.sampling_params()
-    record = run_config(config, inputs, sampling)
+    record = run_config(config, inputs, sampling)  # stored with every shard; the engine's part added below
     existing.check_run_config(record)  # before the engine: a refused resume costs no model load
     quiet_model_loading()
     engine = connect(config)
