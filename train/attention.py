@@ -106,7 +106,7 @@ def varlen_attention_forward(
         parts = []
         for q, k, v in zip(*(t[b : b + 1].split(lengths, dim=2) for t in (query, key, value))):  # [1, H, L, D]
             if sliding_window is not None and q.shape[2] > sliding_window:
-                parts.append(_banded(q, k, v, sliding_window, dropout, scaling, gqa))
+                parts.append(banded_attention(q, k, v, sliding_window, dropout, scaling, gqa))
             else:
                 parts.append(
                     F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -116,7 +116,7 @@ def varlen_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _banded(q, k, v, window: int, dropout: float, scaling: float | None, gqa: bool) -> torch.Tensor:  # [1, Hq, L, Dv]
+def banded_attention(q, k, v, window: int, dropout: float, scaling: float | None, gqa: bool) -> torch.Tensor:  # [1, Hq, L, Dv]
     """Causal attention within a sliding window (``masking_utils``: key ``j`` is seen by query ``i`` when
     ``i - window < j <= i``), in query tiles of ``window``: tile ``[s, e)`` attends to keys ``[s - window + 1, e)``
     through a ``[e - s, e - s + window - 1]`` band mask, so memory is ``O(window^2)``, not ``O(L^2)``."""

@@ -161,9 +161,9 @@ def save_checkpoint(
     env.barrier()  # every rank's shards are written before rank 0 checks and publishes the folder
     refused = None
     if env.is_main:
-        refused = _missing_shards(tmp / SHARDS_DIR, env.world_size)
+        refused = missing_shards(tmp / SHARDS_DIR, env.world_size)
     if env.is_main and refused is None:
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replaced = final.exists()
         if replaced:
             os.replace(final, aside)  # kept whole until the new folder is in place
@@ -242,7 +242,7 @@ def recover(out: str | Path, env: DistEnv) -> None:
     env.barrier()
 
 
-def _missing_shards(folder: Path, world_size: int) -> str | None:
+def missing_shards(folder: Path, world_size: int) -> str | None:
     """Why ``folder`` may not be published (a one-line error), or None when every rank of ``world_size`` has
     a shard file in it (rank R's are ``shard-{R + 1:05d}-model-...``, rollshard.train.sharded)."""
     written = {f.name.split("-model-")[0] for f in folder.glob("shard-*-model-*.safetensors")}
@@ -255,7 +255,7 @@ def _missing_shards(folder: Path, world_size: int) -> str | None:
     )
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """fsync every file, then every folder (deepest first), so a rename of ``folder`` publishes durable data."""
     for dirpath, _, filenames in os.walk(folder, topdown=False):
         for name in filenames:

@@ -432,7 +432,7 @@ class Loop:
             _say(str(e))
             return EXIT_USAGE
         self._save()
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for k in range(rounds):
                 code = self._round(k, rounds)
@@ -471,7 +471,7 @@ class Loop:
                 _say(f"round {k}: {e}")
                 return EXIT_FAILED
             self._save()
-            code = self._stage(k, rounds, "generating", self.generate_command(k, str(policy)))
+            code = self.run_stage(k, rounds, "generating", self.generate_command(k, str(policy)))
             if code != EXIT_OK:
                 return code
             state.generated, state.data = True, _data_summary(self.round_dir(k) / "data")
@@ -483,7 +483,7 @@ class Loop:
                 return code
             state.audit = summary
             self._save()
-        code = self._stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
+        code = self.run_stage(k, rounds, "training", self.train_command(k, str(self.policy_path(k))))
         if code != EXIT_OK:
             return code
         state.seconds["train"] = self._seconds
@@ -510,7 +510,7 @@ class Loop:
         return EXIT_OK
 
     def _eval(self, k: int, rounds: int, policy: Path, out: Path) -> tuple[int, dict[str, Any] | None]:
-        code = self._stage(k, rounds, f"evaluating {self._name(policy)}", self.eval_command(str(policy), out))
+        code = self.run_stage(k, rounds, f"evaluating {self._name(policy)}", self.eval_command(str(policy), out))
         if code != EXIT_OK:
             return code, None
         try:
@@ -522,7 +522,7 @@ class Loop:
     def _audit(self, k: int, rounds: int) -> tuple[int, dict[str, Any] | None]:
         """The audit stage: (exit code, the overall mismatch of the round's rows). Flagged rows stop the loop."""
         report = self.round_dir(k) / "audit.json"
-        code = self._stage(k, rounds, "auditing", self.audit_command(k, str(self.policy_path(k))), stdout=report)
+        code = self.run_stage(k, rounds, "auditing", self.audit_command(k, str(self.policy_path(k))), stdout=report)
         try:  # exit 1 with its summary printed is a flag; exit 1 without one is a failure
             overall = json.loads(report.read_text())["overall"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -538,7 +538,7 @@ class Loop:
             return code if code != EXIT_OK else EXIT_FAILED, None
         return EXIT_OK, {k: overall[k] for k in ("tokens", "mean", "max", "p99", "ratio_outside", "k3")}
 
-    def _stage(self, k: int, rounds: int, what: str, command: list[str], stdout: Path | None = None) -> int:
+    def run_stage(self, k: int, rounds: int, what: str, command: list[str], stdout: Path | None = None) -> int:
         if self._stop is not None:  # a signal between stages: start no other
             _say(f"interrupted before {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
@@ -570,7 +570,7 @@ class Loop:
             _say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
         return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
-    def _forward(self, signum: int, frame) -> None:
+    def forward_signal(self, signum: int, frame) -> None:
         """SIGINT/SIGTERM: the stage (in its own process group, so a terminal's Ctrl-C reaches it once, from
         here) commits or saves and exits 130; the loop then stops."""
         self._stop = signum

@@ -231,7 +231,7 @@ class Trainer:
         check_datasets(self.loader.datasets, self.backend.routing_shape, config.model.routing_replay)  # MoE routing (R3)
         if ckpt:
             ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
-        self.logger = self._open_logger(resume_step=self.step if ckpt else None)
+        self.logger = self.open_logger(resume_step=self.step if ckpt else None)
         self.last_saved = self.step if ckpt else None
         self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
         self.history: list[dict[str, float]] = []
@@ -249,7 +249,7 @@ class Trainer:
     def checkpoint_path(self, step: int | None = None) -> Path:
         return self.out / CKPT_DIR / checkpoint_name(self.last_saved if step is None else step)
 
-    def _open_logger(self, *, resume_step: int | None) -> MetricsLogger:
+    def open_logger(self, *, resume_step: int | None) -> MetricsLogger:
         """Rank 0's loggers (``--logger``). When they cannot start (``wandb.init`` failed), every rank raises
         the message, so no rank is left waiting in a collective."""
         tr = self.cfg.trainer
@@ -482,7 +482,7 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _proximal_forward(self) -> bool:
+    def needs_proximal_forward(self) -> bool:
         """Decoupled mode needs a forward of its own for pi_prox only when a later mini-batch trains on updated
         weights; with one mini-batch pi_prox is the policy of the gradient pass (its logprobs detached)."""
         return self.cfg.loss.mode == "decoupled" and self.cfg.trainer.mini_batches > 1
@@ -499,7 +499,7 @@ class Trainer:
         acc = MetricAccumulator()
         adv_tok = self._advantages(step, host, acc, dev)
         n_passes = int(self.env.all_reduce([float(len(mbs))], "max")[0])
-        prox = self._frozen_logprobs(mbs, n_passes, reference=False) if self._proximal_forward() else None
+        prox = self._frozen_logprobs(mbs, n_passes, reference=False) if self.needs_proximal_forward() else None
         ref = self._frozen_logprobs(mbs, n_passes, reference=True) if cfg.loss.kl_coef > 0 else None
 
         parts = np.array_split(np.arange(len(mbs)), cfg.trainer.mini_batches)
@@ -566,7 +566,7 @@ class Trainer:
                 )
             optim_metrics.append(result)
 
-        self._data_metrics(step, host, acc)
+        self.data_metrics(step, host, acc)
         merged = MetricAccumulator.merged(self.env.all_gather_json(acc.state())).result()
         out = self._finish_metrics(merged, optim_metrics)
         same, pairs = self.env.all_reduce(list(self.backend.routing_agreement()))  # MoE rows with routing (R3)
@@ -647,7 +647,7 @@ class Trainer:
             self.backend.logprobs(dummy_batch().to(self.backend.device), grad=False, reference=reference)
         return out
 
-    def _data_metrics(self, step: Step, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
+    def data_metrics(self, step: Step, mbs: list[PackedBatch], acc: MetricAccumulator) -> None:
         """Reward by agent (and by source, for a mixture), staleness counts, sizes, and the loader's own figures
         (as sums / means; a mixture's ``source/<name>/*`` figures at the top level, not under ``loader/``)."""
         group_sources = step.group_sources  # [G] a mixture's source of each group; None for one dataset

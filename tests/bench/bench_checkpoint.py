@@ -73,7 +73,7 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
 
     from rollshard.train.backends.distributed import close_distributed, init_distributed
     from rollshard.train.backends.hf import HFBackend
-    from rollshard.train.checkpoint import _fsync_tree, latest_checkpoint, save_checkpoint
+    from rollshard.train.checkpoint import fsync_tree, latest_checkpoint, save_checkpoint
     from rollshard.train.config import ModelConfig, OptimConfig
     from rollshard.train.trainer import dummy_batch
     from tests.train import v1_checkpoint
@@ -95,7 +95,7 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
             final = v1_checkpoint.save_v1(root, step=1, backend=b, loader_states=[{}], weight_version="1",
                                           world_size=env.world_size, is_main=env.is_main)
             if env.is_main:
-                _fsync_tree(final)
+                fsync_tree(final)
         else:
             save_checkpoint(root, step=1, backend=b, loader_states=[{}], weight_version="1", env=env,
                             config_yaml="trainer: {}\n", keep_last=1)

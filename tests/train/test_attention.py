@@ -259,14 +259,14 @@ def test_backend_loads_the_default_as_varlen(tiny_gpt2):
 @pytest.mark.parametrize("L,window", [(11, 4), (16, 4), (9, 8), (23, 5), (7, 1)])
 def test_banded_tiles_equal_one_band_mask(L, window):
     # The sliding window in query tiles of `window` equals one [L, L] band mask (masking_utils' rule), GQA too.
-    from rollshard.train.attention import _banded
+    from rollshard.train.attention import banded_attention
 
     torch.manual_seed(L * 31 + window)
     q, k, v = torch.randn(1, 4, L, 8), torch.randn(1, 2, L, 8), torch.randn(1, 2, L, 8)
     i = torch.arange(L)
     band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [L, L]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
-    torch.testing.assert_close(_banded(q, k, v, window, 0.0, None, True), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(banded_attention(q, k, v, window, 0.0, None, True), want, atol=1e-6, rtol=0)
 
 
 def test_refuses_multimodal_position_ids():

@@ -338,8 +338,8 @@ def test_a_checkpoint_without_every_rank_shards_is_not_published(tiny_gpt2, tmp_
     for name in ("shard-00001-model-00001-of-00002", "shard-00001-model-00002-of-00002",
                  "shard-00003-model-00002-of-00002"):
         (shards / f"{name}.safetensors").touch()
-    assert ckpt_mod._missing_shards(shards, 1) is None
-    why = ckpt_mod._missing_shards(shards, 4)
+    assert ckpt_mod.missing_shards(shards, 1) is None
+    why = ckpt_mod.missing_shards(shards, 4)
     assert f"{shards} holds no shard file of rank 1, 3 (world size 4)" in why and "\n" not in why
     assert why.endswith("under torchrun --out must be on a file system every rank shares")
 

@@ -457,13 +457,13 @@ def test_only_rank_0_logs_and_every_rank_raises_its_failure(fake_wandb, tmp_path
 
     cfg = TrainConfig.from_dict({"trainer": {"logger": "jsonl,wandb"}}).validate(require_paths=False)
     rank1 = types.SimpleNamespace(cfg=cfg, out=tmp_path / "run", env=Rank(rank=1))
-    assert not Trainer._open_logger(rank1, resume_step=None).enabled
+    assert not Trainer.open_logger(rank1, resume_step=None).enabled
     assert fake_wandb.runs == [] and not (tmp_path / "run").exists()
     rank1.env = Rank(rank=1, gathered="--logger wandb: wandb could not start the run (no key); ...")
     with pytest.raises(ValueError, match="could not start the run"):
-        Trainer._open_logger(rank1, resume_step=None)
+        Trainer.open_logger(rank1, resume_step=None)
     rank0 = types.SimpleNamespace(cfg=cfg, out=tmp_path / "run", env=Rank(rank=0))
-    logger = Trainer._open_logger(rank0, resume_step=None)
+    logger = Trainer.open_logger(rank0, resume_step=None)
     logger.close()
     (run,) = fake_wandb.runs
     assert run.kw["config"] == cfg.to_dict() and run.exit_code == 0

@@ -436,7 +436,7 @@ def test_a_loop_started_in_a_forked_process_runs_its_stages(tiny_gpt2, tmp_path)
     loop = _loop_for_stages(tiny_gpt2, tmp_path)
     pid = os.fork()
     if pid == 0:  # the child: a process forked after the module was imported, as a worker pool would
-        os._exit(loop._stage(0, 1, "generating", [sys.executable, "-c", "pass"]))
+        os._exit(loop.run_stage(0, 1, "generating", [sys.executable, "-c", "pass"]))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0  # not 130: the stage's parent is this process, alive
 
@@ -455,12 +455,12 @@ def test_a_signal_while_a_stage_starts_reaches_the_stage(tiny_gpt2, tmp_path, mo
 
     def popen(*args, **kwargs):  # SIGINT lands after the fork, before the loop has the child to forward it to
         child = real_popen(*args, **kwargs)
-        loop._forward(signal.SIGINT, None)
+        loop.forward_signal(signal.SIGINT, None)
         return child
 
     monkeypatch.setattr(loop_module.subprocess, "Popen", popen)
     # The stage waits for a signal and nothing else: it ends only if the loop forwarded the SIGINT.
-    code = loop._stage(0, 1, "training", [sys.executable, "-c", WAIT_FOR_SIGINT])
+    code = loop.run_stage(0, 1, "training", [sys.executable, "-c", WAIT_FOR_SIGINT])
     assert code == 130  # interrupted by the forwarded signal
 
 
@@ -539,10 +539,10 @@ def test_a_stage_hears_the_forwarded_signal_when_the_loop_was_started_ignoring_i
         def forward_once_ready():
             while not ready.exists():
                 time.sleep(0.01)
-            loop._forward(signal.SIGINT, None)
+            loop.forward_signal(signal.SIGINT, None)
 
         threading.Thread(target=forward_once_ready, daemon=True).start()
-        code = loop._stage(0, 1, "training", [sys.executable, "-c", stage])
+        code = loop.run_stage(0, 1, "training", [sys.executable, "-c", stage])
     finally:
         signal.signal(signal.SIGINT, previous)
     assert code == 130

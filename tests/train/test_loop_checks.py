@@ -19,7 +19,7 @@ def stages(monkeypatch) -> list[str]:
         started.append(what)
         return EXIT_FAILED
 
-    monkeypatch.setattr(Loop, "_stage", stage)
+    monkeypatch.setattr(Loop, "run_stage", stage)
     return started
 
 

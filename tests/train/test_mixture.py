@@ -92,7 +92,7 @@ def test_source_figures_are_summed_over_ranks_and_the_epoch_averaged():
                     group_sources=["a"] * int(groups), metrics={"source/a/groups": groups,
                     "source/a/loss_tokens": 10 * groups, "source/a/epoch": 1.0, "groups": groups})  # fmt: skip
         acc = MetricAccumulator()
-        Trainer._data_metrics(SimpleNamespace(), step, [], acc)
+        Trainer.data_metrics(SimpleNamespace(), step, [], acc)
         states.append(acc.state())
     merged = MetricAccumulator.merged(states).result()
     assert (merged["source/a/groups"], merged["source/a/loss_tokens"]) == (5.0, 50.0)

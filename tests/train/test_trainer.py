@@ -287,7 +287,7 @@ def test_loader_figures_of_each_rank_add_up():
         acc = MetricAccumulator()
         step = Step(micro_batches=[], group_ids=[], epoch=0, index=0,
                     metrics={"zero_variance_groups": zero_var, "groups": 2.0, "groups_examined": 4.0})
-        T._data_metrics(object.__new__(T), step, [], acc)
+        T.data_metrics(object.__new__(T), step, [], acc)
         ranks.append(acc.state())
     merged = MetricAccumulator.merged(ranks).result()
     assert merged["loader/zero_variance_groups"] == 1.0 and merged["loader/groups"] == 4.0  # this rank's: summed
@@ -313,8 +313,8 @@ def test_decoupled_one_mini_batch_skips_the_proximal_forward(tiny_dataset, tiny_
 
     monkeypatch.setattr(HFBackend, "logprobs", spy)
     force = {"path": False}  # True: the forward of pi_prox that one mini-batch used to run
-    needs_forward = Trainer._proximal_forward
-    monkeypatch.setattr(Trainer, "_proximal_forward", lambda self: force["path"] or needs_forward(self))
+    needs_forward = Trainer.needs_proximal_forward
+    monkeypatch.setattr(Trainer, "needs_proximal_forward", lambda self: force["path"] or needs_forward(self))
 
     def run(out, mini_batches, *, old_path=False):
         calls.clear()
