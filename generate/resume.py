@@ -20,7 +20,7 @@ from rollshard.generate.tasks.schedule import source_prompt_id
 from rollshard.store.common import UsageError
 from rollshard.store.format.lineage import lineage_of
 from rollshard.store.format.schema import SchemaVersionError
-from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset, foreign_entries
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset, check_dataset_out
 
 # Settings that change what a prompt's rows are; resuming into a dataset made with others would mix runs. A plugin's
 # identity (file and hash) is part of "agents", "task_plugin" and "reward". (The chat template and system prompt
@@ -69,11 +69,7 @@ class ExistingDataset:
         """UsageError unless this run may write into ``--out``: a new or empty folder, or a generation run's dataset
         made with the same settings (:func:`check_resume_config`)."""
         out = self.out
-        foreign = foreign_entries(out)
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise UsageError(f"--out {out} holds {shown}: not a rollshard dataset; give a new or empty folder, or a "
-                             "dataset to resume")
+        check_dataset_out(out, fix="give a new or empty folder, or a dataset to resume")
         if self.error is not None:
             raise UsageError(f"cannot resume into {out}: {self.error}") from self.error
         if self.dataset is None:

@@ -38,14 +38,9 @@ OPEN_THREADS = 8  # footers read at once when a dataset is opened (I/O bound, sm
 
 
 # What a dataset folder holds: its shards, manifests (and their locks), the writers' temporary files, failure
-# ledgers, end-of-run markers and a derive's state. Anything else is another kind of folder (a model, a run).
-DATASET_ENTRIES = frozenset({SHARD_DIR, MANIFEST_DIR, TMP_DIR, FAILURE_DIR, COMPLETE_DIR, "_derive"})  # _derive: derive.py's
-
-
-def foreign_entries(path: str | os.PathLike) -> list[str]:
-    """The entries of a local folder that no rollshard dataset holds (sorted; empty for a dataset, an empty or a
-    missing folder, or a URI): a writer refuses to make a dataset of such a folder."""
-    return destination.foreign_entries(path, DATASET_ENTRIES)
+# ledgers, end-of-run markers, a derive's state (_derive) and an evaluation's figures (eval.json, written by
+# rollshard-generate eval beside its rows). Anything else is another kind of folder (a model, a run).
+DATASET_ENTRIES = frozenset({SHARD_DIR, MANIFEST_DIR, TMP_DIR, FAILURE_DIR, COMPLETE_DIR, "_derive", "eval.json"})
 
 
 def check_dataset_out(path: str | os.PathLike, *, fix: str, also: frozenset[str] = frozenset()) -> None:

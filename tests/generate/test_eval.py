@@ -92,3 +92,9 @@ def test_eval_writes_a_dataset_and_its_figures(tiny_gpt2, tmp_path, capsys):
     config = RolloutDataset.open(out).config
     assert config["agents"] == {"n_samples": 4, "name": "single"} and config["split"] == "eval"
     assert config["sampling"]["temperature"] == 1.0
+
+    # The same command again resumes the finished run: no row added, the same figures, eval.json accepted.
+    capsys.readouterr()
+    assert generate_cli(argv) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out) == written
+    assert RolloutDataset.open(out).num_rows == written["answers"]

@@ -30,12 +30,15 @@ from rollshard.train.trainer import Trainer
 
 
 def one_step_gradients(data: str, model: str, out: str, groups_per_rank: int, budget: int, env: DistEnv) -> None:
+    """One training step; the gradients, metrics and resume check land in ``out``, the run in ``out/run`` (a run
+    folder refuses files it does not write)."""
+    run = str(Path(out) / "run")
     config = TrainConfig.from_dict(
         {
             "data": {"path": data, "groups_per_step": groups_per_rank, "micro_batch_tokens": budget},
             "model": {"path": model},
             "loss": {"mode": "decoupled", "kl_coef": 0.05},
-            "trainer": {"out": out, "max_steps": 1, "progress": False, "tensorboard": False},
+            "trainer": {"out": run, "max_steps": 1, "progress": False, "tensorboard": False},
         }
     ).validate()
     trainer = Trainer(config, env=env)
@@ -65,7 +68,7 @@ def one_step_gradients(data: str, model: str, out: str, groups_per_rank: int, bu
     weights, moments = full_state(resumed.backend)  # collective; the full tensors land on rank 0
     resumed.close()
     if env.is_main:
-        ckpt = latest_checkpoint(out)
+        ckpt = latest_checkpoint(run)
         saved = load_file(str(ckpt.path / "model.safetensors"))
         shards, _ = read_sharded(ckpt.path / SHARDS_DIR)
         report = {

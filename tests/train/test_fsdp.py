@@ -76,8 +76,8 @@ def test_two_process_gradients_equal_one_process(tiny_dataset, tiny_gpt2, tmp_pa
     for world in ("one", "two"):
         resume = json.loads((tmp_path / world / "resume.json").read_text())
         assert resume == {"step": 1, "weights": 0.0, "moments": 0.0}, world
-    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "latest" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "checkpoints" / "latest" / "model.safetensors"))
+    w1 = load_file(str(tmp_path / "one" / "run" / "checkpoints" / "latest" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "run" / "checkpoints" / "latest" / "model.safetensors"))
     # After one AdamW step (lr 1e-6, ~lr per weight) both worlds hold the same weights.
     assert set(w1) == set(w2) and max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-7
 

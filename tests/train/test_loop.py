@@ -243,7 +243,9 @@ def test_a_rerun_with_other_settings_or_a_foreign_folder_is_refused(tiny_gpt2, t
     foreign.mkdir()
     (foreign / "x").write_text("")
     assert loop_main(["--model", str(tiny_gpt2), "--out", str(foreign)]) == 2
-    assert "is not a rollshard-loop run (no loop.json)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--out {foreign} holds x: not a rollshard-loop run folder; choose a new or empty folder" in err, err
+    assert err.count("\n") == 1
     assert not (foreign / "loop.json").exists() and os.listdir(foreign) == ["x"]
 
 
