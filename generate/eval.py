@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rollshard.store.common import EXIT_OK, EXIT_USAGE
+from rollshard.store.common import EXIT_OK, EXIT_USAGE, print_error
 
 PROG = "rollshard-generate eval"
 EVAL_FILE = "eval.json"
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gen_argv, temperature = _generate_argv(args, rest)
     except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print_error(PROG, e)
         return EXIT_USAGE
     from rollshard.generate.run import main as generate_main
 

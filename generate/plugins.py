@@ -29,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rollshard.store.common import file_sha256
+
 
 class PluginError(ValueError):
     """A plugin spec that cannot be loaded; the message says which and why."""
@@ -75,10 +77,6 @@ def load(spec: str, *, what: str) -> Plugin:
             ) from None
     path = str(Path(file).resolve()) if file else None
     return Plugin(spec=spec, obj=obj, file=path, sha256=file_sha256(path) if path else None)
-
-
-def file_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _import_file(target: str, spec: str, what: str):

@@ -38,7 +38,7 @@ from rollshard.generate.rewards import RewardError, Scorer, add_reward_arguments
 from rollshard.generate.tasks import Task, get_task
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset, check_dataset_out
 from rollshard.store.derived.derive import DeriveError, TransformError, derive_dataset
-from rollshard.store.common import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.common import DataError, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, one_line, print_error
 from rollshard.store.format.lineage import lineage_of
 from rollshard.store.format.schema import Row, SchemaVersionError
 
@@ -108,16 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 loop.run(scorer.close())
     except UsageError as e:
-        _error(str(e))
+        print_error(PROG, str(e))
         return EXIT_USAGE
     except DeriveError as e:
-        _error(str(e))
+        print_error(PROG, str(e))
         return EXIT_USAGE
     except (RewardError, TransformError, DataError, ValueError) as e:
-        _error(f"{one_line(e)}; the shards rescored so far are committed: fix it and rerun to continue")
+        print_error(PROG, f"{one_line(e)}; the shards rescored so far are committed: fix it and rerun to continue")
         return EXIT_FAILED
     except KeyboardInterrupt:
-        _error("interrupted; the shards rescored so far are committed: rerun the same command to continue")
+        print_error(PROG, "interrupted; the shards rescored so far are committed: rerun the same command to continue")
         return 130
     print(f"{PROG}: {result.summary()} -> {args.out}", file=sys.stderr)
     return EXIT_OK
@@ -196,9 +196,5 @@ def _task_and_system(config: dict[str, Any], args, recorded: dict[str, Any]) -> 
             file=sys.stderr,
         )
     return task, system
-
-
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 

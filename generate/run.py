@@ -72,7 +72,7 @@ from rollshard.generate.rewards import RewardError, Scorer
 from rollshard.generate.run_config import run_config, served_fields
 from rollshard.generate.runner import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_USAGE, Runner, RunnerOptions, RunResult
 from rollshard.generate.tasks.schedule import repeat_prompts, writer_id_for
-from rollshard.store.common import UsageError
+from rollshard.store.common import UsageError, print_error
 from rollshard.store.format.routing import CONFIG_KEY as ROUTING_KEY
 from rollshard.store.io.writer import ShardWriter
 from rollshard.store.models.tokenizer import TokenizerError
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None, *, progress: Progress | None = None) -> 
         inputs = load_inputs(config)
         return asyncio.run(_run(config, inputs, existing, progress))
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print_error(PROG, e)
         return EXIT_USAGE
     except KeyboardInterrupt:  # before the run started, or a second Ctrl-C: committed shards stay
         print(f"{PROG}: interrupted; rerun the same command to continue", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The helpers every stage shares, each defined once: errors and exit statuses, one-line messages, atomic file
-writes, retry backoff, progress bars. generate and train import them from here (imports run generate -> store
-<- train).
+writes, file digests and timestamps, retry backoff, progress bars. generate and train import them from here
+(imports run generate -> store <- train).
 
 The store's error for damaged or foreign data: :class:`DataError`.
 
@@ -16,8 +16,11 @@ trainer's command line does) keep working.
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import os
 import random
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,25 @@ def one_line(e: BaseException | str) -> str:
     message."""
     lines = (" ".join(part.split()) for part in str(e).splitlines())
     return "; ".join(p for p in lines if p) or type(e).__name__
+
+
+def print_error(prog: str, e: BaseException | str) -> None:
+    """A command's error, as every rollshard command prints it: ``PROG: error: MESSAGE``, one line on stderr."""
+    print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of a local file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def utc_now() -> str:
+    """Now, as the manifests record a time: ISO 8601 in UTC, to the millisecond."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -52,11 +52,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rollshard.store.common import one_line, progress
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, progress
 from rollshard.store.format.manifest import load_manifests
 from rollshard.store.io.storage import Storage
-from rollshard.train import loop as base  # the round loop: its flags' checks, messages and process handling
+from rollshard.train import loop as base  # the round loop: the flags it sets for each stage
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
+from rollshard.train.loop_stages import (
+    PROG,
+    check_train_config,
+    die_with_parent,
+    last_error,
+    policy_version,
+    say,
+    split_stage_flags,
+    train_flags,
+)
 from rollshard.train.loop_state import LOCK_FILE, STATE_FILE, LoopState
 from rollshard.train.metrics import read_metrics
 from rollshard.train.routing import reads_routing
@@ -114,28 +124,28 @@ class AsyncLoop:
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: str) -> "AsyncLoop":
         if args.steps is None or args.steps < 1:
-            raise base.UsageError("--async needs --steps N (>= 1): the optimizer steps of the whole run")
+            raise UsageError("--async needs --steps N (>= 1): the optimizer steps of the whole run")
         max_staleness = 1 if args.max_staleness is None else args.max_staleness
         serve_threads = 1 if args.serve_threads is None else args.serve_threads
         if min(max_staleness, serve_threads, args.train_threads) < 0 or args.update_every < 1:
-            raise base.UsageError("--max-staleness, --serve-threads and --train-threads must be >= 0, --update-every >= 1")
+            raise UsageError("--max-staleness, --serve-threads and --train-threads must be >= 0, --update-every >= 1")
         for flag, value, default in (("--window", args.window, 1), ("--audit", args.audit, False),
                                      ("--eval", args.eval, [])):  # fmt: skip
             if value != default:
-                raise base.UsageError(f"{flag} is for rounds; --async trains on one live dataset (drop {flag})")
+                raise UsageError(f"{flag} is for rounds; --async trains on one live dataset (drop {flag})")
         settings = AsyncSettings(
             model=model,
             engine=args.engine,
             seed=args.seed,
-            generate=base._split("--generate", args.generate, base.GENERATE_OWNED + ASYNC_GENERATE_OWNED),
-            train=base._split("--train", args.train, base.TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=base._train_flags()),
+            generate=split_stage_flags("--generate", args.generate, base.GENERATE_OWNED + ASYNC_GENERATE_OWNED),
+            train=split_stage_flags("--train", args.train, base.TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=train_flags()),
             max_staleness=max_staleness,
             update_every=args.update_every,
             serve_threads=serve_threads,
             train_threads=args.train_threads,
             steps=args.steps,
         )
-        base._check_train_config(settings.train)
+        check_train_config(settings.train)
         out = Path(args.out).resolve()
         loop = cls(out, settings, progress=not args.no_progress, report=not args.no_report)
         loop.check_state(LoopState.read(out))
@@ -146,11 +156,11 @@ class AsyncLoop:
         if state is None:
             return
         if not state.is_async:
-            raise base.UsageError(f"{self.out} holds rounds of the synchronous loop; choose a new --out for --async")
+            raise UsageError(f"{self.out} holds rounds of the synchronous loop; choose a new --out for --async")
         before, now = state.settings, self.settings.to_json()
         for key in FROZEN:
             if before.get(key) != now[key]:
-                raise base.UsageError(
+                raise UsageError(
                     f"{self.out} was run with another {key} ({before.get(key)!r} there, {now[key]!r} now); "
                     "rerun with the same settings to continue, or choose a new --out"
                 )
@@ -163,13 +173,13 @@ class AsyncLoop:
         try:
             config = resolve(train_parser().parse_args(self.train_args()), require_paths=True)
         except SystemExit:
-            raise base.UsageError("--train: rollshard-train refused its flags (run it with them to see why)") from None
+            raise UsageError("--train: rollshard-train refused its flags (run it with them to see why)") from None
         except ValueError as e:
-            raise base.UsageError(f"--train: {one_line(e)}") from e
+            raise UsageError(f"--train: {one_line(e)}") from e
         check = [sys.executable, "-m", "rollshard.generate", *self.generate_args("http://127.0.0.1:1", 1), "--check-args"]
         done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
         if done.returncode != 0:
-            raise base.UsageError(f"--generate: {base._last_error(done.stderr, 'rollshard-generate')}")
+            raise UsageError(f"--generate: {last_error(done.stderr, 'rollshard-generate')}")
         return config.data.groups_per_step
 
     def dry_run_commands(self, groups_per_step: int) -> list[list[str]]:
@@ -193,7 +203,7 @@ class AsyncLoop:
         return self.out / "train"
 
     def first_version(self) -> int:
-        return int(base._policy_version(Path(self.settings.model)))
+        return int(policy_version(Path(self.settings.model)))
 
     def generate_args(self, engine: str, groups_per_step: int) -> list[str]:
         s = self.settings
@@ -224,24 +234,24 @@ class AsyncLoop:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            base._say(f"another {base.PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
-            return base.EXIT_USAGE
+            say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
+            return EXIT_USAGE
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._save()
             groups_per_step = self.check_stage_args()
             ckpt = latest_checkpoint(self.train_out)
             if ckpt is not None and ckpt.step >= self.settings.steps:  # the trainer saves its last step
-                return base.EXIT_OK
+                return EXIT_OK
             return self._run(groups_per_step)
-        except base.UsageError as e:
-            base._say(str(e))
-            return base.EXIT_USAGE
+        except UsageError as e:
+            say(str(e))
+            return EXIT_USAGE
         except PushError as e:
             if self._ended("serve"):  # the engine died under the push: say that
                 return self._failed("serve", self.children["serve"].returncode)
-            base._say(f"{e}; fix it and rerun the same command to continue")
-            return base.EXIT_FAILED
+            say(f"{e}; fix it and rerun the same command to continue")
+            return EXIT_FAILED
         finally:
             self._stop_children()
             for sig, handler in previous.items():
@@ -258,9 +268,9 @@ class AsyncLoop:
         self._start("train", [sys.executable, "-m", "rollshard.train", *self.train_args()], env=self._train_env())
         engine = self._start_engine()
         if engine is None:
-            return base.EXIT_INTERRUPTED if self._stop is not None else base.EXIT_FAILED
+            return EXIT_INTERRUPTED if self._stop is not None else EXIT_FAILED
         self._start("generate", [sys.executable, "-m", "rollshard.generate", *self.generate_args(engine, groups_per_step)])
-        base._say(f"generating into {self.data} and training {self.settings.steps} steps into {self.train_out} "
+        say(f"generating into {self.data} and training {self.settings.steps} steps into {self.train_out} "
                   f"(logs in {self.out / LOGS})")
         bar = progress(self.settings.steps, desc="async", unit="step", initial=self._trained_steps(),
                        file=sys.stderr, disable=not self.progress)
@@ -268,8 +278,8 @@ class AsyncLoop:
         while True:
             if self._stop is not None:
                 self._stop_children(self._stop)
-                base._say("interrupted; rerun the same command to continue")
-                return base.EXIT_INTERRUPTED
+                say("interrupted; rerun the same command to continue")
+                return EXIT_INTERRUPTED
             self._push_newest(engine)
             now_steps = self._trained_steps()
             if now_steps != steps:
@@ -280,10 +290,10 @@ class AsyncLoop:
                 code = child.poll()
                 if code is None:
                     continue
-                if name == "train" and code == base.EXIT_OK:
+                if name == "train" and code == EXIT_OK:
                     bar.close()
                     self._finish(engine, time.monotonic() - started)
-                    return base.EXIT_OK
+                    return EXIT_OK
                 if self._stop is not None:
                     break
                 bar.close()
@@ -304,9 +314,9 @@ class AsyncLoop:
     def _failed(self, name: str, code: int) -> int:
         """A child that ended on its own: stop the others and say which, with its log's last lines."""
         self._stop_children()
-        base._say(f"{name} exited with {code} (its log: {self._log_path(name)}{_tail(self._log_path(name))}); "
+        say(f"{name} exited with {code} (its log: {self._log_path(name)}{_tail(self._log_path(name))}); "
                   "fix it and rerun the same command to continue")
-        return base.EXIT_USAGE if code == base.EXIT_USAGE else base.EXIT_FAILED
+        return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
     def serve_command(self, policy: str, version: str) -> list[str]:
         """The embedded engine's server: ``rollshard-generate serve`` on a free port."""
@@ -332,7 +342,7 @@ class AsyncLoop:
                 self._busy_start = self._busy(found.group(1))
                 return found.group(1)
         if self._stop is None:
-            base._say(f"the engine did not start (its log: {self._log_path('serve')}{_tail(self._log_path('serve'))})")
+            say(f"the engine did not start (its log: {self._log_path('serve')}{_tail(self._log_path('serve'))})")
         return None
 
     def _newest_policy(self) -> tuple[str, str]:
@@ -377,7 +387,7 @@ class AsyncLoop:
         loop_pid = os.getpid()
         child = subprocess.Popen(
             command, stdout=stdout if stdout is not None else log, stderr=log, text=True, env=env,
-            preexec_fn=lambda: base._die_with_parent(loop_pid), process_group=0,
+            preexec_fn=lambda: die_with_parent(loop_pid), process_group=0,
         )  # fmt: skip
         self.children[name] = child
         if self._stop is not None:
@@ -448,9 +458,9 @@ class AsyncLoop:
             page = report.build([str(self.data)], metrics=str(self.train_out / "metrics.jsonl"), async_run=figures)
             path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
-            base._say(f"no report: {e}")
+            say(f"no report: {e}")
             return
-        base._say(f"report: {path}")
+        say(f"report: {path}")
 
     def _save(self, figures: dict[str, Any] | None = None) -> None:
         """loop.json: the settings, and the figures of every finished run (this one's added when given)."""

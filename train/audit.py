@@ -40,7 +40,7 @@ import pyarrow as pa
 import torch
 
 from rollshard.store.inspection.audit import AUDIT_SCHEMA
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, progress
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, print_error, progress
 from rollshard.store.format.schema import STATUS_VALUES
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.config import ATTN_AUTO, DataConfig, LossConfig, ModelConfig, TrainConfig, flag_of
@@ -148,11 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(e: BaseException | str) -> None:
-
-    print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rollshard.store.io.dataset import DatasetNotFoundError
@@ -161,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_audit(args)
     except (ValueError, DatasetNotFoundError, UsageError) as e:  # usage and data errors (DataError, ModelCheckError)
-        _error(e)
+        print_error(PROG, e)
         return EXIT_USAGE
     except OSError as e:  # a read or write failed under us (permissions, disk full, S3 refused)
-        _error(e)
+        print_error(PROG, e)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; no report written", file=sys.stderr)

@@ -43,17 +43,17 @@ def print_json(result, file=None) -> None:
     """One JSON object: what was audited, the report's path, the summary and the worst tokens."""
     obj: dict[str, Any] = {**result.info, "report": result.report, **result.summary, "worst": result.worst,
                            "corrections": result.corrections, "routing": result.routing}
-    print(json.dumps(_finite(obj), allow_nan=False, default=str), file=file or sys.stdout)
+    print(json.dumps(_nonfinite_as_null(obj), allow_nan=False, default=str), file=file or sys.stdout)
 
 
-def _finite(x: Any) -> Any:
+def _nonfinite_as_null(x: Any) -> Any:
     """JSON has no NaN or infinity: None in their place (a non-finite logprob shows as null)."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: _nonfinite_as_null(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_finite(v) for v in x]
+        return [_nonfinite_as_null(v) for v in x]
     return x
 
 

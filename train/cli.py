@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, print_error
 from rollshard.train.config import TrainConfig, add_config_flags, resolve
 
 PROG = "rollshard-train"
@@ -47,10 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _error(e: BaseException | str) -> None:
-    print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["audit"]:  # the subcommand; any other first word is the training command's, as before
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve(args, require_paths=not args.print_config)
     except ValueError as e:
-        _error(e)
+        print_error(PROG, e)
         return EXIT_USAGE
     if args.print_config:
         print(config.to_yaml(), end="")
@@ -83,16 +79,16 @@ def train(config: TrainConfig) -> int:
         trainer = Trainer(config, env=env)
         trainer.run()
     except NonFiniteError as e:
-        _error(e)
+        print_error(PROG, e)
         return EXIT_FAILED
     except (ValueError, DatasetNotFoundError, UsageError) as e:  # usage, data and loader-state errors
-        _error(e)
+        print_error(PROG, e)
         return EXIT_USAGE
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print(f"{PROG}: interrupted; stopped without saving ({_latest(config.trainer.out)})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as e:  # the output folder failed under us (disk full, permissions)
-        _error(f"{e}; finished steps up to the latest checkpoint are intact, rerun with --resume")
+        print_error(PROG, f"{e}; finished steps up to the latest checkpoint are intact, rerun with --resume")
         return EXIT_FAILED
     finally:
         if trainer is not None:

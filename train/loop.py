@@ -44,16 +44,25 @@ from typing import Any
 
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.io.destination import check_out_folder
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line
+from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, print_error
 from rollshard.store.format.manifest import FAILURE_DIR
 from rollshard.store.inspection.stats import dataset_stats
 from rollshard.store.models.gguf import is_gguf
 from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.loop_stages import (
+    PROG,
+    check_train_config,
+    die_with_parent,
+    last_error,
+    policy_version,
+    say,
+    split_stage_flags,
+    train_flags,
+)
 from rollshard.train.loop_state import LOCK_FILE, LoopState, RoundState
 from rollshard.train.metrics import read_metrics
 
-PROG = "rollshard-loop"
 # Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
 GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
 TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print-config", "--initial-version")
@@ -69,7 +78,6 @@ EVAL_OWNED = ("--model", "--engine", "--out", "--json")
 EVAL_FILE = "eval.json"  # what rollshard-generate eval writes in its --out
 # What a run folder holds: the rounds and their state, the report; --async: its dataset, training and logs.
 RUN_ENTRIES = ("round_*", "loop.json", "report.html", "data", "train", "logs")
-PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         loop = Loop.from_args(args)
         loop.check_stage_args()
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print_error(PROG, e)
         return EXIT_USAGE
     except KeyboardInterrupt:  # while a stage's flags were checked: nothing ran yet
-        _say("interrupted before round 0; rerun the same command to continue")
+        say("interrupted before round 0; rerun the same command to continue")
         return EXIT_INTERRUPTED
     if args.dry_run:
         for command in loop.dry_run_commands(args.rounds):
@@ -185,13 +193,13 @@ def _main_async(args: argparse.Namespace) -> int:
         _check_engine_and_out(args)
         loop = AsyncLoop.from_args(args, model)
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print_error(PROG, e)
         return EXIT_USAGE
     if args.dry_run:
         try:
             groups_per_step = loop.check_stage_args()
         except UsageError as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
+            print_error(PROG, e)
             return EXIT_USAGE
         for command in loop.dry_run_commands(groups_per_step):
             print(shlex.join(command))
@@ -244,9 +252,9 @@ class Loop:
                 raise UsageError(f"{flag} is for --async runs; rounds run --rounds, each on its own dataset")
         model = Path(_model_folder(args))
         _check_engine_and_out(args)
-        generate_args = _split("--generate", args.generate, GENERATE_OWNED)
-        train_args = _split("--train", args.train, TRAIN_OWNED, known=_train_flags())
-        _check_train_config(train_args)
+        generate_args = split_stage_flags("--generate", args.generate, GENERATE_OWNED)
+        train_args = split_stage_flags("--train", args.train, TRAIN_OWNED, known=train_flags())
+        check_train_config(train_args)
         settings = LoopSettings(
             model=resolve_model_path(model),
             engine=args.engine,
@@ -254,8 +262,8 @@ class Loop:
             seed=args.seed,
             generate=generate_args,
             train=train_args,
-            audit=_split("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
-            eval=_split("--eval", args.eval, EVAL_OWNED) if args.eval else None,
+            audit=split_stage_flags("--audit-args", args.audit_args, AUDIT_OWNED) if args.audit else None,
+            eval=split_stage_flags("--eval", args.eval, EVAL_OWNED) if args.eval else None,
         )
         # Links resolved, as the checkpoints' paths come back: loop.json keeps paths relative to it, so a run moves.
         out = Path(args.out).resolve()
@@ -321,19 +329,19 @@ class Loop:
                 parsed = train_parser().parse_args(train)
             resolve(parsed, require_paths=True)
         except SystemExit as e:  # argparse: its usage and one error line, or the help (exit 0)
-            what = _last_error(said.getvalue(), "rollshard-train") if e.code else "asks for the help, not a run"
+            what = last_error(said.getvalue(), "rollshard-train") if e.code else "asks for the help, not a run"
             raise UsageError(f"--train: {what}") from None
         except ValueError as e:
             raise UsageError(f"--train: {one_line(e)}") from e
         check = [sys.executable, "-m", "rollshard.generate", *self.generate_args(0, policy, "0"), "--check-args"]
         done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
         if done.returncode != 0:
-            raise UsageError(f"--generate: {_last_error(done.stderr, 'rollshard-generate')}")
+            raise UsageError(f"--generate: {last_error(done.stderr, 'rollshard-generate')}")
         if self.settings.eval is not None:  # eval's own flags, then the batch command's (--check-args)
             check = [*self.eval_command(policy, self.round_dir(0) / "eval_policy"), "--check-args"]
             done = subprocess.run(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
             if done.returncode != 0:
-                raise UsageError(f"--eval: {_last_error(done.stderr, 'rollshard-generate eval')}")
+                raise UsageError(f"--eval: {last_error(done.stderr, 'rollshard-generate eval')}")
 
     # ---- paths and commands ------------------------------------------------------------------
 
@@ -363,7 +371,7 @@ class Loop:
         """rollshard-generate's flags for round k (what the loop's check runs with --check-args before round 0)."""
         engine = self.settings.engine
         if version is None:
-            version = self.rounds[k].policy_version if k < len(self.rounds) else _policy_version(Path(policy))
+            version = self.rounds[k].policy_version if k < len(self.rounds) else policy_version(Path(policy))
         where = (
             ["--engine", f"embedded:{policy}"] if engine == "embedded"
             # A folder without a version of its own (round 0's model) is served as the version the loop names.
@@ -423,13 +431,13 @@ class Loop:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            _say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
+            say(f"another {PROG} is running in {self.out}; wait for it to finish (or stop it), then rerun")
             return EXIT_USAGE
         try:  # what a loop that held the folder until now left, not what this one read before the lock
             self.rounds = self.reconcile(LoopState.read(self.out))
         except UsageError as e:
             lock.close()
-            _say(str(e))
+            say(str(e))
             return EXIT_USAGE
         self._save()
         previous = {sig: signal.signal(sig, self.forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -462,13 +470,13 @@ class Loop:
             # The policy as it is now: --model may have changed since a generation that committed nothing.
             policy = self.policy_path(k)
             if not policy.is_dir():
-                _say(f"round {k}: its policy {policy} is missing (a run moved without its checkpoints?); restore it, "
+                say(f"round {k}: its policy {policy} is missing (a run moved without its checkpoints?); restore it, "
                      "or choose a new --out")
                 return EXIT_FAILED
             try:
-                state.policy, state.policy_version = self._name(policy), _policy_version(policy)
+                state.policy, state.policy_version = self._name(policy), policy_version(policy)
             except VersionError as e:
-                _say(f"round {k}: {e}")
+                say(f"round {k}: {e}")
                 return EXIT_FAILED
             self._save()
             code = self.run_stage(k, rounds, "generating", self.generate_command(k, str(policy)))
@@ -489,7 +497,7 @@ class Loop:
         state.seconds["train"] = self._seconds
         ckpt = latest_checkpoint(self.round_dir(k) / "train")
         if ckpt is None:  # nothing passed the filters: no step, no checkpoint
-            _say(f"round {k}: training wrote no checkpoint (no step ran: see its output above); check the --train filters")
+            say(f"round {k}: training wrote no checkpoint (no step ran: see its output above); check the --train filters")
             return EXIT_FAILED
         state.trained, state.checkpoint, state.checkpoint_version = True, self._name(ckpt.path), ckpt.weight_version
         state.train = _train_summary(self.round_dir(k) / "train")
@@ -516,7 +524,7 @@ class Loop:
         try:
             return EXIT_OK, json.loads((out / EVAL_FILE).read_text())
         except (OSError, ValueError) as e:
-            _say(f"round {k}: the evaluation wrote no figures ({e}); rerun the same command to continue")
+            say(f"round {k}: the evaluation wrote no figures ({e}); rerun the same command to continue")
             return EXIT_FAILED, None
 
     def _audit(self, k: int, rounds: int) -> tuple[int, dict[str, Any] | None]:
@@ -528,29 +536,29 @@ class Loop:
         except (OSError, ValueError, KeyError, TypeError):
             overall = None
         if code == EXIT_FAILED and overall is not None:  # flagged: its own line said by how much
-            _say(f"round {k}: the audit flagged its rows (above; {self.round_dir(k) / 'audit.parquet'}); not training "
+            say(f"round {k}: the audit flagged its rows (above; {self.round_dir(k) / 'audit.parquet'}); not training "
                  f"on them. Fix the engine's settings, delete {self.round_dir(k) / 'data'} and rerun to generate the "
                  "round anew, or accept the mismatch with --audit-args '--max-abs-diff X'")
             return EXIT_FAILED, None
         if code != EXIT_OK or overall is None:
             if code == EXIT_FAILED:
-                _say(f"round {k}: auditing failed (exit 1, see above); fix it and rerun the same command to continue")
+                say(f"round {k}: auditing failed (exit 1, see above); fix it and rerun the same command to continue")
             return code if code != EXIT_OK else EXIT_FAILED, None
         return EXIT_OK, {k: overall[k] for k in ("tokens", "mean", "max", "p99", "ratio_outside", "k3")}
 
     def run_stage(self, k: int, rounds: int, what: str, command: list[str], stdout: Path | None = None) -> int:
         if self._stop is not None:  # a signal between stages: start no other
-            _say(f"interrupted before {what} round {k}; rerun the same command to continue")
+            say(f"interrupted before {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
         policy = "" if what.startswith("evaluating") else f" with {self.policy_path(k)} (version {self.rounds[k].policy_version})"
-        _say(f"round {k + 1}/{rounds}: {what}{policy}")
+        say(f"round {k + 1}/{rounds}: {what}{policy}")
         started = time.perf_counter()
         # The stages' own lines go to stderr with the loop's: stdout is the loop's summary (--json parses).
         sink = open(stdout, "w") if stdout is not None else sys.stderr
         loop_pid = os.getpid()
         try:
             self._child = subprocess.Popen(
-                command, stdout=sink, preexec_fn=lambda: _die_with_parent(loop_pid), process_group=0
+                command, stdout=sink, preexec_fn=lambda: die_with_parent(loop_pid), process_group=0
             )
             if self._stop is not None:  # a signal while the child was being started: it has not seen it
                 self._child.send_signal(self._stop)
@@ -561,13 +569,13 @@ class Loop:
                 sink.close()
         self._seconds = round(time.perf_counter() - started, 1)
         if code == EXIT_OK:
-            _say(f"round {k + 1}/{rounds}: {what} done in {self._seconds:.1f} s")
+            say(f"round {k + 1}/{rounds}: {what} done in {self._seconds:.1f} s")
             return EXIT_OK
         if code in (EXIT_INTERRUPTED, -signal.SIGINT, -signal.SIGTERM):
-            _say(f"interrupted while {what} round {k}; rerun the same command to continue")
+            say(f"interrupted while {what} round {k}; rerun the same command to continue")
             return EXIT_INTERRUPTED
         if not (what == "auditing" and code == EXIT_FAILED):  # a flagged audit is said by the audit stage
-            _say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
+            say(f"round {k}: {what} failed (exit {code}, see above); fix it and rerun the same command to continue")
         return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
     def forward_signal(self, signum: int, frame) -> None:
@@ -594,9 +602,9 @@ class Loop:
                                 held_out=self.held_out())
             path = report.write(page, str(self.out / "report.html"))
         except (ImportError, ValueError, OSError) as e:  # MissingPlotting is an ImportError
-            _say(f"no report: {e}")
+            say(f"no report: {e}")
             return
-        _say(f"report of {len(datasets)} rounds: {path}")
+        say(f"report of {len(datasets)} rounds: {path}")
 
     # ---- summary -----------------------------------------------------------------------------
 
@@ -657,53 +665,12 @@ def _check_engine_and_out(args: argparse.Namespace) -> None:
                      fix="choose a new or empty folder, or an earlier run's to continue it")
 
 
-def _split(flag: str, values: list[str], owned: tuple[str, ...], *, known: set[str] | None = None) -> list[str]:
-    """The flags of one stage; refuses those the loop sets, abbreviated too (argparse takes ``--eng`` for
-    ``--engine``), except a flag of the stage's own (``known``) that happens to begin one (``--mode``)."""
-    try:
-        tokens = [t for v in values for t in shlex.split(v)]
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from e
-    for t in tokens:
-        name = t.split("=", 1)[0]
-        if not name.startswith("--") or name == "--":
-            continue
-        taken = [o for o in owned if o == name or (o.startswith(name) and (known is None or name not in known))]
-        if taken:
-            raise UsageError(f"{flag} may not set {taken[0]}: the loop sets it for every round (see --help)")
-    return tokens
 
 
-def _check_train_config(train_args: list[str]) -> None:
-    """A ``--config`` file of ``--train`` may not set the version a round starts at: each round's checkpoint does
-    (a fixed ``trainer.initial_version`` would give every round's steps the same versions)."""
-    from rollshard.train.cli import build_parser as train_parser
-    from rollshard.train.config import TrainConfig
-
-    path = train_parser().parse_known_args(train_args)[0].config  # as rollshard-train reads it, abbreviated too
-    if path is None:
-        return
-    try:
-        config = TrainConfig.from_yaml(path)
-    except ValueError:
-        return  # rollshard-train says what is wrong with it, in one line
-    if config.trainer.initial_version is not None:
-        raise UsageError(f"--train's --config {path} sets trainer.initial_version: the loop starts each round "
-                         "at its checkpoint's version; remove it from the file")
 
 
-def _last_error(output: str, prog: str) -> str:
-    """A stage's error line out of its output (argparse prints its usage first), without the stage's prefix."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    if not lines:
-        return f"{prog} refused it and said nothing"
-    return lines[-1].removeprefix(f"{prog}: error: ")
 
 
-def _train_flags() -> set[str]:
-    from rollshard.train.cli import build_parser as train_parser
-
-    return set(train_parser()._option_string_actions)
 
 
 def _data_summary(path: Path) -> dict[str, Any]:
@@ -776,26 +743,10 @@ def _sci(x: Any) -> str:
     return f"{x:.1e}" if isinstance(x, (int, float)) else str(x)
 
 
-def _say(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent(loop_pid: int) -> None:
-    """In the child, before exec: SIGKILL when the loop dies (a kill -9 of the loop must not leave a stage running
-    beside the rerun that continues it), and SIGINT/SIGTERM at their defaults: a loop started with them ignored (a
-    background job of a script, nohup) handles them itself, and the stage must hear the one it forwards."""
-    import ctypes
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != loop_pid:  # the loop died between fork and prctl
-        os._exit(EXIT_INTERRUPTED)
 
 
-def _policy_version(policy: Path) -> str:
-    """The version a policy folder is served as: its checkpoint's, or 0 for a model folder of none."""
-    return folder_weight_version(policy) or "0"
 
 
 if __name__ == "__main__":

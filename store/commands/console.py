@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from rollshard.store.commands.parser import PROG
-from rollshard.store.common import progress
+from rollshard.store.common import print_error, progress
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ class Context:
 
 def error(message: str) -> None:
     """One unwrapped line on stderr (rich would wrap it at the terminal width)."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print_error(PROG, message)
 
 
 def warning(message: str) -> None:

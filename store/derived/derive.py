@@ -42,7 +42,6 @@ The rules, exactly:
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import fcntl
 import hashlib
 import json
@@ -56,7 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from rollshard.store.io.dataset import RolloutDataset
-from rollshard.store.common import DataError
+from rollshard.store.common import DataError, utc_now
 from rollshard.store.common import progress as progress_bar
 from rollshard.store.io.integrity import check_column_types, open_shard, verify_sha256
 from rollshard.store.format.lineage import derived_config, identity, lineage_entry
@@ -258,7 +257,7 @@ def _copy_shard(storage: Storage, shard: ShardInfo, w: ShardWriter) -> ShardInfo
     except BaseException:
         pending.discard()
         raise
-    info = dataclasses.replace(shard, path=rel, bytes=size, sha256=sha, writer_id=w.writer_id, created_at=_now())
+    info = dataclasses.replace(shard, path=rel, bytes=size, sha256=sha, writer_id=w.writer_id, created_at=utc_now())
     w.manifest.shards.append(info)
     w.save_manifest()
     return info
@@ -581,7 +580,3 @@ class DeriveLock:
             os.close(self.fd)
         if self.lease is not None:
             self.lease.release()
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")

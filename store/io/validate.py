@@ -35,7 +35,6 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rollshard.store.common import one_line
@@ -54,7 +53,7 @@ from rollshard.store.format.schema import (
     config_of,
 )
 from rollshard.store.io.storage import Storage
-from rollshard.store.io.writer import row_group_info
+from rollshard.store.io.writer import list_values_total, row_group_info
 
 HASH_SEED = 0x5EED  # any fixed seed: hashes are compared within one run only
 PROBLEMS_PER_SHARD = 20  # invariant breaks listed per shard; the count of the rest is reported
@@ -243,8 +242,8 @@ class Validator:
                 if n_invariant <= PROBLEMS_PER_SHARD:
                     problem("invariant", f"row group {i}: {p.message()}")
             rows += table.num_rows
-            prompt_tokens += _total_len(table.column("prompt_tokens"))
-            response_tokens += _total_len(table.column("response_tokens"))
+            prompt_tokens += list_values_total(table.column("prompt_tokens"))
+            response_tokens += list_values_total(table.column("response_tokens"))
             row_hashes.append(_hash(table.column("sample_id")))
             group_hashes.append(np.unique(_hash(table.column("group_id"))))
             recorded_rgs.append(row_group_info(table))
@@ -320,9 +319,5 @@ def _repeated(chunks: list[np.ndarray]) -> np.ndarray:
         return np.zeros(0, np.uint64)
     values, counts = np.unique(np.concatenate(chunks), return_counts=True)
     return values[counts > 1]
-
-
-def _total_len(col: pa.ChunkedArray) -> int:
-    return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
 
 

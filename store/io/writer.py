@@ -28,7 +28,6 @@ footer's two), hashed from the bytes as they are written, which the loader check
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import io
 import os
 import re
@@ -40,6 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
+from rollshard.store.common import utc_now
 from rollshard.store.io.integrity import MAGIC, file_digests, row_group_ranges
 from rollshard.store.format.invariants import check_table
 from rollshard.store.format.manifest import SHARD_DIR, WRITER_ID_RE, Manifest, RowGroupInfo, ShardInfo, group_hash
@@ -207,7 +207,7 @@ class ShardWriter:
             bytes=size,
             sha256=sha,
             writer_id=self.writer_id,
-            created_at=_now(),
+            created_at=utc_now(),
             row_groups=row_groups,
             footer_sha256=footer_sha,
             footer_xxh3=footer_fast,
@@ -315,7 +315,7 @@ class ShardWriter:
                     bytes=self.storage.size(rel),
                     sha256=sha,
                     writer_id=self.writer_id,
-                    created_at=_now(),
+                    created_at=utc_now(),
                     row_groups=tuple(row_groups),
                     footer_sha256=footer_sha if ranges is not None else None,
                 )
@@ -350,14 +350,14 @@ class _Counts:
             self.group_ids.update(table.column("group_id").to_pylist())
         else:
             self.groups += n_groups
-        self.prompt_tokens += _total_len(table.column("prompt_tokens"))
-        self.response_tokens += _total_len(table.column("response_tokens"))
+        self.prompt_tokens += list_values_total(table.column("prompt_tokens"))
+        self.response_tokens += list_values_total(table.column("response_tokens"))
 
 
 def row_group_info(table: pa.Table) -> RowGroupInfo:
     """What the manifest records of one row group (manifest.RowGroupInfo)."""
     ids = pc.unique(table.column("group_id")).to_pylist()  # in order of first appearance
-    tokens = _total_len(table.column("prompt_tokens")) + _total_len(table.column("response_tokens"))
+    tokens = list_values_total(table.column("prompt_tokens")) + list_values_total(table.column("response_tokens"))
     return RowGroupInfo(rows=table.num_rows, tokens=tokens, group_hashes=group_hash(ids).hex())
 
 
@@ -411,13 +411,10 @@ class _FastHashes(io.RawIOBase):
         return self._done + [self._hash.hexdigest()]
 
 
-def _total_len(col: pa.ChunkedArray) -> int:
+def list_values_total(col: pa.ChunkedArray) -> int:
+    """The number of values in a list column (its tokens), from the offsets alone."""
     total = 0
     for chunk in col.chunks:
         offsets = chunk.offsets
         total += offsets[len(offsets) - 1].as_py() - offsets[0].as_py()
     return total
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")

@@ -14,7 +14,6 @@ Needs the ``gguf`` and ``accelerate`` packages (``pip install 'rollshard[gguf]'`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from rollshard.store.common import file_sha256
 
 SOURCE_FILE = "rollshard_source.json"
 HASH_PREFIX = 16  # hex digits of the sha256 naming the cached folder
@@ -38,14 +39,6 @@ def is_gguf(path: str | os.PathLike) -> bool:
 def cache_dir() -> Path:
     root = os.environ.get("ROLLSHARD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollshard"
     return Path(root).expanduser()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def gguf_source(folder: str | os.PathLike) -> dict[str, Any] | None:

@@ -786,9 +786,14 @@ def test_embedded_device_and_dtype_flags(tiny_gpt2, tmp_path, capsys):
 def test_embedded_threads_flag_reaches_the_engine(tiny_gpt2, tmp_path, capsys, monkeypatch):
     from rollshard.generate.engines import embedded
 
-    seen = []
-    run = embedded.EmbeddedEngine._run
-    monkeypatch.setattr(embedded.EmbeddedEngine, "_run", lambda self: (seen.append(self.threads), run(self))[1])
+    seen = []  # the worker runs at the engine's threads (torch.set_num_threads(self.threads))
+    init = embedded.EmbeddedEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.threads)
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "__init__", recording_init)
     args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--n-samples", "1", "--max-new-tokens", "2",
             "--limit", "1", "--no-progress"]
     assert main([*args, "--threads", "1", "--out", str(tmp_path / "a")]) == 0

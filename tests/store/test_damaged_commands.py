@@ -60,9 +60,10 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 COMMANDS = [
     ["rollshard.store", "stats"], ["rollshard.store", "inspect"], ["rollshard.store", "report", "--out", "{out}/r.html"],
     ["rollshard.store", "filter", "--min-reward", "0", "--out", "{out}/f"],
+    ["rollshard.store", "filter", "--agent", "policy", "--out", "{out}/f"],  # --agent reads the agents first
     ["rollshard.generate", "rescore", "--task", "toy", "--agents", "single", "--out", "{out}/r"],
 ]
-COMMAND_IDS = ["stats", "inspect", "report", "filter", "rescore"]
+COMMAND_IDS = ["stats", "inspect", "report", "filter", "filter-agent", "rescore"]
 
 
 def _refused(command: list[str], dataset: Path, out: Path) -> str:

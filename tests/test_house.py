@@ -1,0 +1,117 @@
+"""The house rules, read from the package's source: imports run generate -> store <- train, no module reaches
+into another's private names, and the shared helpers (store/common.py) are defined once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("generate", "store", "train")
+
+
+def modules() -> list[tuple[str, ast.Module]]:
+    """Every package module: its dotted name (``rollshard.store.io.writer``) and its syntax tree."""
+    found = []
+    for stage in STAGES:
+        for path in sorted((ROOT / stage).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(("rollshard", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+            found.append((name, ast.parse(path.read_text(), filename=str(path))))
+    return found
+
+
+MODULES = modules()
+NAMES = {name for name, _ in MODULES}
+
+
+def imported(tree: ast.Module) -> list[tuple[int, str, list[str]]]:
+    """Each import anywhere in the module (inside functions too): line, module, the names taken from it."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, []) for a in node.names)
+    return out
+
+
+def test_the_sources_were_found():
+    assert {"rollshard.store.common", "rollshard.generate.run", "rollshard.train.trainer"} <= NAMES
+    assert len(MODULES) > 100
+
+
+def test_store_imports_neither_generate_nor_train():
+    bad = [f"{name}:{line}: {module}" for name, tree in MODULES if name.startswith("rollshard.store")
+           for line, module, _ in imported(tree) if module.startswith(("rollshard.generate", "rollshard.train"))]
+    assert bad == []
+
+
+def test_generate_and_train_do_not_import_each_other():
+    bad = [f"{name}:{line}: {module}" for name, tree in MODULES for line, module, _ in imported(tree)
+           if (name.startswith("rollshard.generate") and module.startswith("rollshard.train"))
+           or (name.startswith("rollshard.train") and module.startswith("rollshard.generate"))]
+    assert bad == []
+
+
+def _is_module(dotted: str) -> bool:
+    return dotted in NAMES
+
+
+def private_uses(name: str, tree: ast.Module) -> list[str]:
+    """``from rollshard.m import _x`` and ``m._x`` where ``m`` names a rollshard module (``import rollshard.m as
+    m``, ``from rollshard.pkg import m``): a private name used outside its module."""
+    bad, aliases = [], {}
+    for line, module, names in imported(tree):
+        if not module.startswith("rollshard"):
+            continue
+        if not names:
+            aliases[module.split(".")[-1]] = module
+        for n in names:
+            if n.startswith("_") and not n.startswith("__"):
+                bad.append(f"{name}:{line}: from {module} import {n}")
+            elif _is_module(f"{module}.{n}"):
+                aliases[n] = f"{module}.{n}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rollshard"):
+            for a in node.names:  # an alias given with ``as``
+                if a.asname and f"{node.module}.{a.name}" in aliases.values():
+                    aliases[a.asname] = f"{node.module}.{a.name}"
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in aliases:
+                bad.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_module_uses_another_modules_private_names():
+    bad = [b for name, tree in MODULES for b in private_uses(name, tree)]
+    assert bad == []
+
+
+def test_the_check_of_private_names_catches_both_forms():
+    tree = ast.parse("from rollshard.store.io import writer\nfrom rollshard.train.loop import _x\nwriter._y\n")
+    assert private_uses("m", tree) == ["m:2: from rollshard.train.loop import _x", "m:3: writer._y"]
+
+
+SHARED = ("one_line", "print_error", "write_atomic", "fsync_dir", "backoff_delay", "progress", "file_sha256",
+          "utc_now")
+
+
+@pytest.mark.parametrize("helper", SHARED)
+def test_a_shared_helper_is_defined_once(helper):
+    where = [name for name, tree in MODULES for node in tree.body
+             if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == helper]
+    assert where == ["rollshard.store.common"]
+
+
+def test_the_errors_and_exit_statuses_are_defined_once():
+    classes = [(name, node.name) for name, tree in MODULES for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) and node.name in ("UsageError", "DataError")]
+    assert sorted(classes) == [("rollshard.store.common", "DataError"), ("rollshard.store.common", "UsageError")]
+    # An exit status is a number only there; elsewhere a name for one of them (EXIT_FLAGGED = EXIT_FAILED).
+    numbered = {name for name, tree in MODULES for node in tree.body if isinstance(node, ast.Assign)
+                if any(isinstance(t, ast.Name) and t.id.startswith("EXIT_") for n in node.targets for t in ast.walk(n))
+                and any(isinstance(v, ast.Constant) for v in ast.walk(node.value))}
+    assert numbered == {"rollshard.store.common"}
