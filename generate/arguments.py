@@ -26,6 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
         "dataset, no engine), `eval` (a model on held-out prompts: pass@k), `init-model` (a tiny local model, or the real "
         "SmolLM2-135M-Instruct).",
     )
+    _add_what_to_run(p)
+    _add_sampling(p)
+    _add_running(p)
+    _add_asynchronous(p)
+    _add_cluster(p)
+    return p
+
+
+def _add_what_to_run(p: argparse.ArgumentParser) -> None:
+    """The engine, the agent system, the task, the prompts and where the rows go."""
     g = p.add_argument_group("what to run")
     g.add_argument("--engine", required=True, metavar="SPEC", help="embedded:MODEL_DIR, or SGLang URL[,URL...]")
     g.add_argument(
@@ -80,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, metavar="N", help="use the first N prompts of the source")
     g.add_argument("--out", required=True, metavar="DATASET", help="dataset directory or pyarrow filesystem URI")
 
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """How each answer is sampled."""
     s = p.add_argument_group("sampling")
     s.add_argument(
         "--n-samples", type=int, default=4, metavar="N",
@@ -146,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or --weight-version) before generating; the path must be visible to the servers",
     )
 
+
+def _add_running(p: argparse.ArgumentParser) -> None:
+    """How the run proceeds: concurrency, retries, shards, checks."""
     r = p.add_argument_group("running")
     r.add_argument(
         "--concurrency", type=int, default=64, metavar="N",
@@ -192,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         "engine starts, nothing is written (rollshard-loop checks its --generate with it before round 0)",
     )
 
+
+def _add_asynchronous(p: argparse.ArgumentParser) -> None:
+    """Generating for a trainer that follows --out as it is written (rollshard-loop --async)."""
     a = p.add_argument_group("asynchronous RL (a trainer following --out as it is written)")
     a.add_argument(
         "--repeat", action="store_true",
@@ -217,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
 
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    """Running the shards as Ray tasks."""
     c = p.add_argument_group("cluster (Ray; pip install 'rollshard[ray]')")
     c.add_argument(
         "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -234,4 +256,3 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray runtime_env of the tasks, as a JSON object (env_vars, pip, working_dir, ...)",
     )
     c.add_argument("--ray-task", action="store_true", help=argparse.SUPPRESS)  # set by the driver for its tasks
-    return p
