@@ -39,7 +39,7 @@ import json
 import os
 from pathlib import Path
 
-from rollshard.store.models.gguf import convert_gguf, save_model_folder
+from rollshard.store.models.gguf import copy_model_folder, gguf_folder, save_model_folder
 
 PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "small-qwen3", "small-qwen3-moe", "smollm2-135m-instruct")
 PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}
@@ -232,8 +232,8 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
 
     if path.exists() and not is_model_folder(path) and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{path} exists and is not a model folder; give a new or empty folder")
-    if preset in GGUF_PRESETS:
-        return convert_gguf(preset_gguf(preset), path)
+    if preset in GGUF_PRESETS:  # converted once per machine (rollshard's cache folder), then copied
+        return copy_model_folder(gguf_folder(preset_gguf(preset)), path)
 
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)

@@ -17,18 +17,19 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """The real SmolLM2-135M-Instruct as an fp32 folder (``init-model --preset smollm2-135m-instruct``), kept in
-    rollshard's cache folder so later test runs on this machine reuse it (tests only read it). Built under a file
-    lock: the test workers (``-n 2``) and concurrent runs on the machine build it once and never see half of it."""
+    """The real SmolLM2-135M-Instruct as an fp32 folder: the preset's GGUF file converted once per machine into
+    rollshard's cache folder (what ``init-model --preset smollm2-135m-instruct`` copies from), reused by later test
+    runs (tests only read it). Built under a file lock: the test workers (``-n 2``) and concurrent runs on the
+    machine build it once and never see half of it."""
     from filelock import FileLock
 
-    from rollshard.generate.models import init_model
-    from rollshard.store.models.gguf import cache_dir
+    from rollshard.generate.models import preset_gguf
+    from rollshard.store.models.gguf import cache_dir, gguf_folder
 
-    folder = cache_dir() / "models" / "smollm2-135m-instruct"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(folder.parent / ".smollm2-135m-instruct.lock"):
-        return init_model(folder, preset="smollm2-135m-instruct")
+    lock = cache_dir() / ".smollm2-135m-instruct.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock):
+        return gguf_folder(preset_gguf("smollm2-135m-instruct"), quiet=True)
 
 
 @pytest.fixture(scope="session")

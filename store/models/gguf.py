@@ -102,6 +102,23 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, sha256: str 
     )
 
 
+def copy_model_folder(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """A copy of the model folder ``src`` at ``out``, replacing what is there (copied under a temporary name beside
+    it, then renamed, as :func:`save_model_folder` writes)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def save_model_folder(out: str | os.PathLike, model, tokenizer, finish=lambda folder: None) -> Path:
     """Save ``model`` and ``tokenizer`` as a Hugging Face folder at ``out``, replacing what is there: written under
     a temporary name beside it (``finish(folder)`` adds to it), then renamed, so a reader never sees half of it."""

@@ -54,10 +54,11 @@ SECTIONS = ("model", "sampler", "cache", "bookkeeping")
 def model_path(name: str, root: Path) -> Path:
     from rollshard.generate.models import init_model
 
-    if name == "smollm2":
-        from rollshard.store.models.gguf import cache_dir
+    if name == "smollm2":  # the conversion cached once per machine (what init-model copies from)
+        from rollshard.generate.models import preset_gguf
+        from rollshard.store.models.gguf import gguf_folder
 
-        return init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2-135m-instruct")
+        return gguf_folder(preset_gguf("smollm2-135m-instruct"), quiet=True)
     if name == "tiny":
         return init_model(root / "tiny-qwen3", preset="tiny-qwen3", seed=0)
     return Path(name)

@@ -186,10 +186,10 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args)
 
-    from rollshard.generate.models import init_model
-    from rollshard.store.models.gguf import cache_dir
+    from rollshard.generate.models import preset_gguf
+    from rollshard.store.models.gguf import gguf_folder
 
-    model = args.model or str(init_model(cache_dir() / "models" / "smollm2-135m-instruct", preset="smollm2"))
+    model = args.model or str(gguf_folder(preset_gguf("smollm2"), quiet=True))  # converted once per machine
     args.out.mkdir(parents=True, exist_ok=True)
     ours = rollshard_side(args, model, args.out / "rollshard")
     theirs = None if args.no_trl else trl_side(args, model, args.out / "trl_run")

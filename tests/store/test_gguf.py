@@ -85,3 +85,20 @@ def test_preset_gguf_is_the_installed_file():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_init_model_of_the_preset_copies_the_cached_conversion(smollm2, tmp_path, monkeypatch):
+    """``init-model --preset smollm2-135m-instruct`` converts once per machine: with the conversion cached (the
+    ``smollm2`` fixture made it), the folder is a copy of it, file for file, and nothing converts again."""
+    from rollshard.generate.models import init_model
+
+    never = lambda *a, **k: pytest.fail("converted again")  # noqa: E731
+    monkeypatch.setattr(gguf, "convert_gguf", never)
+    monkeypatch.setattr("rollshard.generate.models.convert_gguf", never, raising=False)  # where it was called from
+    out = init_model(tmp_path / "m", preset="smollm2-135m-instruct")
+    names = sorted(p.name for p in smollm2.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names and "model.safetensors" in names
+    for name in names:
+        assert (out / name).read_bytes() == (smollm2 / name).read_bytes(), name
+    assert json.loads((out / gguf.SOURCE_FILE).read_text())["gguf"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left beside it
