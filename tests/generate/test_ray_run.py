@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from rollshard.generate.run import main
@@ -127,8 +128,6 @@ def test_ray_run_into_s3_equals_one_process(reference, two_servers, s3_dataset, 
 
 
 def _read(path):
-    import pyarrow.parquet as pq
-
     return pq.read_table(path, columns=["prompt_id"]).to_pylist()
 
 
@@ -149,14 +148,21 @@ def test_a_killed_task_is_reported_and_rerun_nothing_lost_or_doubled(reference, 
             time.sleep(0.05)  # waiting for the gate, not for time to pass
         worker = int(gate.read_text())
         try:
-            committed = [m for m in RolloutDataset.open(out).manifests if m.writer_id == "gen-0-of-2"]
-            assert [len(m.shards) for m in committed] == [1]  # killed mid-shard: one of its 4 prompts committed
+            ds = RolloutDataset.open(out)
+            committed = [m for m in ds.manifests if m.writer_id == "gen-0-of-2"]
+            assert [len(m.shards) for m in committed] == [1]  # killed mid-shard: after its first commit
+            # The first commit holds the episodes finished by then: one, or two when both in flight (--concurrency 2)
+            # finished together, as on a busy machine.
+            first = {p for shard in committed[0].shards
+                     for p in pq.read_table(out / shard.path, columns=["prompt_id"]).column("prompt_id").to_pylist()}
+            assert 1 <= len(first) < N_PROMPTS // 2
         finally:
             os.kill(worker, signal.SIGKILL)  # a worker held at the gate stops no other way
         assert proc.wait(timeout=DEADLINE_S) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     log = (tmp_path / "driver.log").read_text()
     assert "shard 0 of 2 failed (attempt 1 of 3): WorkerCrashedError" in log
-    assert f"shard 0 of 2: {N_PROMPTS // 2 - 1} of {N_PROMPTS // 2} prompts done" in log and "1 already there" in log
+    done, there = N_PROMPTS // 2 - len(first), len(first)
+    assert f"shard 0 of 2: {done} of {N_PROMPTS // 2} prompts done" in log and f"; {there} already there" in log, log
     assert "shard 1 of 2 failed" not in log
     ids = sample_ids(out)
     assert ids == sample_ids(reference) and len(ids) == len(set(ids))  # the union exact: nothing lost or doubled
