@@ -55,3 +55,12 @@ def test_links_between_pages_resolve() -> None:
             if frag and dest.suffix == ".md":
                 rel = str(dest.relative_to(ROOT))
                 assert frag in anchors[rel], f"{page}: link to {target}: no such heading in {rel}"
+
+
+def test_ci_runs_the_docs_tier() -> None:
+    """CI (.ci/run) runs scripts/test.sh, whose pytest runs select every marked tier: default, docs, slow, sglang."""
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    runs = [line for line in (ROOT / "scripts" / "test.sh").read_text().splitlines() if " -m pytest " in line]
+    selected = [re.search(r' -m "([^"]+)"| -m (\w+)', line.split(" -m pytest ", 1)[1]) for line in runs]
+    tiers = {t for m in selected if m for t in re.split(r"\s+or\s+", m.group(1) or m.group(2))}
+    assert tiers == {"docs", "slow", "sglang"} and any(m is None for m in selected), runs  # + one unmarked (default)
