@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rollshard.store.common import file_sha256
 
@@ -103,32 +103,30 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, sha256: str 
 
 
 def copy_model_folder(src: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """A copy of the model folder ``src`` at ``out``, replacing what is there (copied under a temporary name beside
-    it, then renamed, as :func:`save_model_folder` writes)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        shutil.copytree(src, tmp, dirs_exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    """A copy of the model folder ``src`` at ``out``, replacing what is there (:func:`write_folder`)."""
+    return write_folder(out, lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
 
 
 def save_model_folder(out: str | os.PathLike, model, tokenizer, finish=lambda folder: None) -> Path:
-    """Save ``model`` and ``tokenizer`` as a Hugging Face folder at ``out``, replacing what is there: written under
-    a temporary name beside it (``finish(folder)`` adds to it), then renamed, so a reader never sees half of it."""
+    """Save ``model`` and ``tokenizer`` as a Hugging Face folder at ``out``, replacing what is there
+    (:func:`write_folder`); ``finish(folder)`` adds to it."""
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        finish(tmp)
+
+    return write_folder(out, fill)
+
+
+def write_folder(out: str | os.PathLike, fill: Callable[[Path], Any]) -> Path:
+    """The folder ``out``, all or nothing: ``fill(tmp)`` writes it under a temporary name beside it, then it is
+    renamed over what was there, so a reader never sees half of it (a failure in ``fill`` leaves ``out`` as it was)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        finish(tmp)
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
