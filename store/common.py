@@ -1,6 +1,6 @@
-"""The helpers every stage shares, each defined once: errors and exit statuses, one-line messages, atomic file
-writes, file digests and timestamps, retry backoff, progress bars. generate and train import them from here
-(imports run generate -> store <- train).
+"""The helpers every stage shares, each defined once: errors and exit statuses, one-line messages, figures shown,
+atomic file writes, file digests and timestamps, retry backoff, progress bars. generate and train import them from
+here (imports run generate -> store <- train).
 
 The store's error for damaged or foreign data: :class:`DataError`.
 
@@ -47,6 +47,11 @@ def one_line(e: BaseException | str) -> str:
     message."""
     lines = (" ".join(part.split()) for part in str(e).splitlines())
     return "; ".join(p for p in lines if p) or type(e).__name__
+
+
+def show_number(x: float | None, spec: str) -> str:
+    """A figure in a table or a page: ``format(x, spec)``, or "-" for none."""
+    return "-" if x is None else format(x, spec)
 
 
 def print_error(prog: str, e: BaseException | str) -> None:

@@ -13,6 +13,7 @@ import math
 import sys
 from typing import Any
 
+from rollshard.store.common import show_number
 from rollshard.store.inspection.audit import GROUPS, RATIO_BAND
 
 GROUP_TITLES = {
@@ -78,10 +79,6 @@ def print_tables(result, file=None) -> None:
         console.print(_worst_table(result.worst))
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
 def _stats_table(summary: dict):
     from rich.table import Table
 
@@ -91,8 +88,9 @@ def _stats_table(summary: dict):
         t.add_column(name, justify="left" if name in ("group", "value") else "right")
 
     def add(group: str, value: str, s: dict, *, end: bool = False) -> None:
-        t.add_row(group, _safe(value), f"{s['tokens']:,}", f"{s['sequences']:,}", *(_num(s[k]) for k in
-                  ("mean", "max", "p50", "p90", "p99")), f"{s['ratio_outside']:.2%}", _num(s["k3"]), end_section=end)
+        t.add_row(group, _safe(value), f"{s['tokens']:,}", f"{s['sequences']:,}",
+                  *(show_number(s[k], ".3g") for k in ("mean", "max", "p50", "p90", "p99")),
+                  f"{s['ratio_outside']:.2%}", show_number(s["k3"], ".3g"), end_section=end)
 
     add("overall", "", summary["overall"], end=True)
     for key, title in GROUP_TITLES.items():
@@ -115,7 +113,7 @@ def _routing_table(r: dict):
     t.add_column("mean |logp - rollout_logp|", justify="right")
     t.add_column("max", justify="right")
     for key, name in (("no_replay", "own routing"), ("replay", "engine's routing replayed")):
-        t.add_row(name, _num(r[f"{key}_mean"]), _num(r[f"{key}_max"]))
+        t.add_row(name, show_number(r[f"{key}_mean"], ".3g"), show_number(r[f"{key}_max"], ".3g"))
     return t
 
 

@@ -44,7 +44,16 @@ from typing import Any
 
 from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.io.destination import check_out_folder
-from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, print_error
+from rollshard.store.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    one_line,
+    print_error,
+    show_number,
+)
 from rollshard.store.format.manifest import FAILURE_DIR
 from rollshard.store.inspection.stats import dataset_stats
 from rollshard.store.models.gguf import is_gguf
@@ -721,8 +730,8 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         mismatch = "-" if not m or m.get("max") is None else f"{_sci(m['mean'])} / {_sci(m['max'])}"
         table.add_row(
             str(r["round"]), r["policy_version"], str(r["rows"]),
-            *([str(r.get("failed_prompts", 0))] if failed else []), _num(r["reward_mean"]),
-            *(_num(r["reward_by_agent"].get(a)) for a in agents), mismatch, str(r.get("steps", "-")),
+            *([str(r.get("failed_prompts", 0))] if failed else []), show_number(r["reward_mean"], ".4f"),
+            *(show_number(r["reward_by_agent"].get(a), ".4f") for a in agents), mismatch, str(r.get("steps", "-")),
             r.get("checkpoint_version") or "-",
             *([_score(r.get("eval")), _score(r.get("checkpoint_eval"))] if evaluated else []),
         )  # fmt: skip
@@ -732,10 +741,6 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 def _score(figures: dict[str, Any] | None) -> str:
     """An evaluation's headline: pass@1 (greedy, or the unbiased estimate over its samples)."""
     return "-" if not figures or figures.get("pass@1") is None else f"{figures['pass@1']:.1%}"
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
 
 
 def _sci(x: Any) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import polars as pl
 
+from rollshard.store.common import show_number
 from rollshard.store.io.storage import Storage
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.format.groups import REWARD_STD_DDOF
@@ -53,10 +54,6 @@ class Page:
         out = figure_html(fig, alt)
         fig.clear()  # figures are built without pyplot: dropping the last reference frees them
         return out
-
-
-def _num(v) -> str:
-    return "-" if v is None else f"{v:.4g}"
 
 
 def _p(text: str) -> str:
@@ -304,7 +301,8 @@ def _trajectory(page: Page, lf, tokenizer, audit_table, pairing) -> None:
     n = len(row["response_tokens"])
     mask = list(row["loss_mask"])
     head = (f"<b>{html.escape(row['sample_id'])}</b>: agent {html.escape(row['agent'])}, round {row['round']}, "
-            f"group {html.escape(row['group_id'])}, reward {_num(row['reward'])}, status {html.escape(row['status'])}, "
+            f"group {html.escape(row['group_id'])}, reward {show_number(row['reward'], '.4g')}, "
+            f"status {html.escape(row['status'])}, "
             f"weight_version {html.escape(str(row['weight_version']))}, {n} response tokens "
             f"({n - sum(mask)} masked). Chosen: {html.escape(why)}.")
     prompt = (f"<details><summary>prompt text</summary><pre class='prompt'>{html.escape(row['prompt_text'])}</pre>"
