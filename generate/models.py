@@ -39,7 +39,8 @@ import json
 import os
 from pathlib import Path
 
-from rollshard.store.models.gguf import copy_model_folder, gguf_folder, save_model_folder
+from rollshard.store.common import one_line
+from rollshard.store.models.gguf import convert_gguf, copy_model_folder, gguf_folder, save_model_folder
 
 PRESETS = ("tiny-gpt2", "tiny-qwen3", "tiny-qwen3-moe", "small-qwen3", "small-qwen3-moe", "smollm2-135m-instruct")
 PRESET_ALIASES = {"tiny": "tiny-gpt2", "smollm2": "smollm2-135m-instruct"}
@@ -233,7 +234,12 @@ def init_model(path: str | os.PathLike, *, preset: str = "tiny-gpt2", seed: int 
     if path.exists() and not is_model_folder(path) and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{path} exists and is not a model folder; give a new or empty folder")
     if preset in GGUF_PRESETS:  # converted once per machine (rollshard's cache folder), then copied
-        return copy_model_folder(gguf_folder(preset_gguf(preset)), path)
+        src = preset_gguf(preset)
+        try:
+            cached = gguf_folder(src)
+        except OSError:  # the cache folder cannot be written: convert straight into PATH
+            return convert_gguf(src, path)
+        return copy_model_folder(cached, path)
 
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -286,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     existed = is_model_folder(args.path)
     try:
         path = init_model(args.path, preset=args.preset, seed=args.seed, force=args.force)
-    except ValueError as e:
-        parser.exit(2, f"rollshard-generate init-model: error: {e}\n")
+    except (ValueError, OSError) as e:  # OSError: PATH cannot be written
+        parser.exit(2, f"rollshard-generate init-model: error: {one_line(e)}\n")
     verb = "kept existing" if existed and not args.force else "built"
     print(f"{verb} {resolve_preset(args.preset)} model at {path}")
     return 0

@@ -19,17 +19,12 @@ import pytest
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct as an fp32 folder: the preset's GGUF file converted once per machine into
     rollshard's cache folder (what ``init-model --preset smollm2-135m-instruct`` copies from), reused by later test
-    runs (tests only read it). Built under a file lock: the test workers (``-n 2``) and concurrent runs on the
-    machine build it once and never see half of it."""
-    from filelock import FileLock
-
+    runs (tests only read it). The cache converts under a file lock: the test workers (``-n 2``) and concurrent
+    runs on the machine convert it once and never see half of it."""
     from rollshard.generate.models import preset_gguf
-    from rollshard.store.models.gguf import cache_dir, gguf_folder
+    from rollshard.store.models.gguf import gguf_folder
 
-    lock = cache_dir() / ".smollm2-135m-instruct.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(lock):
-        return gguf_folder(preset_gguf("smollm2-135m-instruct"), quiet=True)
+    return gguf_folder(preset_gguf("smollm2-135m-instruct"), quiet=True)
 
 
 @pytest.fixture(scope="session")

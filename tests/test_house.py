@@ -61,27 +61,29 @@ def _is_module(dotted: str) -> bool:
 
 
 def private_uses(name: str, tree: ast.Module) -> list[str]:
-    """``from rollshard.m import _x`` and ``m._x`` where ``m`` names a rollshard module (``import rollshard.m as
-    m``, ``from rollshard.pkg import m``): a private name used outside its module."""
-    bad, aliases = [], {}
-    for line, module, names in imported(tree):
-        if not module.startswith("rollshard"):
-            continue
-        if not names:
-            aliases[module.split(".")[-1]] = module
-        for n in names:
-            if n.startswith("_") and not n.startswith("__"):
-                bad.append(f"{name}:{line}: from {module} import {n}")
-            elif _is_module(f"{module}.{n}"):
-                aliases[n] = f"{module}.{n}"
+    """A private name used outside its module: ``from rollshard.m import _x``, and ``m._x`` or ``m.Class._x`` where
+    ``m`` is a rollshard module however it was bound (``import rollshard.m as m``, ``from rollshard.pkg import m``,
+    or the whole path ``rollshard.m._x``)."""
+    bad, aliases = [], {"rollshard": "rollshard"}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rollshard"):
-            for a in node.names:  # an alias given with ``as``
-                if a.asname and f"{node.module}.{a.name}" in aliases.values():
-                    aliases[a.asname] = f"{node.module}.{a.name}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rollshard") and node.level == 0:
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    bad.append(f"{name}:{node.lineno}: from {node.module} import {a.name}")
+                elif _is_module(f"{node.module}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("rollshard") and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            if isinstance(node.value, ast.Name) and node.value.id in aliases:
-                bad.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in aliases:  # a module's name, or its class's
+                bad.append(f"{name}:{node.lineno}: {'.'.join([aliases[value.id], *reversed(chain), node.attr])}")
     return bad
 
 
@@ -90,9 +92,15 @@ def test_no_module_uses_another_modules_private_names():
     assert bad == []
 
 
-def test_the_check_of_private_names_catches_both_forms():
-    tree = ast.parse("from rollshard.store.io import writer\nfrom rollshard.train.loop import _x\nwriter._y\n")
-    assert private_uses("m", tree) == ["m:2: from rollshard.train.loop import _x", "m:3: writer._y"]
+def test_the_check_of_private_names_catches_every_form():
+    tree = ast.parse("from rollshard.store.io import writer\nfrom rollshard.train.loop import _x\nwriter._y\n"
+                     "import rollshard.store.io.dataset as ds\nds._z\nimport rollshard.train.loop\n"
+                     "rollshard.train.loop._w\nwriter.ShardWriter._v\n")
+    assert private_uses("m", tree) == [
+        "m:2: from rollshard.train.loop import _x", "m:3: rollshard.store.io.writer._y",
+        "m:5: rollshard.store.io.dataset._z", "m:7: rollshard.train.loop._w",
+        "m:8: rollshard.store.io.writer.ShardWriter._v",
+    ]
 
 
 SHARED = ("one_line", "print_error", "show_number", "num", "write_atomic", "fsync_dir", "backoff_delay", "progress",

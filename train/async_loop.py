@@ -271,7 +271,7 @@ class AsyncLoop:
             return EXIT_INTERRUPTED if self._stop is not None else EXIT_FAILED
         self._start("generate", [sys.executable, "-m", "rollshard.generate", *self.generate_args(engine, groups_per_step)])
         say(f"generating into {self.data} and training {self.settings.steps} steps into {self.train_out} "
-                  f"(logs in {self.out / LOGS})")
+            f"(logs in {self.out / LOGS})")
         bar = progress(self.settings.steps, desc="async", unit="step", initial=self._trained_steps(),
                        file=sys.stderr, disable=not self.progress)
         steps = self._trained_steps()
@@ -315,7 +315,7 @@ class AsyncLoop:
         """A child that ended on its own: stop the others and say which, with its log's last lines."""
         self._stop_children()
         say(f"{name} exited with {code} (its log: {self._log_path(name)}{_tail(self._log_path(name))}); "
-                  "fix it and rerun the same command to continue")
+            "fix it and rerun the same command to continue")
         return EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
     def serve_command(self, policy: str, version: str) -> list[str]:

@@ -480,7 +480,7 @@ class Loop:
             policy = self.policy_path(k)
             if not policy.is_dir():
                 say(f"round {k}: its policy {policy} is missing (a run moved without its checkpoints?); restore it, "
-                     "or choose a new --out")
+                    "or choose a new --out")
                 return EXIT_FAILED
             try:
                 state.policy, state.policy_version = self._name(policy), policy_version(policy)
@@ -546,8 +546,8 @@ class Loop:
             overall = None
         if code == EXIT_FAILED and overall is not None:  # flagged: its own line said by how much
             say(f"round {k}: the audit flagged its rows (above; {self.round_dir(k) / 'audit.parquet'}); not training "
-                 f"on them. Fix the engine's settings, delete {self.round_dir(k) / 'data'} and rerun to generate the "
-                 "round anew, or accept the mismatch with --audit-args '--max-abs-diff X'")
+                f"on them. Fix the engine's settings, delete {self.round_dir(k) / 'data'} and rerun to generate the "
+                "round anew, or accept the mismatch with --audit-args '--max-abs-diff X'")
             return EXIT_FAILED, None
         if code != EXIT_OK or overall is None:
             if code == EXIT_FAILED:
@@ -674,14 +674,6 @@ def _check_engine_and_out(args: argparse.Namespace) -> None:
                      fix="choose a new or empty folder, or an earlier run's to continue it")
 
 
-
-
-
-
-
-
-
-
 def _data_summary(path: Path) -> dict[str, Any]:
     stats = dataset_stats(RolloutDataset.open(path))
     agents = stats["agents"]
@@ -746,12 +738,6 @@ def _score(figures: dict[str, Any] | None) -> str:
 def _sci(x: Any) -> str:
     """A mismatch figure; metrics.jsonl writes a non-finite one as a string ("nan")."""
     return f"{x:.1e}" if isinstance(x, (int, float)) else str(x)
-
-
-
-
-
-
 
 
 if __name__ == "__main__":

@@ -319,5 +319,3 @@ def _repeated(chunks: list[np.ndarray]) -> np.ndarray:
         return np.zeros(0, np.uint64)
     values, counts = np.unique(np.concatenate(chunks), return_counts=True)
     return values[counts > 1]
-
-

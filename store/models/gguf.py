@@ -14,6 +14,7 @@ Needs the ``gguf`` and ``accelerate`` packages (``pip install 'rollshard[gguf]'`
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -51,7 +52,8 @@ def gguf_source(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def gguf_folder(path: str | os.PathLike, *, quiet: bool = False) -> Path:
-    """The fp32 Hugging Face folder of a GGUF file, converted on first use and cached by content."""
+    """The fp32 Hugging Face folder of a GGUF file, converted on first use and cached by content (under a lock:
+    concurrent first uses on one machine convert it once)."""
     src = Path(path).expanduser()
     if not src.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
@@ -59,9 +61,15 @@ def gguf_folder(path: str | os.PathLike, *, quiet: bool = False) -> Path:
     folder = cache_dir() / "gguf" / digest[:HASH_PREFIX]
     if (folder / SOURCE_FILE).is_file():
         return folder
-    if not quiet:
-        print(f"converting {src.name} to an fp32 model folder at {folder} (once; later runs reuse it)", file=sys.stderr)
-    convert_gguf(src, folder, sha256=digest)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion of a file at a time; the others wait and reuse it
+        if (folder / SOURCE_FILE).is_file():
+            return folder
+        if not quiet:
+            print(f"converting {src.name} to an fp32 model folder at {folder} (once; later runs reuse it)",
+                  file=sys.stderr)
+        convert_gguf(src, folder, sha256=digest)
     return folder
 
 

@@ -786,19 +786,19 @@ def test_embedded_device_and_dtype_flags(tiny_gpt2, tmp_path, capsys):
 def test_embedded_threads_flag_reaches_the_engine(tiny_gpt2, tmp_path, capsys, monkeypatch):
     from rollshard.generate.engines import embedded
 
-    seen = []  # the worker runs at the engine's threads (torch.set_num_threads(self.threads))
-    init = embedded.EmbeddedEngine.__init__
+    import torch
 
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        seen.append(self.threads)
-
-    monkeypatch.setattr(embedded.EmbeddedEngine, "__init__", recording_init)
+    seen = []  # what the worker sets torch's threads to when it starts (then back to what they were)
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
     args = ["--engine", f"embedded:{tiny_gpt2}", "--task", "toy", "--n-samples", "1", "--max-new-tokens", "2",
             "--limit", "1", "--no-progress"]
+    before = torch.get_num_threads()
     assert main([*args, "--threads", "1", "--out", str(tmp_path / "a")]) == 0
+    assert seen == [1, before]
+    seen.clear()
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
-    assert seen == [1, embedded.default_threads()]
+    assert seen == [embedded.default_threads(), before]
     capsys.readouterr()
     for bad, message in ((["--threads", "0"], "--threads must be >= 1"),
                          (["--engine", "http://127.0.0.1:9", "--threads", "2"], "--threads is for the embedded engine")):

@@ -102,3 +102,49 @@ def test_init_model_of_the_preset_copies_the_cached_conversion(smollm2, tmp_path
         assert (out / name).read_bytes() == (smollm2 / name).read_bytes(), name
     assert json.loads((out / gguf.SOURCE_FILE).read_text())["gguf"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left beside it
+
+
+def test_a_first_use_waits_for_a_conversion_under_way_and_reuses_it(tmp_path, monkeypatch):
+    """gguf_folder converts under a lock and looks again once it holds it: another process that converted the same
+    file meanwhile (simulated while the lock is taken) leaves nothing to convert."""
+    monkeypatch.setenv("ROLLSHARD_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF stand-in")
+    folder = tmp_path / "cache" / "gguf" / gguf.file_sha256(src)[: gguf.HASH_PREFIX]
+    real_flock, taken = gguf.fcntl.flock, []
+
+    def flock(f, op):
+        real_flock(f, op)
+        taken.append(op)
+        folder.mkdir(parents=True)
+        (folder / gguf.SOURCE_FILE).write_text(json.dumps({"gguf": src.name}))  # the other process finished
+
+    monkeypatch.setattr(gguf.fcntl, "flock", flock)
+    monkeypatch.setattr(gguf, "convert_gguf", lambda *a, **k: pytest.fail("converted a second time"))
+    assert gguf.gguf_folder(src, quiet=True) == folder
+    assert taken == [gguf.fcntl.LOCK_EX]
+
+
+def test_init_model_without_a_writable_cache_converts_into_path(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from rollshard.generate.models import init_model
+
+    monkeypatch.setenv("ROLLSHARD_CACHE", "/proc/rollshard-cache")  # no folder can be made there
+    calls = []
+
+    def convert(src, out, **kw):
+        calls.append((Path(src).name, Path(out)))
+        return Path(out)
+
+    monkeypatch.setattr("rollshard.generate.models.convert_gguf", convert)
+    assert init_model(tmp_path / "m", preset="smollm2-135m-instruct") == tmp_path / "m"
+    assert calls == [("SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "m")]
+
+
+def test_init_model_into_a_folder_it_cannot_write_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        init_model_main(["/proc/rollshard/m"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollshard-generate init-model: error: ") and err.count("\n") == 1, err
