@@ -55,10 +55,11 @@ from typing import IO, Any
 from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, progress
 from rollshard.store.format.manifest import load_manifests
 from rollshard.store.io.storage import Storage
-from rollshard.train import loop as base  # the round loop: the flags it sets for each stage
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
 from rollshard.train.loop_stages import (
+    GENERATE_OWNED,
     PROG,
+    TRAIN_OWNED,
     check_train_config,
     die_with_parent,
     last_error,
@@ -137,8 +138,8 @@ class AsyncLoop:
             model=model,
             engine=args.engine,
             seed=args.seed,
-            generate=split_stage_flags("--generate", args.generate, base.GENERATE_OWNED + ASYNC_GENERATE_OWNED),
-            train=split_stage_flags("--train", args.train, base.TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=train_flags()),
+            generate=split_stage_flags("--generate", args.generate, GENERATE_OWNED + ASYNC_GENERATE_OWNED),
+            train=split_stage_flags("--train", args.train, TRAIN_OWNED + ASYNC_TRAIN_OWNED, known=train_flags()),
             max_staleness=max_staleness,
             update_every=args.update_every,
             serve_threads=serve_threads,

@@ -60,7 +60,9 @@ from rollshard.store.models.gguf import is_gguf
 from rollshard.store.models.versions import VersionError, folder_weight_version, resolve_model_path
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.loop_stages import (
+    GENERATE_OWNED,
     PROG,
+    TRAIN_OWNED,
     check_train_config,
     die_with_parent,
     last_error,
@@ -72,9 +74,6 @@ from rollshard.train.loop_stages import (
 from rollshard.train.loop_state import LOCK_FILE, LoopState, RoundState
 from rollshard.train.metrics import read_metrics
 
-# Flags the loop sets for each stage; given in --generate/--train they would break the round's wiring.
-GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
-TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print-config", "--initial-version")
 # When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
 # made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.
 FROZEN_BY = {"model": "generated", "engine": "generated", "seed": "generated", "generate": "generated",
@@ -741,7 +740,7 @@ def _sci(x: Any) -> str:
 
 
 if __name__ == "__main__":
-    # The module's own instance (train/async_loop.py imports it by name): one UsageError class, caught here.
+    # The module's own instance, as the package's other modules import it.
     from rollshard.train.loop import main as _main
 
     sys.exit(_main())

@@ -15,6 +15,9 @@ from rollshard.store.models.versions import folder_weight_version
 
 PROG = "rollshard-loop"
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent dies
+# Flags the loops set for each stage; given in --generate/--train they would break the round's wiring.
+GENERATE_OWNED = ("--engine", "--out", "--seed", "--update-weights", "--weight-version", "--ray")
+TRAIN_OWNED = ("--data", "--model", "--out", "--resume", "--no-resume", "--print-config", "--initial-version")
 
 
 def say(message: str) -> None:

@@ -32,11 +32,11 @@ without these keys): the manifests are where lineage is read from (:func:`lineag
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 from typing import Any, Collection
 
+from rollshard.store.common import utc_now
 from rollshard.store.format.manifest import Manifest
 
 DERIVED_KEY = "derived"
@@ -74,7 +74,7 @@ def lineage_entry(
         "details": details,
         "mutable_columns": sorted(mutable_columns),
         "command": command,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
+        "created_at": utc_now(),
     }
 
 

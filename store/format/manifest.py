@@ -45,14 +45,13 @@ version 4 manifest by its version (its row groups carry a field it does not know
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import hashlib
 import json
 import re
 import time
 from typing import Any
 
-from rollshard.store.common import DataError, backoff_delay
+from rollshard.store.common import DataError, backoff_delay, utc_now
 from rollshard.store.format.schema import SCHEMA_VERSION
 from rollshard.store.io.storage import Storage
 
@@ -149,7 +148,7 @@ class Manifest:
             "manifest_version": MANIFEST_VERSION,
             "schema_version": SCHEMA_VERSION,
             "writer_id": self.writer_id,
-            "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "updated_at": utc_now(),
             "config": self.config,
             "shards": [dataclasses.asdict(s) for s in self.shards],
         }
