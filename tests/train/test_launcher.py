@@ -1,0 +1,131 @@
+"""The loop's stages forked from a warm server (train/launcher.py): what a stage sees, writes and answers is what
+the process it stands for would, and the loop's kill and Ctrl-C rules hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rollshard.store.io.dataset import RolloutDataset
+from rollshard.train.launcher import ForkedStage, StageLauncher
+from rollshard.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 120.0  # a bound for a broken run, not an expectation of speed
+PROBE = [sys.executable, "-m", "tests.train.stage_probe"]
+
+
+@pytest.fixture(scope="module")
+def launchers() -> dict[str, StageLauncher]:
+    return {"fresh": StageLauncher(fresh=True), "warm": StageLauncher()}
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} in {DEADLINE_S:.0f} s"
+        time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_forked_stage_sees_writes_and_exits_as_a_started_one(launchers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    for mode, launcher in launchers.items():
+        out, err = tmp_path / f"{mode}.out", tmp_path / f"{mode}.err"
+        stage = launcher.start([*PROBE, "probe.json", "--exit", "3", "--threads"], stdout=out, stderr=err,
+                               env={**os.environ, "PROBE": mode, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert isinstance(stage, ForkedStage) == (mode == "warm")
+        assert stage.wait() == 3
+        seen[mode] = json.loads((tmp_path / "probe.json").read_text())
+        assert seen[mode].pop("probe") == mode
+        assert (out.read_text(), err.read_text()) == ("to stdout\n", "to stderr\n")
+    assert seen["warm"] == seen["fresh"]
+    assert seen["warm"] == {
+        "argv": ["probe.json", "--exit", "3", "--threads"], "cwd": str(tmp_path), "leads_its_group": True,
+        "sigint": True, "sigterm": True, "blocked": [], "threads": 1,
+        "cmdline": f"{sys.executable} -m tests.train.stage_probe probe.json --exit 3 --threads",
+    }  # fmt: skip
+
+
+def test_a_signal_sent_as_the_stage_starts_ends_it(launchers, tmp_path):
+    """The loop forwards a Ctrl-C that came while it started the stage right after start() returns: the stage may
+    not have its handlers yet, and the signal must end it all the same (130: interrupted; -15: SIGTERM)."""
+    warm = launchers["warm"]
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
+        stage = warm.start([*PROBE, str(tmp_path / "probe.json"), "--wait", str(tmp_path / "ready")])
+        stage.send_signal(sig)
+        assert stage.wait(timeout=DEADLINE_S) == code
+
+
+def test_the_stage_and_the_server_die_with_a_killed_loop(tmp_path):
+    ready = tmp_path / "ready"
+    loop = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rollshard.train.launcher import StageLauncher\n"
+         f"stage = StageLauncher().start([*{PROBE!r}, {str(tmp_path / 'probe.json')!r}, '--wait', {str(ready)!r}])\n"
+         "stage.wait()"],
+        cwd=REPO,
+    )  # fmt: skip
+    until(ready.exists, "stage")
+    stage = int(ready.read_text())
+    server = int(Path(f"/proc/{stage}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert server != loop.pid  # forked from the server, not started by the loop
+    loop.kill()
+    loop.wait()
+    until(lambda: not alive(stage) and not alive(server), "end of the stage and its server")
+
+
+def test_a_ctrl_c_while_the_server_imports_neither_kills_it_nor_stops_a_stage(tmp_path):
+    """A terminal's Ctrl-C goes to every process of the foreground group: the loop (which handles it) and the
+    server it just started, still importing torch. The server lives on and forks the next stage."""
+    script = (
+        "import os, signal, sys\n"
+        "from rollshard.train.launcher import StageLauncher\n"
+        "signal.signal(signal.SIGINT, lambda *_: print('loop: SIGINT', flush=True))\n"
+        "launcher = StageLauncher()\n"
+        "os.killpg(0, signal.SIGINT)\n"
+        f"stage = launcher.start([*{PROBE!r}, {str(tmp_path / 'probe.json')!r}])\n"
+        "print(type(stage).__name__, stage.wait(), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          process_group=0, timeout=DEADLINE_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["loop: SIGINT", "ForkedStage 0"], done.stderr
+    assert "server is gone" not in done.stderr
+
+
+def test_generate_and_train_forked_write_what_started_ones_write(launchers, tiny_gpt2, tmp_path):
+    """The same rows (one prompt at a time: their order does not follow timing), then the same training on them,
+    bit for bit: nothing the server imported (torch's seeds and threads, transformers) leaks into a stage."""
+    data, weights, losses = {}, {}, {}
+    for mode, launcher in launchers.items():
+        out = tmp_path / mode
+        generate = [sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_gpt2}", "--task", "toy",
+                    "--agents", "single", "--n-samples", "4", "--max-new-tokens", "8", "--limit", "4",
+                    "--concurrency", "1", "--seed", "7", "--no-progress", "--out", str(out / "data")]  # fmt: skip
+        assert launcher.start(generate).wait() == 0
+        train = [sys.executable, "-m", "rollshard.train", "--data", str(tmp_path / "fresh" / "data"), "--model",
+                 str(tiny_gpt2), "--out", str(out / "train"), "--groups-per-step", "1", "--lr", "5e-3",
+                 "--no-tensorboard", "--no-progress"]  # fmt: skip
+        assert launcher.start(train).wait() == 0
+        data[mode] = RolloutDataset.open(out / "data").scan().drop("created_at").collect()
+        weights[mode] = load_file(out / "train" / "checkpoints" / "latest" / "model.safetensors")
+        losses[mode] = [m["loss/total"] for m in read_metrics(out / "train")]
+    assert data["warm"].height == 16 and data["warm"].equals(data["fresh"])
+    assert len(losses["warm"]) == 4 and losses["warm"] == losses["fresh"]
+    assert weights["warm"].keys() == weights["fresh"].keys()
+    assert all(weights["warm"][k].equal(weights["fresh"][k]) for k in weights["warm"])
