@@ -50,18 +50,18 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from rollshard.store.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, one_line, progress
 from rollshard.store.format.manifest import load_manifests
 from rollshard.store.io.storage import Storage
 from rollshard.train.checkpoint import latest_checkpoint, latest_policy
+from rollshard.train.launcher import Stage, StageLauncher
 from rollshard.train.loop_stages import (
     GENERATE_OWNED,
     PROG,
     TRAIN_OWNED,
     check_train_config,
-    die_with_parent,
     last_error,
     policy_version,
     say,
@@ -112,8 +112,8 @@ class AsyncSettings:
 class AsyncLoop:
     def __init__(self, out: Path, settings: AsyncSettings, *, progress: bool, report: bool = True):
         self.out, self.settings, self.progress, self.report = out, settings, progress, report
-        self.children: dict[str, subprocess.Popen] = {}
-        self._logs: list[IO] = []
+        self.launcher = StageLauncher(fresh=True)  # the command line's starts the warm one
+        self.children: dict[str, Stage] = {}
         self._stop: int | None = None
         self.pushed: str | None = None  # the version the engine serves
         self.timeline: list[dict[str, float]] = []
@@ -257,8 +257,6 @@ class AsyncLoop:
             self._stop_children()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            for f in self._logs:
-                f.close()
             lock.close()
 
     def _run(self, groups_per_step: int) -> int:
@@ -335,13 +333,21 @@ class AsyncLoop:
         if self.settings.engine != "embedded":
             self._push(self.settings.engine, policy, version)
             return self.settings.engine
-        child = self._start("serve", self.serve_command(policy, version), stdout=subprocess.PIPE)
-        for line in child.stdout:  # the server says where it listens once it is ready (or ends)
-            found = READY.search(line)
+        log = self._log_path("serve")
+        start = log.stat().st_size if log.exists() else 0  # an earlier run's lines stay above
+        child = self._start("serve", self.serve_command(policy, version))
+        while True:  # the server says where it listens once it is ready (or ends)
+            ended = child.poll() is not None
+            with open(log, "rb") as f:
+                f.seek(start)
+                found = READY.search(f.read().decode(errors="replace"))
             if found:
                 self.pushed = version
                 self._busy_start = self._busy(found.group(1))
                 return found.group(1)
+            if ended or self._stop is not None:
+                break
+            time.sleep(POLL_S)
         if self._stop is None:
             say(f"the engine did not start (its log: {self._log_path('serve')}{_tail(self._log_path('serve'))})")
         return None
@@ -381,15 +387,9 @@ class AsyncLoop:
         threads = self.settings.train_threads
         return {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
 
-    def _start(self, name: str, command: list[str], stdout: int | None = None,
-               env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self._log_path(name), "a")
-        self._logs.append(log)
-        loop_pid = os.getpid()
-        child = subprocess.Popen(
-            command, stdout=stdout if stdout is not None else log, stderr=log, text=True, env=env,
-            preexec_fn=lambda: die_with_parent(loop_pid), process_group=0,
-        )  # fmt: skip
+    def _start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Stage:
+        log = self._log_path(name)
+        child = self.launcher.start(command, stdout=log, stderr=log, append=True, env=env)
         self.children[name] = child
         if self._stop is not None:
             child.send_signal(self._stop)

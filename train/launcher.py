@@ -120,6 +120,8 @@ class StageLauncher:
         """Start ``command``; its stdout and stderr go to the files named (opened for ``append`` or anew), else
         to the loop's stderr; ``env`` replaces the environment (default: the loop's)."""
         module = _module_of(command)
+        for path in {stdout, stderr} - {None}:  # there once start() returned, whichever process writes them
+            open(path, "a" if append else "w").close()
         if self._context is not None and module is not None:
             process = self._context.Process(
                 target=_run_module, name=module,

@@ -218,6 +218,7 @@ def _main_async(args: argparse.Namespace) -> int:
         for command in loop.dry_run_commands(groups_per_step):
             print(shlex.join(command))
         return EXIT_OK
+    loop.launcher = StageLauncher(fresh=args.fresh_stages, model=model)
     code = loop.run()
     state = LoopState.read(loop.out)
     figures = state.async_runs[-1] if state is not None and state.async_runs else None

@@ -132,7 +132,8 @@ def held_mid_run(model: Path, out: Path) -> subprocess.Popen:
     stopped the trainer stalls at most 2 steps past the last push, and the loop would need 10 more push-generate-
     train cycles before the test's next look (every 5 ms) to end the run first."""
     proc = start(model, out, KILL_STEPS)
-    until(lambda: latest_checkpoint(out / "train") is not None, "a first checkpoint")
+    until(lambda: latest_checkpoint(out / "train") is not None or proc.poll() is not None, "a first checkpoint")
+    assert proc.poll() is None, finish(proc)[2]
     proc.send_signal(signal.SIGSTOP)
     return proc
 
@@ -142,13 +143,15 @@ def held_mid_run(model: Path, out: Path) -> subprocess.Popen:
 def test_kill_9_anywhere_then_the_same_command_finishes_with_nothing_lost(tiny_gpt2, tmp_path, victim):
     out = tmp_path / "run"
     proc = held_mid_run(tiny_gpt2, out)
+    family = descendants(proc.pid)  # the stage server and the three stages forked from it
+    assert {"train", "generate", "serve"} <= {stage_of(pid) for pid in family}
     os.kill(proc.pid if victim == "loop" else child_pid(proc.pid, victim), signal.SIGKILL)
     proc.send_signal(signal.SIGCONT)
     code, _, err = finish(proc)
     assert code == (-signal.SIGKILL if victim == "loop" else 1), err
     if victim != "loop":
         assert f"{victim} exited with -9" in err
-    until(lambda: not children_of(proc.pid), "the children gone")
+    until(lambda: not any(alive(pid) for pid in family), "the children gone")
     code, _, err = finish(start(tiny_gpt2, out, KILL_STEPS))
     assert code == 0, err
     check_run(out, KILL_STEPS)
@@ -158,38 +161,50 @@ def test_kill_9_anywhere_then_the_same_command_finishes_with_nothing_lost(tiny_g
 def test_ctrl_c_stops_all_three_with_130_and_the_rerun_finishes(tiny_gpt2, tmp_path):
     out = tmp_path / "run"
     proc = held_mid_run(tiny_gpt2, out)
-    kids = children_of(proc.pid)
+    kids = descendants(proc.pid)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     code, _, err = finish(proc)
     assert code == 130, err
     assert "interrupted; rerun the same command to continue" in err
-    assert not any(alive(pid) for pid in kids)
+    until(lambda: not any(alive(pid) for pid in kids), "the children gone")  # the stage server exits after the loop
     code, _, err = finish(start(tiny_gpt2, out, KILL_STEPS))
     assert code == 0, err
     check_run(out, KILL_STEPS)
 
 
-def children_of(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``: the loop's stage server, and the stages forked from it."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            continue
+        found += kids
+        todo += kids
+    return found
+
+
+def stage_of(pid: int) -> str | None:
+    """Which stage a process is, by its command line (a forked stage is titled with its command)."""
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
     except OSError:
-        return []
-    return [int(p) for p in text.split()]
+        return None
+    if "serve" in args:
+        return "serve"
+    if "--repeat" in args:
+        return "generate"
+    return "train" if "rollshard.train" in args else None
 
 
 def child_pid(loop_pid: int, name: str) -> int:
-    marks = {"train": "rollshard.train", "generate": "--repeat", "serve": "serve"}
-    for pid in children_of(loop_pid):
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        args = [a.decode() for a in cmd]
-        if name == "serve" and "serve" in args:
+    for pid in descendants(loop_pid):
+        if stage_of(pid) == name:
             return pid
-        if name == "generate" and "--repeat" in args:
-            return pid
-        if name == "train" and marks["train"] in args:
-            return pid
-    raise AssertionError(f"no {name} child of {loop_pid}")
+    raise AssertionError(f"no {name} stage under {loop_pid}")
 
 
 def alive(pid: int) -> bool:
