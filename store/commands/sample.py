@@ -19,7 +19,7 @@ from rollshard.store.common import UsageError, one_line
 from rollshard.store.inspection.stats import decode_each, find_sample
 from rollshard.store.inspection.views.paths import dataset_tokenizer
 from rollshard.store.io.dataset import RolloutDataset
-from rollshard.store.models.tokenizer import load_tokenizer
+from rollshard.store.models.tokenizer import load_decoder
 
 WORST_MISMATCH = "worst-mismatch"
 PER_TOKEN = ("response_tokens", "rollout_logprobs", "loss_mask", "sampling_logprobs", "sampling_support")
@@ -109,7 +109,7 @@ def _decode(ids: list[int], path: str | None, *, given: bool) -> tuple[list[str]
     if not path:
         return None, None
     try:
-        return decode_each(load_tokenizer(path), ids), path
+        return decode_each(load_decoder(path), ids), path
     except (OSError, ValueError) as e:
         if given:
             raise UsageError(f"cannot load a tokenizer from {path}: {one_line(e)}") from e

@@ -242,10 +242,10 @@ def _tokenizer(ds: RolloutDataset):
     path = dataset_tokenizer(ds.config, ds.storage.uri)
     if path is None:
         return None, "no local tokenizer named in the run config: showing token ids"
-    from rollshard.store.models.tokenizer import load_tokenizer
+    from rollshard.store.models.tokenizer import load_decoder
 
     try:
-        return load_tokenizer(path), f"decoded with {path}"
+        return load_decoder(path), f"decoded with {path}"
     except (OSError, ValueError) as e:
         return None, f"showing token ids: the run config's tokenizer {path} did not load ({' '.join(str(e).split())})"
 
