@@ -8,10 +8,10 @@ exit status, output and files as the command it stands for, in a process group o
 dies (the server exits with the loop, and the stage with the server). A command of another form, or a loop run
 with ``--fresh-stages``, starts a process of its own as before.
 
-The server is started with SIGINT and SIGTERM blocked: a Ctrl-C at the terminal reaches the loop, which forwards
-it to the running stage, and neither kills the server under a stage (nor stops its imports halfway). Each stage
-unblocks them once its handlers are in place, so a signal the loop forwarded the moment the stage started is
-delivered then, not lost.
+The server is started with SIGINT and SIGTERM blocked (and not ignored): a Ctrl-C at the terminal reaches the
+loop, which forwards it to the running stage, and neither kills the server under a stage (nor stops its imports
+halfway). Each stage unblocks them once its handlers are in place, so a signal the loop forwarded the moment the
+stage started is delivered then, not lost.
 """
 
 from __future__ import annotations
@@ -103,12 +103,18 @@ class StageLauncher:
         self._context.set_forkserver_preload([__name__, *PRELOAD, *_architecture(model)])
         multiprocessing.resource_tracker.ensure_running()  # it unblocks signals itself: started first, outside
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        # Not ignored either (a loop run with nohup, or as a script's background job, ignores SIGINT): a fork
+        # restores the server's first SIGINT handler before the stage sets its own, and restoring SIG_IGN would
+        # drop a SIGINT the loop forwarded meanwhile.
+        handlers = {sig: signal.signal(sig, signal.SIG_DFL) for sig in SIGNALS}
         try:
             multiprocessing.forkserver.ensure_running()
         except OSError as e:
             say(f"no warm stage server ({e}); each stage starts a process of its own")
             self._context = None
         finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     @property

@@ -62,14 +62,31 @@ def test_a_forked_stage_sees_writes_and_exits_as_a_started_one(launchers, tmp_pa
     }  # fmt: skip
 
 
-def test_a_signal_sent_as_the_stage_starts_ends_it(launchers, tmp_path):
-    """The loop forwards a Ctrl-C that came while it started the stage right after start() returns: the stage may
-    not have its handlers yet, and the signal must end it all the same (130: interrupted; -15: SIGTERM)."""
-    warm = launchers["warm"]
-    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)):
-        stage = warm.start([*PROBE, str(tmp_path / "probe.json"), "--wait", str(tmp_path / "ready")])
-        stage.send_signal(sig)
-        assert stage.wait(timeout=DEADLINE_S) == code
+@pytest.mark.parametrize("ignored", [False, True], ids=["loop-handles-signals", "loop-run-with-nohup"])
+def test_a_signal_sent_as_the_stage_starts_ends_it(tmp_path, ignored):
+    """The loop forwards a Ctrl-C that came while it started the stage right after start() returns: the fork may not
+    have its handlers yet, and the signal must end it all the same (130: interrupted; -15: SIGTERM), also when the
+    loop was started with SIGINT and SIGTERM ignored (nohup, a script's background job). tests/train/gated_fork.py
+    holds each fork, before the server restores its handlers, until the signal is pending."""
+    script = (
+        "import signal, sys\n"
+        "from rollshard.train import launcher\n"
+        "launcher.PRELOAD = (*launcher.PRELOAD, 'tests.train.gated_fork')\n"
+        "warm = launcher.StageLauncher()\n"
+        "for sig in (signal.SIGINT, signal.SIGTERM):\n"
+        f"    stage = warm.start([*{PROBE!r}, {str(tmp_path / 'probe.json')!r}, '--wait', {str(tmp_path / 'ready')!r}])\n"
+        "    stage.send_signal(sig)\n"
+        f"    print(stage.wait(timeout={DEADLINE_S}), flush=True)\n"
+    )
+
+    def ignore_them():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          preexec_fn=ignore_them if ignored else None, timeout=3 * DEADLINE_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["130", str(-signal.SIGTERM)]
 
 
 def test_the_stage_and_the_server_die_with_a_killed_loop(tmp_path):
