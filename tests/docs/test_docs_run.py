@@ -39,5 +39,5 @@ def test_block_runs_as_written(block: Block, session_dir: Path) -> None:
     p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=session_dir, env=env,
                        capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     if p.returncode != 0:
-        tail = (p.stdout + p.stderr)[-4000:]
+        tail = (p.stdout + p.stderr)[-12000:]  # several processes' tracebacks (torchrun's ranks)
         pytest.fail(f"{block.id} exited {p.returncode}:\n{block.text}\n--- output (tail) ---\n{tail}", pytrace=False)
