@@ -76,3 +76,16 @@ def test_gpu_bf16_logprobs_near_the_hf_backend(tiny_qwen3, tiny_dataset, tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["logp"] <= 0.05 and r["entropy"] <= 0.05
+
+
+def test_expert_parallel_padding_is_sequences_within_the_rotary_table():
+    """Under --ep a rank pads its micro-batch to its group's longest, which can exceed the rotary table: one
+    padding sequence of 7 tokens took positions 0..6 past a table of 3 (IndexError in the forward; a docs run
+    met it when one rank's micro-batch was longer than the model's max_position_embeddings)."""
+    from rollshard.train.backends.megatron.forward import pad_as_sequences
+
+    pos, cu = pad_as_sequences(torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 3, 5], dtype=torch.int32), 7, 3)
+    assert pos.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 2, 0] and cu.tolist() == [0, 3, 5, 8, 11, 12]
+    assert cu.dtype == torch.int32
+    pos, cu = pad_as_sequences(torch.tensor([0, 1]), torch.tensor([0, 2]), 2, 3)  # within the table: one sequence
+    assert pos.tolist() == [0, 1, 0, 1] and cu.tolist() == [0, 2, 4]

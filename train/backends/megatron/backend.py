@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from rollshard.store.loader.packing import positions_from_cu_seqlens, token_temperatures
 from rollshard.train.backends.base import Backend
 from rollshard.train.backends.megatron import weights as W
-from rollshard.train.backends.megatron.forward import head_logprobs, stage_hidden
+from rollshard.train.backends.megatron.forward import head_logprobs, pad_as_sequences, stage_hidden
 from rollshard.train.backends.megatron.model import arch_of, build_model, check_layout, transformer_config
 from rollshard.train.backends.megatron.parallel import ParallelEnv
 from rollshard.train.backends.megatron.routing import MegatronRouting
@@ -219,13 +219,12 @@ class MegatronBackend(Backend):
             if stored is not None and pad:  # the padding tokens route on their own
                 stored = (F.pad(stored[0], (0, 0, 0, 0, 0, pad)), F.pad(stored[1], (0, pad)))
             routing.set(stored)
-        # Under --ep the padding is one sequence of its own after the batch's (attention never crosses into it);
-        # its outputs are cut off below, so nothing depends on it and no gradient flows from it.
+        # Under --ep the padding is sequences of its own after the batch's (attention never crosses into them);
+        # their outputs are cut off below, so nothing depends on them and no gradient flows from them.
         ids_f, pos_f, cu_f = ids, pos, batch.cu_seqlens
         if pad:
             ids_f = F.pad(ids, (0, pad))
-            pos_f = torch.cat([pos, torch.arange(pad, device=dev, dtype=pos.dtype)])
-            cu_f = torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([T + pad])])
+            pos_f, cu_f = pad_as_sequences(pos, batch.cu_seqlens, pad, self.arch.max_positions)
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(grad), autocast:
             inp = None

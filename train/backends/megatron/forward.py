@@ -34,6 +34,19 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:  # [1, 1, T,
     return masked[None, None]
 
 
+def pad_as_sequences(
+    position_ids: torch.Tensor, cu_seqlens: torch.Tensor, pad: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's position ids and ``cu_seqlens`` with ``pad`` padding tokens after it, as sequences of
+    their own none longer than the rotary table (``max_positions``): under --ep a rank pads to the longest
+    micro-batch of its group, which may be longer than any sequence the model takes (one padding sequence of
+    ``pad`` tokens indexed past the table)."""
+    pad_positions = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype) % max_positions
+    T = int(cu_seqlens[-1])
+    ends = cu_seqlens.new_tensor([T + end for end in [*range(max_positions, pad, max_positions), pad]])
+    return torch.cat([position_ids, pad_positions]), torch.cat([cu_seqlens, ends])
+
+
 def stage_hidden(
     model,
     input_ids: torch.Tensor,  # [T]
