@@ -250,7 +250,7 @@ class AsyncLoop:
             return EXIT_USAGE
         except PushError as e:
             if self._ended("serve"):  # the engine died under the push: say that
-                return self._failed("serve", self.children["serve"].returncode)
+                return self._failed("serve", self.children["serve"].poll())
             say(f"{e}; fix it and rerun the same command to continue")
             return EXIT_FAILED
         finally:

@@ -73,10 +73,6 @@ class ForkedStage:
         self._process = process
         self.pid: int = process.pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
     def poll(self) -> int | None:
         return self._process.exitcode
 
@@ -116,10 +112,6 @@ class StageLauncher:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-    @property
-    def warm(self) -> bool:
-        return self._context is not None
 
     def start(self, command: list[str], *, stdout: Path | None = None, stderr: Path | None = None,
               append: bool = False, env: dict[str, str] | None = None) -> Stage:
