@@ -69,8 +69,7 @@ from rollshard.train.loop_stages import (
     train_flags,
 )
 from rollshard.train.loop_state import LOCK_FILE, STATE_FILE, LoopState
-from rollshard.train.metrics import read_metrics
-from rollshard.train.routing import reads_routing
+from rollshard.train.loggers import read_metrics
 
 POLL_S = 0.05  # how often the loop looks at its children and the trainer's checkpoints
 PUSH_TIMEOUT_S = 600.0  # one /update_weights_from_disk (the engine drains its running batch first)
@@ -323,6 +322,8 @@ class AsyncLoop:
                    "--weight-version", version, "--seed", str(self.settings.seed)]  # fmt: skip
         if self.settings.serve_threads:
             command += ["--threads", str(self.settings.serve_threads)]
+        from rollshard.train.routing import reads_routing  # torch: the loop itself runs without it
+
         if reads_routing(policy):  # a MoE: the engine returns its routing, the rows store it, the trainer replays it
             command.append("--enable-return-routed-experts")
         return command

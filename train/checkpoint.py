@@ -51,13 +51,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
-
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, Any
 
 from rollshard.store.common import fsync_dir
-from rollshard.train.backends.distributed import DistEnv
-from rollshard.train.sharded import SHARDS_DIR
+
+if TYPE_CHECKING:
+    from rollshard.train.backends.distributed import DistEnv
+
+# Nothing here imports torch at import time: the loops read checkpoints (latest_checkpoint) without it.
+SHARDS_DIR = "shards"  # a format-2 checkpoint's folder of per-rank state (rollshard.train.sharded writes it)
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -103,6 +105,8 @@ def checkpoint_name(step: int) -> str:
 def load_v1_optimizer_state(folder: Path) -> dict[str, Any]:
     """The whole optimizer state of a format-1 checkpoint, keyed by parameter name (as
     ``torch.distributed.checkpoint.state_dict`` gives it)."""
+    from safetensors.torch import load_file
+
     folder = folder / V1_OPTIM_DIR
     tensors = load_file(str(folder / V1_OPTIM_TENSORS))
     meta = json.loads((folder / V1_OPTIM_META).read_text())

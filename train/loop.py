@@ -71,7 +71,7 @@ from rollshard.train.loop_stages import (
     train_flags,
 )
 from rollshard.train.loop_state import LOCK_FILE, LoopState, RoundState
-from rollshard.train.metrics import read_metrics
+from rollshard.train.loggers import read_metrics
 
 # When each setting is frozen: once a stage of that kind finished, a rerun with another value would mix rounds
 # made two ways; before, a stage that failed on it (a typo in --train) is fixed by rerunning with the new value.

@@ -50,7 +50,6 @@ from torch import nn
 
 from rollshard.train.backends.distributed import DistEnv
 
-SHARDS_DIR = "shards"
 OPTIM_META = "optimizer.json"
 MODEL_KEY, OPTIM_KEY = "model/", "optim/"
 SAFETENSORS_DTYPES = {

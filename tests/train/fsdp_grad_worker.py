@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from rollshard.train.backends.distributed import DistEnv, close_distributed, init_distributed
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.config import TrainConfig
-from rollshard.train.sharded import SHARDS_DIR, read_sharded
+from rollshard.train.checkpoint import SHARDS_DIR
+from rollshard.train.sharded import read_sharded
 from rollshard.train.trainer import Trainer
 
 

@@ -17,7 +17,8 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.hf import HFBackend
 from rollshard.train.checkpoint import CKPT_DIR, latest_checkpoint, save_checkpoint
 from rollshard.train.config import ModelConfig, OptimConfig
-from rollshard.train.sharded import SHARDS_DIR, load_sharded, read_sharded, save_sharded
+from rollshard.train.checkpoint import SHARDS_DIR
+from rollshard.train.sharded import load_sharded, read_sharded, save_sharded
 from rollshard.train.trainer import Trainer, dummy_batch
 from tests.train import v1_checkpoint
 from tests.train.test_trainer import make_config, train

@@ -22,7 +22,7 @@ from rollshard.train.backends.hf import HFBackend
 from rollshard.train.checkpoint import latest_checkpoint
 from rollshard.train.config import ModelConfig, OptimConfig, TrainConfig
 from rollshard.train.metrics import read_metrics
-from rollshard.train.sharded import SHARDS_DIR
+from rollshard.train.checkpoint import SHARDS_DIR
 from rollshard.train.trainer import Trainer
 
 HERE = Path(__file__).parent

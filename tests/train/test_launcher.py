@@ -28,6 +28,16 @@ def launchers() -> dict[str, StageLauncher]:
     return {"fresh": StageLauncher(fresh=True), "warm": StageLauncher()}
 
 
+def test_the_loops_import_neither_torch_nor_transformers():
+    """The loop checks its flags and starts processes while the server imports torch: its own process needs
+    neither (``rollshard-loop --help`` answered in 2.5 s when the loop read checkpoints through torch's modules)."""
+    code = ("import sys, rollshard.train.loop, rollshard.train.async_loop; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def until(condition, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
