@@ -12,6 +12,7 @@ import pytest
 
 from rollshard.store.io.writer import ShardWriter
 from rollshard.store.synthetic import synthetic_table
+from tests import forked
 
 STRAY = "notes.txt"
 
@@ -46,7 +47,7 @@ def _snapshot(path: Path) -> dict[str, bytes]:
 def _refused(argv: list[str], out: Path) -> str:
     """Run ``python -m argv``; its one error line, after checking exit 2, no traceback and ``out`` unchanged."""
     before = _snapshot(out) if out.is_dir() else out.read_bytes()
-    res = subprocess.run([sys.executable, "-m", *map(str, argv)], capture_output=True, text=True, timeout=300)
+    res = forked.run(*argv)
     assert res.returncode == 2, res.stderr
     line = res.stderr.strip()
     assert "\n" not in line and "Traceback" not in res.stderr, res.stderr

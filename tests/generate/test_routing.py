@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import subprocess
-import sys
 
 import aiohttp
 import numpy as np
@@ -23,6 +22,7 @@ from rollshard.generate.engines.routing import RoutingCapture
 from rollshard.generate.engines.sglang_protocol import parse_response
 from rollshard.generate.server import Server
 from rollshard.store.format.routing import RoutingShape
+from tests import forked
 
 SHAPE = RoutingShape(layers=2, top_k=2, experts=4)
 PROMPTS = [[1, 5, 6, 7, 8], [3, 4, 9], [1, 5, 6, 7, 8]]  # the first and last: one prefill, two samples
@@ -130,9 +130,8 @@ def test_serve_answers_as_sglang_with_the_flag_and_omits_the_key_without(tiny_mo
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollshard.generate", "--task", "toy", "--limit", "2", "--n-samples",
-                           "2", "--max-new-tokens", "6", "--no-progress", *args], capture_output=True, text=True,
-                          timeout=600)
+    return forked.run("rollshard.generate", "--task", "toy", "--limit", "2", "--n-samples", "2", "--max-new-tokens",
+                      "6", "--no-progress", *args)
 
 
 def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(tiny_moe, tiny_qwen3, tmp_path):
@@ -144,8 +143,7 @@ def test_generate_stores_routing_for_a_moe_model_and_refuses_on_for_a_dense_one(
     for row in table.to_pylist():
         n = len(row["prompt_tokens"]) + len(row["response_tokens"]) - 1
         assert len(row["routed_experts"]) == n * 4
-    stats = subprocess.run([sys.executable, "-m", "rollshard.store", "stats", str(tmp_path / "moe"), "--json"],
-                           capture_output=True, text=True, timeout=300)
+    stats = forked.run("rollshard.store", "stats", tmp_path / "moe", "--json")
     import json
 
     st = json.loads(stats.stdout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.writer import ShardWriter
+from tests import forked
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def unreadable(tmp_path_factory) -> Path:
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+    return forked.run(*argv)
 
 
 COMMANDS = [

@@ -29,6 +29,7 @@ from rollshard.store.commands import main
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.writer import ShardWriter
+from tests import forked
 
 SOLVERS = 11  # solver/0/10 exists: the episode must list it after solver/0/9
 WORST_DIFF = -0.75  # the one token whose trainer logprob is far from the rollout one
@@ -39,7 +40,7 @@ FIGURES = 11  # reward, rounds, zero variance, lengths, logprobs, staleness, tra
 
 
 def cli(*args, tool: str = "rollshard.store") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", tool, *map(str, args)], capture_output=True, text=True, timeout=300)
+    return forked.run(tool, *args)
 
 
 @pytest.fixture(scope="module")

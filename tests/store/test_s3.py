@@ -17,6 +17,7 @@ from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.validate import validate_dataset
 from rollshard.store.io.writer import ShardWriter, WriterOptions
+from tests import forked
 
 pytestmark = pytest.mark.s3
 
@@ -257,8 +258,7 @@ def test_store_commands_on_s3(s3_dataset):
     sample = RolloutDataset.open(s3_dataset).read(columns=["sample_id"]).column(0)[0].as_py()
 
     def store(*args):
-        r = subprocess.run([sys.executable, "-m", "rollshard.store", *args], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "COLUMNS": "200"})
+        r = forked.run("rollshard.store", *args, timeout=300, env={**os.environ, "COLUMNS": "200"})
         assert r.returncode == 0, r.stderr
         return r.stdout + r.stderr
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,13 +17,13 @@ from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
 from rollshard.store.io.validate import validate_dataset
 from rollshard.store.io.writer import ShardWriter
+from tests import forked
 
 SMALL = dict(group_size=3, response_len=(5, 30), prompt_len=(3, 10), agents=("solver", "rewriter"))
 
 
 def validate(*args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rollshard.store", "validate", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return forked.run("rollshard.store", "validate", *args, timeout=120)
 
 
 def row(sid: str, group: str, *, tokens: list[int], logprobs: list[float], mask: list[int]) -> Row:

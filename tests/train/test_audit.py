@@ -4,9 +4,8 @@ checkpoint and for a wrong stored temperature, the trainer's own numbers, one-li
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +19,7 @@ from rollshard.store.format.schema import Row, Status
 from rollshard.store.io.writer import ShardWriter
 from rollshard.train.audit import DEFAULT_MAX_ABS_DIFF
 from rollshard.train.cli import main
+from tests import forked
 from tests.train.conftest import SINGLE_THREAD_ENV
 
 # Embedded engine (batched, KV cache) against the trainer's packed forward, fp32 on CPU: measured 9.5e-7.
@@ -85,11 +85,10 @@ def audit(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_embedded_data_agrees_with_its_model(embedded_data, tiny_gpt2, tmp_path):
-    """A real ``python -m rollshard.train audit`` process: exit 0, every trained token once, max |diff| <= 1e-5."""
+    """A ``python -m rollshard.train audit`` process (forked, as a loop's stage): exit 0, every trained token once, max |diff| <= 1e-5."""
     report = tmp_path / "audit.parquet"
-    cmd = [sys.executable, "-m", "rollshard.train", "audit", "--data", str(embedded_data), "--model", str(tiny_gpt2),
-           "--out", str(report), "--json", "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, **SINGLE_THREAD_ENV})
+    proc = forked.run("rollshard.train", "audit", "--data", embedded_data, "--model", tiny_gpt2, "--out", report,
+                      "--json", "--no-progress", env={**os.environ, **SINGLE_THREAD_ENV})
     assert proc.returncode == 0, proc.stderr
     assert "flagged" not in proc.stderr
     out = json.loads(proc.stdout)

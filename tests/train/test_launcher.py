@@ -38,6 +38,24 @@ def test_the_loops_import_neither_torch_nor_transformers():
     assert done.stdout.strip() == "[]"
 
 
+def test_the_tests_forked_run_answers_as_subprocess_run(tmp_path):
+    """tests/forked.py's run: a command's exit status, stdout and stderr as ``subprocess.run`` gives them; past its
+    timeout the command is killed and TimeoutExpired raised."""
+    from tests import forked
+
+    for argv in (["rollshard.store", "stats", str(tmp_path / "none")],
+                 ["tests.train.stage_probe", str(tmp_path / "seen.json"), "--exit", "3"]):
+        want = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=DEADLINE_S)
+        got = forked.run(*argv, timeout=DEADLINE_S)
+        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert (got.returncode, got.stdout, got.stderr) == (3, "to stdout\n", "to stderr\n")
+    ready = tmp_path / "ready"
+    with pytest.raises(subprocess.TimeoutExpired):  # it waits for a signal: it never ends by itself
+        forked.run("tests.train.stage_probe", str(tmp_path / "held.json"), "--wait", str(ready), timeout=1)
+    if ready.exists():
+        until(lambda: not alive(int(ready.read_text())), "end of the killed run")
+
+
 def until(condition, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():

@@ -14,10 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollshard.train.checkpoint import latest_checkpoint
+from rollshard.train.checkpoint import SHARDS_DIR, latest_checkpoint
 from rollshard.train.cli import main as train_main
 from rollshard.train.metrics import read_metrics
-from rollshard.train.checkpoint import SHARDS_DIR
 
 HERE = Path(__file__).parent
 FP32_LOGPROB_TOL = 1e-5  # embedded engine (batched, KV cache) vs the trainer's packed forward, fp32 CPU

@@ -4,7 +4,6 @@ the router's over them, agreement is measured, and rollshard-train --routing-rep
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.backends.hf import HFBackend
 from rollshard.train.config import ModelConfig, OptimConfig
 from rollshard.train.routing import RoutingReplayError
+from tests import forked
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 LENGTHS = [(4, 5), (3, 6), (5, 2)]  # (prompt, response) of each sequence
@@ -137,15 +137,14 @@ def test_on_refuses_a_dense_model_and_a_row_without_routing(tiny_moe, tiny_qwen3
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollshard.train", *args], capture_output=True, text=True,
-                          timeout=600)
+    return forked.run("rollshard.train", *args)
 
 
 def test_train_reports_agreement_and_refuses_on_without_routing(tiny_moe, tmp_path):
-    gen = [sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy",
-           "--limit", "4", "--n-samples", "2", "--max-new-tokens", "6", "--no-progress"]
+    gen = ["rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy", "--limit", "4", "--n-samples",
+           "2", "--max-new-tokens", "6", "--no-progress"]
     for name, extra in (("with", []), ("without", ["--routed-experts", "off"])):
-        res = subprocess.run([*gen, "--out", str(tmp_path / name), *extra], capture_output=True, text=True, timeout=600)
+        res = forked.run(*gen, "--out", str(tmp_path / name), *extra)
         assert res.returncode == 0, res.stderr
     common = ["--model", str(tiny_moe), "--groups-per-step", "2", "--no-progress", "--max-steps", "2"]
     res = _run("--data", str(tmp_path / "with"), "--out", str(tmp_path / "run"), "--routing-replay", "on", *common)
@@ -174,9 +173,8 @@ def test_audit_reports_agreement_and_the_mismatch_both_ways(tiny_moe, tmp_path):
     from rollshard.store.format.routing import RoutingShape
     from rollshard.store.io.writer import ShardWriter
 
-    res = subprocess.run([sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy",
-                          "--limit", "4", "--n-samples", "2", "--max-new-tokens", "6", "--no-progress", "--out",
-                          str(tmp_path / "own")], capture_output=True, text=True, timeout=600)
+    res = forked.run("rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy", "--limit", "4",
+                     "--n-samples", "2", "--max-new-tokens", "6", "--no-progress", "--out", str(tmp_path / "own"))
     assert res.returncode == 0, res.stderr
     shape = RoutingShape(layers=LAYERS, top_k=TOP_K, experts=EXPERTS)
     table = pq.read_table(next((tmp_path / "own" / "shards").glob("*.parquet")))
