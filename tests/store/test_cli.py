@@ -14,6 +14,7 @@ from rollshard.store.commands import main
 from rollshard.store.format.schema import Row, Status
 from rollshard.store.inspection.stats import tokenizer_path
 from rollshard.store.io.writer import ShardWriter
+from tests import forked
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("rollshard-store")
 WORDS = ["[UNK]", "the", "answer", "is", "42", "<tool>", "</tool>", "calc", "ok", "done"]
@@ -95,8 +96,9 @@ def worked(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 def run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
-    cmd = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "rollshard.store"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+    if not script:
+        return forked.run("rollshard.store", *args, timeout=120)
+    return subprocess.run([str(CONSOLE_SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -285,10 +285,10 @@ def test_expert_parallel_ranks_with_micro_batches_of_different_lengths_train(tin
     dispatcher gathers equal shares, so the backend pads the shorter to the longer (a sequence of its own, cut off
     after the forward). Without it the run died in the dispatcher's all-gather (gloo: received data size doesn't
     match). The padding changes no logprob: the step-0 mismatch stays at fp32 rounding, and the replay agrees."""
-    gen = subprocess.run(
-        [sys.executable, "-m", "rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy", "--limit",
-         "4", "--n-samples", "2", "--max-new-tokens", "8", "--no-progress", "--out", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=600)
+    from tests import forked  # not at the top: torchrun runs this file as its workers' script
+
+    gen = forked.run("rollshard.generate", "--engine", f"embedded:{tiny_moe}", "--task", "toy", "--limit", "4",
+                     "--n-samples", "2", "--max-new-tokens", "8", "--no-progress", "--out", tmp_path / "data")
     assert gen.returncode == 0, gen.stderr
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
