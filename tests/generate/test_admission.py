@@ -2,6 +2,7 @@
 version moves, the prompts already in the dataset counted, an interrupt while it waits, and the flags."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from rollshard.generate.engines.base import Engine, SamplingParams
 from rollshard.generate.run import main
 from rollshard.generate.runner import Runner, RunnerOptions
 from rollshard.generate.tasks import get_task, load_prompts
-from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.dataset import DatasetNotFoundError, RolloutDataset
 from rollshard.store.io.live import complete_writers
 from rollshard.store.models.tokenizer import load_tokenizer
 from rollshard.store.io.writer import ShardWriter
@@ -45,10 +46,13 @@ def test_integer_version():
 
 class VersionedEngine(Engine):
     """ScriptedEngine's answers; ``model_info`` serves ``versions[call]`` (the last one from then on), records
-    how many episodes the runner had started at each call, and calls ``on_call(call)``."""
+    how many episodes the runner had started at each call, and calls ``on_call(call)``. With
+    ``hold=(CALL, N, DATASET)`` the read CALL answers once DATASET holds N prompts: the episodes started before it are committed, not
+    racing the version that stops the run (an interrupt or a version the gate cannot count cancels those still in
+    flight, as it should)."""
 
-    def __init__(self, inner, versions, on_call=None):
-        self.inner, self.versions, self.on_call = inner, versions, on_call
+    def __init__(self, inner, versions, on_call=None, hold=None):
+        self.inner, self.versions, self.on_call, self.hold = inner, versions, on_call, hold
         self.runner: Runner | None = None
         self.started_at_call: list[int] = []
 
@@ -59,6 +63,8 @@ class VersionedEngine(Engine):
         call = len(self.started_at_call)
         assert call < MAX_READS, f"the gate never opened: started {self.started_at_call[-5:]}"
         self.started_at_call.append(self.runner.started)
+        if self.hold is not None and call == self.hold[0]:
+            await _until_committed(self.hold[2], self.hold[1])
         if self.on_call:
             self.on_call(call)
         return {"weight_version": str(self.versions[min(call, len(self.versions) - 1)])}
@@ -81,6 +87,15 @@ def _run_gated(tmp_path, tok, engine, prompts, gate):
 
 def _prompt_ids(path):
     return set(RolloutDataset.open(path).read(columns=["prompt_id"]).column("prompt_id").to_pylist())
+
+
+async def _until_committed(path, prompts: int) -> None:
+    for _ in range(MAX_READS * 10):  # a bound for a broken run, not an expectation of speed
+        with contextlib.suppress(DatasetNotFoundError):  # nothing committed yet
+            if len(_prompt_ids(path)) >= prompts:
+                return
+        await asyncio.sleep(FAST_POLL_S)  # the runner commits meanwhile: it runs on this loop
+    pytest.fail(f"fewer than {prompts} prompts committed in {path}")
 
 
 def test_the_gate_starts_episodes_as_the_version_moves(tiny_gpt2, tmp_path, monkeypatch):
@@ -108,12 +123,12 @@ def test_the_gate_counts_the_dataset_and_an_interrupt_ends_its_wait(tiny_gpt2, t
             os.kill(os.getpid(), signal.SIGINT)
 
     scripted = ScriptedEngine(tok, lambda *a: "\\boxed{1}")
-    engine = VersionedEngine(scripted, [0], interrupt_at_third_read)  # version 0 for ever: 4 episodes
+    engine = VersionedEngine(scripted, [0], interrupt_at_third_read, hold=(2, 4, tmp_path / "ds"))  # version 0 for ever: 4 episodes
     result = _run_gated(tmp_path, tok, engine, prompts, gate)
     assert result.exit_code == 130 and engine.started_at_call == [0, 4, 4]
     assert _prompt_ids(tmp_path / "ds") == {p.prompt_id for p in prompts[:4]}
     # The rerun counts the 4 prompts in the dataset: version 1 allows 6 in all, so 2 more start.
-    engine = VersionedEngine(scripted, [1], interrupt_at_third_read)
+    engine = VersionedEngine(scripted, [1], interrupt_at_third_read, hold=(2, 6, tmp_path / "ds"))
     result = _run_gated(tmp_path, tok, engine, prompts, gate)
     assert result.exit_code == 130 and result.prompts_skipped == 4 and engine.started_at_call == [0, 2, 2]
     assert _prompt_ids(tmp_path / "ds") == {p.prompt_id for p in prompts[:6]}
@@ -123,7 +138,7 @@ def test_a_version_that_stops_being_an_integer_ends_the_run_like_a_dead_engine(t
     monkeypatch.setattr(runner_module, "GATE_POLL_S", FAST_POLL_S)
     tok = load_tokenizer(tiny_gpt2)
     prompts = load_prompts(get_task("math").default_prompts())[:8]
-    engine = VersionedEngine(ScriptedEngine(tok, lambda *a: "\\boxed{1}"), [0, "v9"])
+    engine = VersionedEngine(ScriptedEngine(tok, lambda *a: "\\boxed{1}"), [0, "v9"], hold=(1, 4, tmp_path / "ds"))
     result = _run_gated(tmp_path, tok, engine, prompts, AdmissionGate(max_ahead=1, step_episodes=2))
     assert result.exit_code == 1 and "weight_version 'v9', not the integer step" in result.engine_down
     assert engine.started_at_call == [0, 4] and _prompt_ids(tmp_path / "ds") == {p.prompt_id for p in prompts[:4]}
