@@ -4,10 +4,9 @@
 # Both pytest runs use pytest-xdist workers, each module's tests on one worker (its module fixtures built once;
 # the docs blocks in reading order). The default tier runs three workers on two cores: the third fills the gaps where a
 # test waits on a process it started, and the tail where one module runs alone (6:36-6:50 against 7:22-7:40 with
-# two, docs/performance.md). The docs and
-# slow tiers run two: their tests are whole multi-process runs that keep both cores busy (four workers took as long,
-# and a Ray cluster beside three others four times as long). The docs blocks are two chains (the main one and
-# the blocks with a session of their own), so the slow tier's modules run beside them.
+# two, docs/performance.md). The docs and slow tiers run two: their tests are whole multi-process runs that keep
+# both cores busy (four workers took as long, and a Ray cluster beside three others four times as long); the docs
+# tier is one long chain of blocks, so the slow tier's modules run on the other worker meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

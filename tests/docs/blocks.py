@@ -4,17 +4,11 @@ A command block is a fenced block whose language is ``bash``. The docs tier (``p
 order, as written, as a newcomer's shell would. A block that cannot run on a CPU machine without a network (a GPU,
 an account, a browser) says so on the line before its fence: ``<!-- not run: REASON -->``; the index test holds
 those few to a reason each. Other fenced blocks (``python``, output, trees) are not commands.
-
-A block that uses nothing an earlier block made may say so: ``<!-- session: NAME -->`` on the line before its fence
-runs it in a reader's session of that name, a fresh folder shared only with the later blocks of that name, beside
-the main one (the docs tier runs the two chains at once).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +28,6 @@ PAGES = (
 )
 
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<why>[^>]*?)\s*-->")
-SESSION = re.compile(r"<!--\s*session:\s*(?P<name>[\w-]+)\s*-->")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 
 
@@ -45,7 +38,6 @@ class Block:
     lang: str
     text: str
     not_run: str | None  # the reason, for a command block marked not run
-    session: str | None = None  # the named reader's session it runs in; None: the main one
 
     @property
     def id(self) -> str:
@@ -72,38 +64,11 @@ def blocks(page: str) -> list[Block]:
             j += 1
         body = "\n".join(line[indent:] for line in lines[start + 1 : j])
         prev = lines[start - 1] if start else ""
-        marked, session = NOT_RUN.search(prev), SESSION.search(prev)
-        out.append(Block(page, start + 1, m["lang"], body + "\n", marked["why"] if marked else None,
-                         session["name"] if session else None))
+        marked = NOT_RUN.search(prev)
+        out.append(Block(page, start + 1, m["lang"], body + "\n", marked["why"] if marked else None))
         i = j + 1
     return out
 
 
 def command_blocks() -> list[Block]:
     return [b for page in PAGES for b in blocks(page) if b.is_command]
-
-
-BLOCK_TIMEOUT_S = 900
-
-
-def reader_folder(here: Path) -> Path:
-    """A reader's fresh folder: links to the repository's files (so ``examples/...`` and ``.venv`` resolve) and
-    no ``runs/``."""
-    for entry in ROOT.iterdir():
-        if entry.name not in {"runs", ".git"}:
-            (here / entry.name).symlink_to(entry)
-    return here
-
-
-def run_block(block: Block, folder: Path) -> subprocess.CompletedProcess:
-    """The block as a ``bash -euo pipefail`` script in the set-up's virtualenv (the README activates it once per
-    shell), in ``folder``."""
-    script = f"source .venv/bin/activate\n{block.text}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSHARD_", "PYTEST_", "WANDB_"))}
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=BLOCK_TIMEOUT_S)
-
-
-def failure(block: Block, done: subprocess.CompletedProcess) -> str:
-    tail = (done.stdout + done.stderr)[-12000:]  # several processes' tracebacks (torchrun's ranks)
-    return f"{block.id} exited {done.returncode}:\n{block.text}\n--- output (tail) ---\n{tail}"

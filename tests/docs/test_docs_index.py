@@ -28,25 +28,6 @@ def test_command_blocks_run_or_say_why_not() -> None:
         assert marked == {b.line for b in blocks(page) if b.not_run is not None and b.is_command}, page
 
 
-def test_a_session_marker_sits_on_a_command_block_that_runs() -> None:
-    """``<!-- session: NAME -->`` runs a block in a reader's folder of its own (beside the main chain): the real
-    model's block and the MoE blocks, which use nothing an earlier block made."""
-    sessions = {b.id: b.session for b in command_blocks() if b.session is not None}
-    assert set(sessions.values()) == {"smollm2", "moe"}
-    assert sessions[next(b.id for b in command_blocks() if "--preset smollm2-135m-instruct runs/smollm2" in b.text)] \
-        == "smollm2"
-    for page in PAGES:
-        lines = (ROOT / page).read_text().splitlines()
-        marked = {i + 2 for i, line in enumerate(lines) if line.lstrip().startswith("<!-- session:")}
-        assert marked == {b.line for b in blocks(page) if b.session is not None and b.is_command
-                          and b.not_run is None}, page
-    # What a session's blocks make is theirs alone: no block outside the session names its runs/ folders.
-    for name, folders in (("smollm2", ("runs/smollm2", "runs/arith")), ("moe", ("runs/moe",))):
-        for b in command_blocks():
-            if b.session != name:
-                assert not any(f in b.text for f in folders), (b.id, name)
-
-
 def test_commands_are_written_one_way() -> None:
     """Bare ``rollshard-*`` commands in the activated venv, never ``.venv/bin/rollshard-*`` beside them."""
     for b in command_blocks():
