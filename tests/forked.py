@@ -11,6 +11,7 @@ docs tier runs every command as a reader's shell does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -20,20 +21,21 @@ from pathlib import Path
 
 from rollshard.train.launcher import StageLauncher
 
-_launcher: StageLauncher | None = None
+
+@functools.cache
+def _launcher() -> StageLauncher:
+    """One warm server per test process, started at its first run."""
+    return StageLauncher()
 
 
 def run(*argv: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m ARGV`` (``ARGV[0]`` the module) as :func:`subprocess.run` with ``capture_output=True, text=True``
     gives it: the exit status (-N for signal N), stdout and stderr; ``env`` replaces the environment. Past
     ``timeout`` seconds the run is killed and :class:`subprocess.TimeoutExpired` raised."""
-    global _launcher
-    if _launcher is None:
-        _launcher = StageLauncher()
     command = [sys.executable, "-m", *map(str, argv)]
     with tempfile.TemporaryDirectory(prefix="rs-forked-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        stage = _launcher.start(command, stdout=out, stderr=err, env=env)
+        stage = _launcher().start(command, stdout=out, stderr=err, env=env)
         try:
             code = stage.wait(timeout)
         except subprocess.TimeoutExpired:
