@@ -12,9 +12,10 @@ from rollshard.store.format.schema import OPTIONAL_COLUMNS, STATUS_VALUES
 
 STATE_FORMAT = "rollshard-loader"
 MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/loader/mixture.py
-# 2: each rank's cursor is in its own share of the blocks (1: in the global stream every rank read; a version-1
-# state resumes a world size of 1 only, where the two are the same stream)
-STATE_VERSION = 2
+# 3: a block's groups in group_id order (read.py; a state of version 2 or 1 resumes in the file's order, the one
+# its cursor counts in); 2: each rank's cursor in its own share of the blocks; 1: in the global stream every rank
+# read (a version-1 state resumes a world size of 1 only, where the two are the same stream)
+STATE_VERSION = 3
 SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
 SPAN_COLUMNS = ["weight_versions"]  # read with the small ones when the staleness filter is on (filters.py)
 TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]

@@ -258,4 +258,4 @@ class FollowLoader(StepLoader):
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"{info.path}: not readable: {' '.join(str(e).split())}") from e
         block = Block(shard=0, row_groups=tuple(range(pf.metadata.num_row_groups)), num_groups=info.groups)
-        return read_block(pf, block, self._filters, info.path, check=self.config.verify_data)
+        return read_block(pf, block, self._filters, info.path, check=self.config.verify_data, sort=False)

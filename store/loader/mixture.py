@@ -329,7 +329,7 @@ class MixtureLoader(PrefetchingLoader):
         c, total = self._cursor, sum(self.weights)
         return {
             "format": MIXTURE_STATE_FORMAT,
-            "version": STATE_VERSION,
+            "version": 2 if self._streams[0].file_order else STATE_VERSION,  # the order its cursors count in
             "world_size": self.world_size,
             "rank": self.rank,
             "seed": self.config.seed,
@@ -381,6 +381,10 @@ class MixtureLoader(PrefetchingLoader):
                     "resume on the same shards or start a new run"
                 )
         self._stop_producer()
+        if state["version"] < 3:  # its cursors count groups in the files' order (config.py)
+            for stream in self._streams:
+                stream.file_order = True
+            self._held = {}
         fields = [f.name for f in dataclasses.fields(_SourceCursor)]
         self._cursor = _MixCursor(
             sources=tuple(_SourceCursor(**{k: int(t[k]) for k in fields}) for t in theirs),

@@ -7,6 +7,11 @@ checked on the columns read (:func:`~rollshard.store.format.invariants.check_pro
 under the mask, lengths aligned, token ids non-negative, a known status, ...) before anything is built
 from them; a break is a :class:`~rollshard.store.common.DataError` naming the shard, the row groups and
 the sample.
+
+**Order.** A block's groups are taken in ``group_id`` order and a group's rows in ``sample_id`` order, not
+in the order the engine finished them (the file's): two generations of the same rows, whose shards differ only
+in that order, give the same steps. The follow loader and a loader resuming a version-2 state keep the file's
+order (``sort=False``), the order their cursors were counted in.
 """
 
 from __future__ import annotations
@@ -39,11 +44,17 @@ class BlockData:
     shard: int = -1  # index in dataset.shards (-1: read outside a loader)
     checks: list = []  # the checks of its bytes (store/io/integrity.py Job) a step drawing from it waits for
 
-    def __init__(self, small: pa.Table, filters: Filters):
-        enc = pc.dictionary_encode(_single(small.column("group_id")))  # codes in order of first appearance
+    def __init__(self, small: pa.Table, filters: Filters, sort: bool = True):
+        group_id = _single(small.column("group_id"))
+        if sort:  # groups in group_id order, a group's rows in sample_id order: not the order the rows finished in
+            keys = pa.table({"g": group_id, "s": _single(small.column("sample_id"))})
+            order = pc.sort_indices(keys, sort_keys=[("g", "ascending"), ("s", "ascending")]).to_numpy()
+            group_id = group_id.take(order)
+        enc = pc.dictionary_encode(group_id)  # codes in order of first appearance (ascending, sorted)
         codes = enc.indices.to_numpy()
         self.group_ids: list[str] = enc.dictionary.to_pylist()
-        order = np.argsort(codes, kind="stable")
+        if not sort:
+            order = np.argsort(codes, kind="stable")
         self.group_rows = np.split(order, np.cumsum(np.bincount(codes, minlength=len(self.group_ids)))[:-1])
         self.pass_status = _bool(pc.is_in(_single(small.column("status")), value_set=filters.statuses))
         self.pass_agent = None
@@ -111,11 +122,14 @@ class BlockData:
 
 
 
-def read_block(pf: pq.ParquetFile, block: Block, filters: Filters, shard: str, check: bool = True) -> BlockData:
+def read_block(pf: pq.ParquetFile, block: Block, filters: Filters, shard: str, check: bool = True,
+               sort: bool = True) -> BlockData:
     """Column projection: the filter columns first, the token columns only when some row passes.
 
     With ``check``, the rows read are checked (:func:`rollshard.store.io.integrity.check_rows`) before
-    anything is built from them; ``shard`` (dataset-relative path) names the block in errors.
+    anything is built from them; ``shard`` (dataset-relative path) names the block in errors. With ``sort``,
+    the block's groups are in ``group_id`` order and each group's rows in ``sample_id`` order (else in the
+    order of the file, the order an engine finished them in).
     """
     rgs = list(block.row_groups)
     where = f"{shard} (row group{'s' * (len(rgs) > 1)} {', '.join(map(str, rgs))})"
@@ -136,7 +150,7 @@ def read_block(pf: pq.ParquetFile, block: Block, filters: Filters, shard: str, c
                    {n: tokens.column(n) for n in tokens.column_names})}
         check_rows(pa.table(columns), where, routing)
     try:
-        data = BlockData(small, filters)
+        data = BlockData(small, filters, sort)
     except DataError:
         raise
     except ValueError as e:  # a weight_version the staleness filter cannot read: name the block

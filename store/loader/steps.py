@@ -303,7 +303,7 @@ class RolloutLoader(PrefetchingLoader):
         c = self._cursor
         return {
             "format": STATE_FORMAT,
-            "version": STATE_VERSION,
+            "version": 2 if self._stream.file_order else STATE_VERSION,  # the order its cursor counts in
             "world_size": self.world_size,
             "rank": self.rank,
             "seed": self.config.seed,
@@ -331,6 +331,8 @@ class RolloutLoader(PrefetchingLoader):
         check_state_header(state, STATE_FORMAT)
         check_state_settings(state, self.state_dict())
         self._stop_producer()
+        if state["version"] < 3:  # its cursor counts groups in the file's order (config.py)
+            self._stream.file_order, self._held = True, {}
         self._cursor = Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
         self._epoch_counts = dict(state.get("epoch_counts") or {})
         if state.get("current_version") is not None:

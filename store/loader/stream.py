@@ -64,6 +64,7 @@ class GroupStream:
         self.num_groups = sum(b.num_groups for b in blocks)  # the whole dataset's, every rank's shares together
         self._read_lock = threading.Lock()
         self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)
+        self.file_order = False  # True: groups in the file's order (a version-2 state resumed: config.py)
 
     def plan(self, epoch: int) -> EpochPlan:
         plan = self._plans.get(epoch)
@@ -122,7 +123,7 @@ class GroupStream:
                     raise DataError(f"{shard}: cannot read row groups {list(block.row_groups)}: {one_line(e)}") from e
                 jobs.append(self.checksums.submit(Job(shard, _RangeCheck(info, block.row_groups, offset, raw))))
                 pf = pq.ParquetFile(held, metadata=pf.metadata)
-            data = read_block(pf, block, self.filters, shard, check=verify)
+            data = read_block(pf, block, self.filters, shard, check=verify, sort=not self.file_order)
             if len(data.group_ids) != block.num_groups:
                 raise DataError(
                     f"{shard}: row groups {list(block.row_groups)} hold {len(data.group_ids)} groups, "

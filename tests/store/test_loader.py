@@ -112,20 +112,71 @@ def test_same_seed_same_order_other_seed_or_epoch_other_order(dataset):
 
 
 def test_no_shuffle_reads_the_dataset_in_order(dataset):
-    steps = run(dataset, cfg(shuffle=False))
-    got = [g for s in steps for g in s.group_ids]
-    ids = dataset.read(columns=["group_id"]).column(0).to_pylist()
-    assert got == list(dict.fromkeys(ids))  # shards by path, rows in order
+    with RolloutLoader(dataset, cfg(shuffle=False)) as loader:
+        got = [g for s in loader for g in s.group_ids]
+        blocks = loader._stream.blocks
+    want = []  # shards by path, their row groups in order, a block's groups by group_id ("ap10" before "ap9")
+    for block in blocks:
+        ids = pq.ParquetFile(dataset.files[block.shard]).read_row_groups(block.row_groups, columns=["group_id"])
+        want += sorted(set(ids.column(0).to_pylist()))
+    assert got == want and sorted(got) != got and [b.shard for b in blocks] == sorted(b.shard for b in blocks)
+
+
+def engine_order(table: pa.Table, seed: int) -> pa.Table:
+    """The rows of ``table`` in another order an engine could have finished them in: groups, and each group's
+    rows, permuted."""
+    rng = np.random.default_rng(seed)
+    groups = groups_of(table)
+    return pa.concat_tables(groups[i].take(rng.permutation(groups[i].num_rows)) for i in rng.permutation(len(groups)))
+
+
+ONE_BLOCK = WriterOptions(row_group_bytes=1 << 20, shard_bytes=1 << 22)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_order_rows_were_finished_in_changes_no_step(tmp_path, shuffle):
+    # Two generations of the same rows differ in the order the engine finished them: the loader takes a block's
+    # groups in group_id order and their rows in sample_id order, so both give the same steps, bit for bit.
+    table = synthetic_table(20, 3, seed=7, uneven_groups=True, **SMALL)
+    datasets = [write(tmp_path / str(k), engine_order(table, k), options=ONE_BLOCK) for k in range(3)]
+    assert len({tuple(ds.read(columns=["sample_id"]).column(0).to_pylist()) for ds in datasets}) == 3
+    config = cfg(shuffle=shuffle, num_epochs=2)
+    first = run(datasets[0], config)
+    assert len(first) == 20
+    for ds in datasets[1:]:
+        assert_steps_equal(run(ds, config), first)
+
+
+def test_a_version_2_state_resumes_in_the_files_order_and_saves_as_version_2(tmp_path):
+    # A loader state of version 2 counted its cursor in the file's order: resumed, the loader keeps that order for
+    # the run, and the states it saves say version 2, so that a second resume keeps it too.
+    ds = write(tmp_path / "ds", engine_order(synthetic_table(20, 3, seed=7, uneven_groups=True, **SMALL), 1),
+               options=ONE_BLOCK)
+    config = cfg(shuffle=False)
+    with RolloutLoader(ds, config) as loader:
+        start = {**loader.state_dict(), "version": 2}
+    file_order = run(ds, config, state=start)
+    in_file = list(dict.fromkeys(ds.read(columns=["group_id"]).column(0).to_pylist()))
+    assert [g for s in file_order for g in s.group_ids] == in_file != sorted(in_file)
+    with RolloutLoader(ds, config) as loader:
+        loader.load_state_dict(start)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["version"] == 2 and state["cursor"]["step"] == 3
+    assert_steps_equal(run(ds, config, state=state), file_order[3:])
+    assert [g for s in run(ds, config) for g in s.group_ids] == sorted(in_file)  # a new run: version 3's order
 
 
 def test_window_permutes_consecutive_stretches_of_the_block_order(dataset):
     with RolloutLoader(dataset, cfg(shuffle_window=5, groups_per_step=1)) as loader:
         stream = loader._stream
-        raw = []  # groups in the epoch's block order, each block's groups in row order
+        raw = []  # groups in the epoch's block order, each block's groups by group_id
         for b in stream.plan(0).order:
             block = stream.blocks[b]
             ids = pq.ParquetFile(dataset.files[block.shard]).read_row_groups(block.row_groups, columns=["group_id"])
-            raw += list(dict.fromkeys(ids.column(0).to_pylist()))
+            raw += sorted(set(ids.column(0).to_pylist()))
         got = [g for s in loader for g in s.group_ids]
     assert len(got) == 60 and got != raw
     for k in range(0, 60, 5):  # each window of 5 is a permutation of the next 5 groups of the block order

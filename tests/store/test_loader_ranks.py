@@ -53,9 +53,9 @@ class Reads:
         self.by_thread: dict[str, list[tuple[str, tuple[int, ...]]]] = collections.defaultdict(list)
         real = stream_mod.read_block
 
-        def read_block(pf, block, filters, shard, check=True):
+        def read_block(pf, block, filters, shard, check=True, **kw):
             self.by_thread[threading.current_thread().name].append((shard, block.row_groups))
-            return real(pf, block, filters, shard, check)
+            return real(pf, block, filters, shard, check, **kw)
 
         monkeypatch.setattr(stream_mod, "read_block", read_block)
 

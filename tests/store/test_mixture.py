@@ -11,7 +11,9 @@ from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader
 from rollshard.store.loader.mixture import MixtureLoader, Source, allocate, open_loader, parse_sources, sources_text
 from rollshard.store.loader.plan import Cursor, EpochEnd
 from rollshard.store.synthetic import synthetic_table
-from tests.store.test_loader import SMALL, assert_steps_equal, delivered, rows_of_groups, with_columns, write
+from tests.store.test_loader import (
+    ONE_BLOCK, SMALL, assert_steps_equal, delivered, engine_order, rows_of_groups, with_columns, write,
+)
 
 A_GROUPS, B_GROUPS = 60, 40
 
@@ -221,6 +223,31 @@ def test_resume_mid_run_equals_the_uninterrupted_run(two, world_size, rank, grou
         list(loader)
         state = loader.state_dict()
     assert state["ended"] and [s["epoch"] for s in state["sources"]] == [2, 1]
+
+
+def test_a_version_2_state_resumes_each_source_in_its_files_order(tmp_path):
+    # As for one dataset (test_loader.py): a version-2 state's cursors count groups in the files' order, kept for the
+    # run and saved as version 2; a new run takes each block's groups by group_id.
+    stored = {}  # source -> its group ids in the file's order
+    for k, (n, src) in enumerate([(12, "a"), (8, "b")]):
+        table = engine_order(synthetic_table(n, 3, seed=k, uneven_groups=True, prefix=src, **SMALL), k)
+        ds = write(tmp_path / src, table, options=ONE_BLOCK)
+        stored[src] = list(dict.fromkeys(ds.read(columns=["group_id"]).column(0).to_pylist()))
+    data, config = f"{tmp_path / 'a'}:0.5,{tmp_path / 'b'}:0.5", cfg(groups_per_step=4, shuffle=False)
+    with MixtureLoader(data, config) as loader:
+        start = {**loader.state_dict(), "version": 2}
+    file_order, new = run(data, config, state=start), run(data, config)
+    assert len(file_order) == len(new) == 4
+    for src, ids in stored.items():
+        took = lambda steps: [g for s in steps for o, g in zip(s.group_sources, s.group_ids) if o == src]  # noqa: E731
+        assert took(file_order) == ids[: len(took(file_order))] and took(new) == sorted(ids)[: len(took(new))]
+    with MixtureLoader(data, config) as loader:
+        loader.load_state_dict(start)
+        it = iter(loader)
+        next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["version"] == 2
+    assert_steps_equal(run(data, config, state=state), file_order[1:])
 
 
 def test_epoch_stats_follow_the_sources_epochs(two):

@@ -18,7 +18,11 @@ import pytest
 from rollshard.train.cli import main as train_main
 from rollshard.train.metrics import read_metrics
 
-REWARD_GAIN = 0.10  # required rise of the mean toy reward (measured +0.31 +- 0.03, at least +0.26, over data seeds 0-11)
+# Required rise of the mean toy reward. Measured: +0.27 to +0.37 over data seeds 0-11; seed 0 (this test's) +0.3217 in
+# 18 of 20 runs, +0.3216 and +0.3212 in the others (the engine's logprobs differ in the last bits with the batch). The
+# engine writes the 256 rows in the order they finish; when the loader read groups in that order, seed 0 gave anything
+# from -0.12 to +0.34 (it now reads a block's groups by id: tests/store/test_loader.py).
+REWARD_GAIN = 0.10
 FP32_LOGPROB_TOL = 1e-5  # embedded engine (batched, KV cache) vs the trainer's packed forward, fp32 CPU
 
 
