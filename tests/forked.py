@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,19 +29,65 @@ def _launcher() -> StageLauncher:
     return StageLauncher()
 
 
+class Started:
+    """A command started as a fork: as much of :class:`subprocess.Popen` as the tests use (``pid``, ``poll``,
+    ``wait``, ``send_signal``, ``kill``, ``returncode``, and ``communicate``, which gives its stdout and stderr as
+    text once it ended)."""
+
+    def __init__(self, argv: tuple, env: dict[str, str] | None):
+        self.args = [sys.executable, "-m", *map(str, argv)]
+        self._folder = Path(tempfile.mkdtemp(prefix="rs-forked-"))
+        self._out, self._err = self._folder / "stdout", self._folder / "stderr"
+        self._stage = _launcher().start(self.args, stdout=self._out, stderr=self._err, env=env)
+        self.pid = self._stage.pid
+        self.returncode: int | None = None
+        self._ended: tuple[str, str] | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self._stage.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self._stage.wait(timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self._stage.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL to its process group: it and what it started (a no-op once it ended)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr once it ended; past ``timeout`` seconds :class:`subprocess.TimeoutExpired`."""
+        self.wait(timeout)
+        if self._ended is None:
+            self._ended = self.output()
+            shutil.rmtree(self._folder, ignore_errors=True)
+        return self._ended
+
+    def output(self) -> tuple[str, str]:
+        """What it wrote to stdout and stderr so far."""
+        return self._out.read_text(), self._err.read_text()
+
+
+def start(*argv: str | os.PathLike, env: dict[str, str] | None = None) -> Started:
+    """``python -m ARGV`` (``ARGV[0]`` the module) started, as :class:`subprocess.Popen` would; ``env`` replaces
+    the environment."""
+    return Started(argv, env)
+
+
 def run(*argv: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m ARGV`` (``ARGV[0]`` the module) as :func:`subprocess.run` with ``capture_output=True, text=True``
     gives it: the exit status (-N for signal N), stdout and stderr; ``env`` replaces the environment. Past
     ``timeout`` seconds the run is killed and :class:`subprocess.TimeoutExpired` raised."""
-    command = [sys.executable, "-m", *map(str, argv)]
-    with tempfile.TemporaryDirectory(prefix="rs-forked-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        stage = _launcher().start(command, stdout=out, stderr=err, env=env)
-        try:
-            code = stage.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # the stage's own group: it and what it started
-                os.killpg(stage.pid, signal.SIGKILL)
-            stage.wait()
-            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text()) from None
-        return subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
+    proc = start(*argv, env=env)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise subprocess.TimeoutExpired(proc.args, timeout, *proc.communicate()) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

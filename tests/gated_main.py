@@ -73,6 +73,14 @@ def start_gated(gates: list[Gate], module: str, *args, **popen) -> subprocess.Po
     return subprocess.Popen(cmd, cwd=REPO, **popen)
 
 
+def fork_gated(gates: list[Gate], module: str, *args, env: dict[str, str] | None = None):
+    """:func:`start_gated` as a fork of the test worker's warm server (tests/forked.py): the same process but for
+    the imports it need not repeat."""
+    from tests import forked
+
+    return forked.start("tests.gated_main", json.dumps([dataclasses.asdict(g) for g in gates]), module, *args, env=env)
+
+
 def wait_for_gate(proc: subprocess.Popen, gate: Gate) -> None:
     """Block until the gated process reached ``gate``; fail if it exits first."""
     deadline = time.monotonic() + GATE_TIMEOUT_S

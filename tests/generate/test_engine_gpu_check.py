@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forked
 
 CHECK = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "check.py"
 
@@ -18,6 +21,19 @@ def check():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def forked_commands(check, monkeypatch):
+    """Each command check.py runs or starts (``python -m rollshard...``) as a fork of the test worker's warm server
+    (tests/forked.py): the same process, without a fresh import of torch each."""
+
+    def module_argv(cmd: list[str]) -> list[str]:
+        assert cmd[:2] == [sys.executable, "-m"], cmd
+        return cmd[2:]
+
+    monkeypatch.setattr(check, "run_command", lambda cmd: forked.run(*module_argv(cmd)))
+    monkeypatch.setattr(check, "start_command", lambda cmd, log: forked.start(*module_argv(cmd)))
 
 
 @pytest.mark.parametrize(
@@ -61,11 +77,11 @@ def test_the_moe_config_builds_the_parameters_worked_out(check, tiny_moe):
     assert sum(p.numel() for p in model.parameters()) == 445_926_400
 
 
-def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
+def test_every_step_runs_at_tiny_size_on_the_cpu(check, forked_commands, tmp_path, capsys):
     argv = [
         "--tiny", "--device", "cpu", "--server", "serve", "--prompts", "2", "--n-samples", "2", "--concurrency", "4",
         "--max-new-tokens", "8", "--repeat", "1", "--batch", "4", "--new-tokens", "8", "--out", str(tmp_path),
-        "--steps", "generate,train,embedded,async",  # moe: the test below
+        "--async-steps", "4", "--steps", "generate,train,embedded,async",  # moe: the test below
     ]  # fmt: skip
     assert check.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -78,9 +94,14 @@ def test_every_step_runs_at_tiny_size_on_the_cpu(check, tmp_path, capsys):
     assert train["abs_diff_max"] <= 1e-5 and train["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     for wl in ("equal", "mixed"):
         assert report["embedded"][wl]["generate_tok_s"] > 0 and report["embedded"][wl]["embedded_tok_s"] > 0
+    # 4 steps of 8 groups of 2 samples, each row at most 1 version behind the weights that trained on it
+    run = report["async"]
+    assert "exit" not in run, run
+    assert run["steps"] == 4 and run["rows_trained"] == 64 and run["rows_dropped_stale"] == 0, run
+    assert set(run["staleness_hist"]) <= {"0", "1"} and sum(run["staleness_hist"].values()) == 64
 
 
-def test_the_moe_step_stores_routing_audits_and_replays_at_tiny_size(check, tmp_path, capsys):
+def test_the_moe_step_stores_routing_audits_and_replays_at_tiny_size(check, forked_commands, tmp_path, capsys):
     argv = ["--tiny", "--device", "cpu", "--server", "serve", "--steps", "moe", "--prompts", "2", "--n-samples", "2",
             "--concurrency", "4", "--max-new-tokens", "8", "--out", str(tmp_path)]  # fmt: skip
     assert check.main(argv) == 0

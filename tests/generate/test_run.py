@@ -29,7 +29,8 @@ from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.models.tokenizer import apply_chat_template, encode, load_tokenizer
 from rollshard.store.io.validate import validate_dataset
 from rollshard.store.io.writer import ShardWriter
-from tests.gated_main import Gate, start_gated, wait_for_gate
+from tests import forked
+from tests.gated_main import Gate, fork_gated, start_gated, wait_for_gate
 from tests.generate.test_agents import ScriptedEngine
 
 N_PROMPTS = 4
@@ -117,11 +118,10 @@ def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_pa
     args = base_args(tiny_gpt2, out, "--commit-every", "1")
     # The run stops right after its first shard commit, until killed.
     gate = Gate("rollshard.store.io.writer:ShardWriter.commit", 1, str(tmp_path / "first-commit"))
-    proc = start_gated([gate], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = fork_gated([gate], "rollshard.generate", *args)
     wait_for_gate(proc, gate)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert proc.wait() == -signal.SIGKILL, proc.communicate()[1]
     partial = rows_of(out)
     done = {r["prompt_id"] for r in partial}
     assert 1 <= len(done) < N_PROMPTS  # killed mid-run, with whole episodes committed
@@ -135,9 +135,9 @@ def test_resume_after_kill_equals_uninterrupted_run(reference, tiny_gpt2, tmp_pa
 def test_num_shards_union_equals_one_run(reference, tiny_gpt2, tmp_path):
     # Shard 0 in a subprocess and shard 1 in this process, writing into one dataset at the same time.
     out = tmp_path / "ds"
-    proc = subprocess.Popen(cli(*base_args(tiny_gpt2, out, "--shard-index", 0, "--num-shards", 2)), stderr=subprocess.PIPE)
+    proc = forked.start("rollshard.generate", *base_args(tiny_gpt2, out, "--shard-index", 0, "--num-shards", 2))
     assert main(base_args(tiny_gpt2, out, "--shard-index", "1", "--num-shards", "2")) == 0
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, proc.communicate()[1]
     ds = RolloutDataset.open(out)
     assert sorted(m.writer_id for m in ds.manifests) == ["gen-0-of-2", "gen-1-of-2"]
     shard0 = {r["prompt_id"] for s in ds.manifests[0].shards for r in pq.read_table(out / s.path).to_pylist()}

@@ -2,13 +2,13 @@
 four writers at once; every row equals the uninterrupted local run's."""
 
 import signal
-import subprocess
 
 import pytest
 
 from rollshard.store.io.dataset import RolloutDataset
-from tests.gated_main import Gate, start_gated, wait_for_gate
-from tests.generate.test_run import N_PROMPTS, assert_valid, base_args, cli, reference, rows_of  # noqa: F401
+from tests import forked
+from tests.gated_main import Gate, fork_gated, wait_for_gate
+from tests.generate.test_run import N_PROMPTS, assert_valid, base_args, reference, rows_of  # noqa: F401
 from tests.store.test_s3 import _keys, _uploads
 
 pytestmark = pytest.mark.s3
@@ -26,16 +26,15 @@ def test_kill_9_and_rerun_on_s3_equals_one_run(point, reference, tiny_gpt2, s3_d
     args = base_args(tiny_gpt2, s3_dataset, "--commit-every", "1")
     gate = KILL_POINTS[point]
     gate = Gate(gate.target, gate.count, str(tmp_path / "gate"), before=gate.before)
-    proc = start_gated([gate], "rollshard.generate", *args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = fork_gated([gate], "rollshard.generate", *args)
     wait_for_gate(proc, gate)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert proc.wait() == -signal.SIGKILL, proc.communicate()[1]
     partial = {r["prompt_id"] for r in rows_of(s3_dataset)}
     assert len(partial) == 1  # one episode committed
     if point == "before-manifest":
         assert len([k for k in _keys(s3_dataset) if k.startswith("shards/")]) == 2  # one of them not listed
-    rerun = subprocess.run(cli(*args), capture_output=True, text=True, timeout=600)
+    rerun = forked.run("rollshard.generate", *args)
     assert rerun.returncode == 0, rerun.stderr
     redone = N_PROMPTS - 1 - (point == "before-manifest")  # the listed-late shard is adopted, not redone
     assert f"{redone} of {N_PROMPTS} prompts done" in rerun.stderr
@@ -45,10 +44,10 @@ def test_kill_9_and_rerun_on_s3_equals_one_run(point, reference, tiny_gpt2, s3_d
 
 
 def test_four_writers_at_once_into_one_s3_dataset(reference, tiny_gpt2, s3_dataset):  # noqa: F811
-    procs = [subprocess.Popen(cli(*base_args(tiny_gpt2, s3_dataset, "--shard-index", i, "--num-shards", 4)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [forked.start("rollshard.generate", *base_args(tiny_gpt2, s3_dataset, "--shard-index", i, "--num-shards", 4))
+             for i in range(4)]
     for p in procs:
-        assert p.wait(timeout=600) == 0, p.stderr.read()
+        assert p.wait(timeout=600) == 0, p.communicate()[1]
     ds = RolloutDataset.open(s3_dataset)
     assert [m.writer_id for m in ds.manifests] == [f"gen-{i}-of-4" for i in range(4)]
     assert rows_of(s3_dataset) == rows_of(reference)  # the union, exactly

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 import yaml
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 from rollshard.train.checkpoint import CONFIG_FILE, latest_checkpoint
 from rollshard.train.cli import main
 from rollshard.train.metrics import read_metrics
-from tests.gated_main import Gate, start_gated, wait_for_gate
+from tests.gated_main import Gate, fork_gated, wait_for_gate
 from tests.train.conftest import SINGLE_THREAD_ENV
 
 
@@ -67,10 +66,7 @@ def test_killed_run_resumes_to_the_same_losses(tiny_dataset, tiny_gpt2, tmp_path
     # The same run as a real process, gated after its second checkpoint is saved, then killed with SIGKILL.
     out = tmp_path / "killed"
     gate = Gate("rollshard.train.trainer:save_checkpoint", 2, str(tmp_path / "at-step-2"))
-    proc = start_gated(
-        [gate], "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    proc = fork_gated([gate], "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common))
     try:
         wait_for_gate(proc, gate)
         os.kill(proc.pid, signal.SIGKILL)
@@ -141,10 +137,8 @@ def test_interrupt_saves_the_last_finished_step_and_resumes(sig, tiny_dataset, t
     out = tmp_path / "stopped"
     # Gated after step 2's optimizer updates (train_step returned), the signal arrives, then the gate opens.
     gate = Gate("rollshard.train.trainer:Trainer.train_step", 2, str(tmp_path / "at-2"), str(tmp_path / "go"))
-    proc = start_gated(
-        [gate], "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **SINGLE_THREAD_ENV},
-    )
+    proc = fork_gated([gate], "rollshard.train", *args_for(tiny_dataset, tiny_gpt2, out, *common),
+                      env={**os.environ, **SINGLE_THREAD_ENV})
     try:
         wait_for_gate(proc, gate)
         os.kill(proc.pid, sig)

@@ -27,7 +27,8 @@ from rollshard.train.checkpoint import CONFIG_FILE, latest_checkpoint
 from rollshard.train.config import TrainConfig, WandbConfig
 from rollshard.train.loggers import WANDB_MISSING, WANDB_RUN_FILE, MetricsLogger
 from rollshard.train.metrics import read_metrics
-from tests.gated_main import REPO, Gate, start_gated, wait_for_gate
+from tests import forked
+from tests.gated_main import Gate, fork_gated, wait_for_gate
 from tests.train.conftest import SINGLE_THREAD_ENV
 
 WANDB_KEYS = {"_step", "_runtime", "_timestamp"}  # wandb's own keys in every history row
@@ -59,14 +60,14 @@ def wandb_env(tmp_path: Path, mode: str = "offline") -> dict[str, str]:
 
 
 def run_cli(argv: list[str], env: dict[str, str], *, prelude: str = "") -> subprocess.CompletedProcess:
-    """``rollshard-train ARGV`` in a fresh interpreter, after ``prelude`` (Python run first: a patch)."""
+    """``rollshard-train ARGV`` in a process of its own (a fork: tests/forked.py), after ``prelude`` (Python run
+    first: a patch)."""
     code = prelude + textwrap.dedent(f"""
         import sys
         from rollshard.train.cli import main
         sys.exit(main({argv!r}))
     """)
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=600)
+    return forked.run("tests.run_code", code, env=env)
 
 
 # -- reading what wandb wrote -------------------------------------------------------------------------------
@@ -217,8 +218,7 @@ def test_resume_continues_the_wandb_run_and_logs_each_step_once(tiny_dataset, ti
 
     # 2. --resume re-runs step 2 from the checkpoint, then Ctrl-C after step 3 (exit 130, step 3 saved).
     gate = Gate("rollshard.train.trainer:Trainer.train_step", 2, str(tmp_path / "at-3"), str(tmp_path / "go"))
-    proc = start_gated([gate], "rollshard.train", *argv, "--resume", stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, env=env)
+    proc = fork_gated([gate], "rollshard.train", *argv, "--resume", env=env)
     try:
         wait_for_gate(proc, gate)
         os.kill(proc.pid, signal.SIGINT)

@@ -171,17 +171,28 @@ def moe_config(base: Path):
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
+def run_command(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A command to its end, its output captured (the CPU test runs each ``-m`` command as a fork of a warm server,
+    tests/forked.py)."""
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+
+
+def start_command(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A server started in a session of its own (:func:`stop_server` stops its whole group), its output to ``log``."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def step_moe(args, url: str, model: Path, root: Path) -> dict:
     """Routing stored by the server, audited both ways, and one replayed training step."""
     import pyarrow.parquet as pq
     import torch
 
     data, out = root / "moe-data", {}
-    gen = subprocess.run(
+    gen = run_command(
         [sys.executable, "-m", "rollshard.generate", "--engine", url, "--task", "math", "--limit", str(args.prompts),
          "--n-samples", str(args.n_samples), "--max-new-tokens", str(args.max_new_tokens), "--routed-experts", "on",
-         "--concurrency", str(args.concurrency), "--out", str(data), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True)
+         "--concurrency", str(args.concurrency), "--out", str(data), "--no-progress"])
     if gen.returncode != 0:
         return {"exit": gen.returncode, "stderr": gen.stderr[-2000:]}
     stored = positions = 0
@@ -200,18 +211,17 @@ def step_moe(args, url: str, model: Path, root: Path) -> dict:
     out["routing"] = shape
     out["column_bytes_per_position"] = round(stored / positions, 2)
     out["layers_x_top_k"] = shape["layers"] * shape["top_k"]
-    audit = subprocess.run(
+    audit = run_command(
         [sys.executable, "-m", "rollshard.train", "audit", "--data", str(data), "--model", str(model), "--device",
-         args.device, "--json", "--no-progress", "--max-abs-diff", "100"], cwd=REPO, capture_output=True, text=True)
+         args.device, "--json", "--no-progress", "--max-abs-diff", "100"])
     if audit.returncode != 0:
         return {**out, "audit_exit": audit.returncode, "stderr": audit.stderr[-2000:]}
     out["audit"] = json.loads(audit.stdout)["routing"]
     bf16 = args.device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    train = subprocess.run(
+    train = run_command(
         [sys.executable, "-m", "rollshard.train", "--data", str(data), "--model", str(model), "--out",
          str(root / "moe-train"), "--max-steps", "1", "--groups-per-step", str(args.prompts), "--routing-replay", "on",
-         "--lr", "1e-6", "--no-progress", "--no-tensorboard", "--dtype", "bfloat16" if bf16 else "float32"],
-        cwd=REPO, capture_output=True, text=True)
+         "--lr", "1e-6", "--no-progress", "--no-tensorboard", "--dtype", "bfloat16" if bf16 else "float32"])
     if train.returncode != 0:
         return {**out, "train_exit": train.returncode, "stderr": train.stderr[-2000:]}
     m0 = json.loads((root / "moe-train" / "metrics.jsonl").read_text().splitlines()[0])
@@ -245,8 +255,7 @@ def start_server(args, model: Path, log: Path, *extra: str) -> tuple[subprocess.
             "--device", args.device, "--max-batch-size", str(args.batch), *extra,
         ]  # fmt: skip
     t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_command(cmd, log)
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - t0 < SGLANG_STARTUP_S:
         if proc.poll() is not None:
@@ -362,7 +371,7 @@ def step_async(args, url: str, model: Path, root: Path) -> dict:
         "--generate", f"--task math --n-samples {args.n_samples} --max-new-tokens {args.max_new_tokens}",
         "--train", train,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    done = run_command(command)
     if done.returncode != 0:
         return {"exit": done.returncode, "stderr": done.stderr[-2000:]}
     figures = json.loads(done.stdout)["async"]
