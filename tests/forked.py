@@ -54,6 +54,9 @@ class Started:
     def send_signal(self, sig: int) -> None:
         self._stage.send_signal(sig)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL to its process group: it and what it started (a no-op once it ended)."""
         if self.poll() is None:

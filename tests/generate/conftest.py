@@ -6,12 +6,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import forked
 
 
 @pytest.fixture(scope="session")
@@ -56,32 +57,24 @@ def teacher_forced_logits(model, prompt: list[int], response: list[int]) -> torc
 READY = re.compile(r"ready on (http://[\d.]+:\d+)")
 
 
-def start_embedded_server(model: Path, *extra: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """``python -m rollshard.generate serve --model M --port 0`` in a subprocess; returns (process, base URL)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollshard.generate", "serve", "--model", str(model), "--port", "0", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
+def start_embedded_server(model: Path, *extra: str, timeout: float = 120.0) -> tuple[forked.Started, str]:
+    """``python -m rollshard.generate serve --model M --port 0`` as a fork of the worker's warm server
+    (tests/forked.py); returns (process, base URL) once it says where it listens."""
+    proc = forked.start("rollshard.generate", "serve", "--model", model, "--port", "0", *extra,
+                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     deadline = time.monotonic() + timeout
-    lines = []
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = READY.search(line)
+        m = READY.search(proc.output()[0])
         if m:
-            # Keep draining the pipe so the server never blocks on a full one.
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)  # waiting for a line, with a deadline; nothing is asserted on time
     proc.kill()
-    raise RuntimeError("embedded server did not start:\n" + "".join(lines[-30:]))
+    raise RuntimeError("embedded server did not start:\n" + "".join(proc.communicate())[-3000:])
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen | forked.Started) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
