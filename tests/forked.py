@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 from rollshard.train.launcher import StageLauncher
@@ -37,6 +38,7 @@ class Started:
     def __init__(self, argv: tuple, env: dict[str, str] | None):
         self.args = [sys.executable, "-m", *map(str, argv)]
         self._folder = Path(tempfile.mkdtemp(prefix="rs-forked-"))
+        weakref.finalize(self, shutil.rmtree, self._folder, True)  # its output files, once nothing holds it
         self._out, self._err = self._folder / "stdout", self._folder / "stderr"
         self._stage = _launcher().start(self.args, stdout=self._out, stderr=self._err, env=env)
         self.pid = self._stage.pid
@@ -68,7 +70,6 @@ class Started:
         self.wait(timeout)
         if self._ended is None:
             self._ended = self.output()
-            shutil.rmtree(self._folder, ignore_errors=True)
         return self._ended
 
     def output(self) -> tuple[str, str]:
