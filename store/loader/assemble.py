@@ -15,7 +15,7 @@ import torch
 
 from rollshard.store.format.groups import is_zero_variance
 from rollshard.store.loader.config import SOURCE_KEYS, LoaderConfig, Step
-from rollshard.store.loader.packing import PackedBatch, Sequences, pack
+from rollshard.store.loader.packing import PackedStep, Sequences, pack_step
 from rollshard.store.loader.read import BlockData
 
 
@@ -36,7 +36,8 @@ def make_step(
     :attr:`Step.group_sources` and per-source figures.
     """
     seqs, zero_var = gather_sequences(pending)
-    batches, efficiency = pack(seqs, cfg.micro_batch_tokens, cfg.micro_batch_support)
+    packed = pack_step(seqs, cfg.micro_batch_tokens, cfg.micro_batch_support)
+    batches, efficiency = packed.batches, packed.efficiency
     metrics = {k: float(v) for k, v in counts.items()}
     metrics.update(
         groups=float(len(pending)),
@@ -50,7 +51,7 @@ def make_step(
     group_sources = None
     if sources is not None:
         group_sources = [sources[i] for i in owners]  # [G]
-        metrics.update(source_metrics(batches, group_sources, sources))
+        metrics.update(source_metrics(owners, sources, packed))
     if cfg.pin_memory and torch.cuda.is_available():
         batches = [b.pin_memory() for b in batches]
     return Step(
@@ -63,24 +64,18 @@ def make_step(
     )
 
 
-def source_metrics(batches: list[PackedBatch], group_sources: list[str], sources: tuple[str, ...]) -> dict[str, float]:
-    """``source/<name>/{groups,sequences,tokens,loss_tokens}`` of this rank's step, 0 for a source without any."""
-    out = {f"source/{name}/{k}": 0.0 for name in sources for k in SOURCE_KEYS}
-    for name in group_sources:
-        out[f"source/{name}/groups"] += 1
-    for b in batches:
-        cu = b.cu_seqlens.numpy().astype(np.int64)  # [S+1]
-        lengths = np.diff(cu)  # [S]
-        loss = np.zeros(len(lengths), np.float32)  # [S] loss tokens per sequence
-        nonempty = lengths > 0
-        if nonempty.any():  # one read of the mask (0/1: float32 sums are exact), no [T] array written
-            loss[nonempty] = np.add.reduceat(b.loss_mask.numpy(), cu[:-1][nonempty])
-        for g, n_tok, n_loss in zip(b.seq_group.tolist(), lengths.tolist(), loss.tolist()):
-            name = group_sources[g]
-            out[f"source/{name}/sequences"] += 1
-            out[f"source/{name}/tokens"] += n_tok
-            out[f"source/{name}/loss_tokens"] += n_loss
-    return out
+def source_metrics(owners: list[int], sources: tuple[str, ...], packed: PackedStep) -> dict[str, float]:
+    """``source/<name>/{groups,sequences,tokens,loss_tokens}`` of this rank's step, 0 for a source without any
+    (``owners``: the source index of each group), from the step's per-sequence figures."""
+    of_group = np.asarray(owners, np.int64)  # [G]
+    src, k = of_group[packed.group], len(sources)  # [S] the source of each sequence
+    sums = {  # [k] each; integers, exact in float64
+        "groups": np.bincount(of_group, minlength=k).astype(np.float64),
+        "sequences": np.bincount(src, minlength=k).astype(np.float64),
+        "tokens": np.bincount(src, weights=packed.tokens, minlength=k),
+        "loss_tokens": np.bincount(src, weights=packed.loss_tokens, minlength=k),
+    }
+    return {f"source/{name}/{key}": float(sums[key][i]) for i, name in enumerate(sources) for key in SOURCE_KEYS}
 
 
 def gather_sequences(groups: list[tuple[BlockData, int, np.ndarray]]) -> tuple[Sequences, int]:

@@ -205,14 +205,32 @@ def first_fit_decreasing(
 
 def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tuple[list[PackedBatch], float]:
     """Micro-batches of ``seqs`` under a token budget and a support-id budget (None:
-    ``SUPPORT_PER_TOKEN * budget``), and the packing efficiency (module docstring).
+    ``SUPPORT_PER_TOKEN * budget``), and the packing efficiency (module docstring)."""
+    step = pack_step(seqs, budget, support_budget)
+    return step.batches, step.efficiency
+
+
+@dataclasses.dataclass
+class PackedStep:
+    """:func:`pack_step`'s micro-batches, and the step's sequences in their order, as whole-step arrays."""
+
+    batches: list[PackedBatch]
+    efficiency: float
+    group: np.ndarray  # [S] int64, each sequence's group (Step.group_ids' index), in micro-batch order
+    tokens: np.ndarray  # [S] int64
+    loss_tokens: np.ndarray  # [S] int64, tokens with loss_mask 1
+
+
+def pack_step(seqs: Sequences, budget: int, support_budget: int | None = None) -> PackedStep:
+    """:func:`pack`, with the per-sequence figures of the step.
 
     The step is written once, in micro-batch order, into flat arrays; each micro-batch's
     tensors are views of one contiguous slice of them (one allocation per step, one pass
     over the tokens).
     """
     if len(seqs) == 0:
-        return [], 1.0
+        empty = np.zeros(0, np.int64)
+        return PackedStep([], 1.0, empty, empty, empty)
     if support_budget is None:
         support_budget = SUPPORT_PER_TOKEN * budget
     if seqs.support is None:  # 1.0 data: every count is 0, skip counting
@@ -239,6 +257,11 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
     np.concatenate(masks, out=loss_mask)
     logprobs = pooled_array(total, np.float32)  # [T]
     np.concatenate([t for i, n in zip(idx, prompt_lens) for t in (zeros_f32[:n], seqs.logprobs[i])], out=logprobs)
+    seq_loss = np.zeros(len(order), np.float32)  # [S] loss tokens per sequence: one pass over the step's mask
+    nonempty = seq_len > 0
+    if nonempty.any():  # 0/1 values: float32 sums are exact
+        seq_loss[nonempty] = np.add.reduceat(loss_mask, cu[:-1][nonempty])
+    seq_loss = seq_loss.astype(np.int64)
     temp = seqs.temperature[order]  # [S]
     temperatures = torch.from_numpy(np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
     flat = {
@@ -268,12 +291,12 @@ def pack(seqs: Sequences, budget: int, support_budget: int | None = None) -> tup
                 sample_ids=[seqs.sample_id[i] for i in ids],
                 weight_versions=[seqs.weight_version[i] for i in ids],
                 num_tokens=hi - lo,
-                num_loss_tokens=int(loss_mask[lo:hi].sum()),
+                num_loss_tokens=int(seq_loss[first:last].sum()),
             )
         )
         first = last
     capacity = sum(max(budget, b.num_tokens) for b in batches)
-    return batches, total / capacity
+    return PackedStep(batches, total / capacity, group, seq_len, seq_loss)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T] int64

@@ -332,23 +332,26 @@ def test_one_source_is_the_single_dataset_loader(two):
     assert delivered(got)
 
 
-def test_source_figures_of_a_micro_batch_worked_example():
-    import torch
+def test_source_figures_of_a_step_worked_example():
+    import numpy as np
 
     from rollshard.store.loader.assemble import source_metrics
-    from rollshard.store.loader.packing import PackedBatch
+    from rollshard.store.loader.packing import Sequences, pack_step
 
-    # Four sequences of 3, 0 (empty), 4 and 2 tokens, of groups 0, 1, 1, 0 (sources x, y); loss masks
-    # [0 1 1], [], [0 0 1 1], [0 1]: x has 2 sequences, 3 + 2 = 5 tokens, 2 + 1 = 3 loss tokens; y 2, 0 + 4, 0 + 2.
-    b = PackedBatch(
-        input_ids=torch.zeros(9, dtype=torch.int64), cu_seqlens=torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32),
-        loss_mask=torch.tensor([0.0, 1, 1, 0, 0, 1, 1, 0, 1]), rollout_logprobs=torch.zeros(9),
-        temperatures=torch.ones(4), response_start=torch.tensor([1, 3, 5, 8]), seq_group=torch.tensor([0, 1, 1, 0]),
-        rewards=torch.zeros(4), agents=["a"] * 4, sample_ids=list("abcd"), weight_versions=[None] * 4, num_tokens=9,
-        num_loss_tokens=5,
+    # Four sequences of 3, 0 (empty), 4 and 2 tokens, of groups 0, 1, 1, 0 (sources x, y); prompts of 1, 0, 2, 1
+    # tokens, response masks [1 1], [], [0 1], [0]: x has 2 sequences, 3 + 2 = 5 tokens, 2 + 0 = 2 loss tokens;
+    # y 2, 0 + 4, 0 + 1.
+    prompts, masks = [[5], [], [5, 6], [7]], [[1, 1], [], [0, 1], [0]]
+    seqs = Sequences(
+        prompt=[np.array(p, np.int32) for p in prompts], response=[np.ones(len(m), np.int32) for m in masks],
+        logprobs=[-np.ones(len(m), np.float32) for m in masks], mask=[np.array(m, np.uint8) for m in masks],
+        temperature=np.ones(4, np.float32), reward=np.zeros(4, np.float32), group=np.array([0, 1, 1, 0]),
+        agent=["a"] * 4, sample_id=list("abcd"), weight_version=[None] * 4,
     )
-    assert source_metrics([b], ["x", "y"], ("x", "y", "z")) == {
-        "source/x/groups": 1.0, "source/x/sequences": 2.0, "source/x/tokens": 5.0, "source/x/loss_tokens": 3.0,
-        "source/y/groups": 1.0, "source/y/sequences": 2.0, "source/y/tokens": 4.0, "source/y/loss_tokens": 2.0,
+    packed = pack_step(seqs, budget=4)  # three micro-batches: the figures are the step's, whatever the packing
+    assert len(packed.batches) == 3 and sum(b.num_loss_tokens for b in packed.batches) == 3
+    assert source_metrics([0, 1], ("x", "y", "z"), packed) == {  # groups 0 and 1 of sources x and y
+        "source/x/groups": 1.0, "source/x/sequences": 2.0, "source/x/tokens": 5.0, "source/x/loss_tokens": 2.0,
+        "source/y/groups": 1.0, "source/y/sequences": 2.0, "source/y/tokens": 4.0, "source/y/loss_tokens": 1.0,
         "source/z/groups": 0.0, "source/z/sequences": 0.0, "source/z/tokens": 0.0, "source/z/loss_tokens": 0.0,
     }
