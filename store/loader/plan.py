@@ -28,7 +28,11 @@ groups, when no filter drops one). A rank's share as a list of pieces is its str
 or a shared stream, is the block order itself.
 
 **Windows.** A rank's stream is cut into consecutive windows of ``shuffle_window`` groups, each
-permuted by ``(seed, epoch, window)``. Memory: one window of groups.
+permuted by ``(seed, epoch, window)``. Memory: one window of groups. The blocks of a window are read in
+the order its permutation first needs them (:meth:`EpochPlan.read_order`), so a step waits for the
+blocks of its own groups, not for the whole window, and a run that stops within a window (a mixture
+whose other source ran out, a resume mid-window) reads only the blocks of the groups it takes, plus the
+reader's ``prefetch``.
 
 **Steps per epoch.** Every rank knows every rank's share, so it knows the most steps any epoch can
 give every rank (``step_cap``: the smallest share in groups, over ``groups_per_step``, rounded down
@@ -176,12 +180,22 @@ class EpochPlan:
     def bounds(self, k: int) -> tuple[int, int]:
         return k * self.window, min((k + 1) * self.window, self.num_groups)
 
-    def first_block(self, position: int) -> int:
-        """Index (in this rank's pieces) of the piece holding stream position ``position``'s window start."""
-        start = (position // self.window) * self.window
-        if start >= self.num_groups:
-            return len(self.piece_block)
-        return int(np.searchsorted(self.cum, start, side="right") - 1)
+    def draws(self, k: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Window ``k``'s groups from stream position ``start`` on, in the order they are taken: their index in the
+        window (``p``, whose group is the one at position ``lo + permutation[p]``) and the piece holding each.
+        This rank's groups only."""
+        lo, hi = self.bounds(k)
+        p = np.arange(max(start, lo) - lo, hi - lo)  # [n]
+        if self.shared:
+            p = p[(lo + p) % self.world_size == self.rank]
+        return p, np.searchsorted(self.cum, lo + self.permutation(k)[p], side="right") - 1
+
+    def read_order(self, k: int, start: int = 0) -> list[int]:
+        """The pieces window ``k``'s groups from position ``start`` on draw from, in the order they are first
+        needed: a step waits only for the blocks its own groups are in, not for the whole window."""
+        _, pieces = self.draws(k, start)
+        _, first = np.unique(pieces, return_index=True)
+        return pieces[np.sort(first)].tolist()
 
     def permutation(self, k: int) -> np.ndarray:
         lo, hi = self.bounds(k)

@@ -83,25 +83,30 @@ class GroupStream:
     def read_blocks(
         self, start: Cursor, preloaded: dict, stop: threading.Event
     ) -> Iterator[tuple[tuple[int, int], BlockData]]:
-        """This rank's pieces from the start of ``start``'s window on, epoch after epoch, keyed (epoch, piece)."""
+        """This rank's pieces from ``start`` on, epoch after epoch, keyed (epoch, piece): each window's in the order
+        its groups first need them (:meth:`EpochPlan.read_order`), each piece once, none that only groups before
+        ``start`` need."""
         files: collections.OrderedDict[int, tuple[Any, pq.ParquetFile]] = collections.OrderedDict()
-        epoch, pos = start.epoch, self.plan(start.epoch).first_block(start.position)
+        epoch, position = start.epoch, start.position
         try:
             while (self.cfg.num_epochs is None or epoch < self.cfg.num_epochs) and not stop.is_set():
-                pieces = self.plan(epoch).piece_block
-                for i in range(pos, len(pieces)):
-                    if stop.is_set():
-                        return
-                    if self.cfg.verify_data:  # hashing runs ahead of the reading, so that a step rarely waits
-                        for b in pieces[i : i + HASH_AHEAD_BLOCKS]:
-                            self.checksums.touch(self.blocks[b].shard)
-                    data = preloaded.pop((epoch, i), None)
-                    if data is None:
-                        data = self._read(files, self.blocks[pieces[i]], stop)
-                        if data is None:
+                plan, done = self.plan(epoch), set()
+                for k in range(position // plan.window, plan.num_windows):
+                    order = [i for i in plan.read_order(k, position) if i not in done]
+                    done.update(order)
+                    for n, i in enumerate(order):
+                        if stop.is_set():
                             return
-                    yield (epoch, i), data
-                epoch, pos = epoch + 1, 0
+                        if self.cfg.verify_data:  # hashing runs ahead of the reading, so that a step rarely waits
+                            for j in order[n : n + HASH_AHEAD_BLOCKS]:
+                                self.checksums.touch(self.blocks[plan.piece_block[j]].shard)
+                        data = preloaded.pop((epoch, i), None)
+                        if data is None:
+                            data = self._read(files, self.blocks[plan.piece_block[i]], stop)
+                            if data is None:
+                                return
+                        yield (epoch, i), data
+                epoch, position = epoch + 1, 0
         finally:
             for f, _ in files.values():
                 f.close()
@@ -199,13 +204,15 @@ class GroupStream:
             plan = self.plan(epoch)
             for k in range(position // plan.window, plan.num_windows):
                 lo, hi = plan.bounds(k)
-                where = np.searchsorted(plan.cum, np.arange(lo, hi), side="right") - 1  # piece of each group
-                self._pull(reader, held, epoch, int(where[0]), int(where[-1]), stop)
+                first = int(np.searchsorted(plan.cum, lo, side="right") - 1)  # the window's first piece
+                for key in [key for key in held if key < (epoch, first)]:  # earlier windows' only
+                    del held[key]
                 perm = plan.permutation(k)
-                for p in range(max(position, lo) - lo, hi - lo):
-                    if not plan.mine(lo + p):  # a shared stream: another rank's group
-                        continue
-                    i, q = int(where[perm[p]]), lo + int(perm[p])
+                ps, pieces = plan.draws(k, position)
+                for p, i in zip(ps.tolist(), pieces.tolist()):
+                    if (epoch, i) not in held:  # the reader reads the pieces in the order they are first needed
+                        self._pull(reader, held, epoch, i, first, stop)
+                    q = lo + int(perm[p])
                     yield epoch, lo + p + 1, held[(epoch, i)], int(plan.piece_start[i]) + q - int(plan.cum[i])
             yield EpochEnd(epoch=epoch, num_groups=plan.num_groups)
             epoch, position = epoch + 1, 0
@@ -294,14 +301,13 @@ class GroupStream:
         return ProducerItem(step=None, cursor=after, epoch_counts=dict(epoch_counts), segment=seg, end=True, counts_after={})
 
     @staticmethod
-    def _pull(reader: Background, held: dict, epoch: int, first: int, last: int, stop: threading.Event) -> None:
-        """Make ``held`` hold exactly the pieces ``first..last`` of ``epoch`` (reading them in order)."""
-        for key in [key for key in held if key < (epoch, first)]:
-            del held[key]
-        while (epoch, last) not in held:
+    def _pull(reader: Background, held: dict, epoch: int, piece: int, first: int, stop: threading.Event) -> None:
+        """Read until ``held`` holds ``piece`` of ``epoch``, keeping what arrives from the window's ``first`` piece
+        on (a restart's reader may bring pieces of the window's groups already taken)."""
+        while (epoch, piece) not in held:
             item = reader.get(stop)
             if item is END:
-                raise RuntimeError(f"block reader ended before block {last} of epoch {epoch}")
+                raise RuntimeError(f"block reader ended before block {piece} of epoch {epoch}")
             key, data = item
             if key >= (epoch, first):
                 held[key] = data

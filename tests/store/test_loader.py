@@ -14,6 +14,7 @@ import torch
 
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.loader import LoaderConfig, LoaderStateError, RolloutLoader, Step, hf_groups
+from rollshard.store.loader import stream as stream_mod
 from rollshard.store.loader.packing import unpack
 from rollshard.store.io.storage import Storage
 from rollshard.store.synthetic import synthetic_table
@@ -167,6 +168,27 @@ def test_a_version_2_state_resumes_in_the_files_order_and_saves_as_version_2(tmp
     assert state["version"] == 2 and state["cursor"]["step"] == 3
     assert_steps_equal(run(ds, config, state=state), file_order[3:])
     assert [g for s in run(ds, config) for g in s.group_ids] == sorted(in_file)  # a new run: version 3's order
+
+
+def test_a_step_waits_for_the_blocks_of_its_own_groups_not_the_whole_window(tmp_path, monkeypatch):
+    # 120 groups in one shuffle window over some 30 blocks: the reader reads the window's blocks in the order its
+    # permutation first needs them, so when the first step (2 groups) is out it has read at most the blocks of the
+    # steps made so far (the one taken, one ready ahead at prefetch 1, one being made: 6 groups) and its own
+    # read-ahead (1 queued, 1 in hand), whatever the timing. Before, the first step waited for the whole window.
+    ds = write(tmp_path / "ds", synthetic_table(120, 3, seed=3, uneven_groups=True, **SMALL))
+    config = cfg(shuffle_window=128, groups_per_step=2, prefetch=1)
+    reads, real = [], stream_mod.read_block
+    monkeypatch.setattr(stream_mod, "read_block", lambda *a, **kw: reads.append(a[1]) or real(*a, **kw))
+    with RolloutLoader(ds, config) as loader:
+        blocks = len(loader._stream.blocks)
+        it = iter(loader)
+        first = next(it)
+        assert len(reads) <= 3 * 2 + 2 < blocks / 2
+        steps = [first, *it]
+    key = lambda b: (b.shard, b.row_groups)  # noqa: E731
+    assert sorted(reads, key=key) == sorted(loader._stream.blocks, key=key)  # each block once
+    monkeypatch.undo()
+    assert_steps_equal(steps, run(ds, config))
 
 
 def test_window_permutes_consecutive_stretches_of_the_block_order(dataset):
