@@ -22,7 +22,7 @@ counts differ by about a block, and the remainder only has to make that up (the 
 1 at a world size of 8; store/loader/__init__.py gives the figures). With fewer than
 ``MIN_BLOCKS_PER_RANK`` blocks per rank (a small dataset) whole blocks would share the groups out too
 unevenly, so the ranks instead *share* one stream, that of a world size of 1: every rank reads every
-block (as small as the dataset is) and rank ``r`` takes the stream's groups ``r, r + w, r + 2w, ...`` (so
+block that holds one of its groups (as small as the dataset is) and rank ``r`` takes the stream's groups ``r, r + w, r + 2w, ...`` (so
 the first step of each of ``w`` ranks together are the first step of one rank with ``w`` times the
 groups, when no filter drops one). A rank's share as a list of pieces is its stream; a world size of 1,
 or a shared stream, is the block order itself.
@@ -153,7 +153,7 @@ class EpochPlan:
             at, start, count = (np.array(c, np.int64).reshape(-1) for c in zip(*pieces[rank])) if pieces[rank] else \
                 (np.zeros(0, np.int64),) * 3
             self.piece_block, self.piece_start, self.piece_groups = self.order[at], start, count
-        else:  # shared: every rank reads every block; rank r takes the stream's groups r, r + w, r + 2w, ...
+        else:  # shared: every rank reads the blocks of its groups (about all); rank r takes the stream's groups r, r + w, r + 2w, ...
             self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
             shares = np.array([_residues(int(sizes.sum()), r, w) for r in range(w)], np.int64)
         self.shares = shares  # [world size] groups of each rank's share
