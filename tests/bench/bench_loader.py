@@ -134,14 +134,15 @@ def trl_path(ds: RolloutDataset, batch_rows: int = 64) -> int:
 
 
 def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
-    """packing.pack plus what the batch carried before it was made lean, measured only here: ``position_ids`` and
-    the temperature as ``[T]`` arrays written on the host (five ``[T]`` arrays per step instead of three), exactly
+    """packing.pack_step plus what the batch carried before it was made lean, measured only here: ``position_ids``
+    and the temperature as ``[T]`` arrays written on the host (five ``[T]`` arrays per step instead of three), exactly
     as pack wrote them (pooled buffers, a concatenation of aranges, a fill of each sequence's slice)."""
     from rollshard.store.loader import packing as P
 
-    batches, efficiency = P.pack(seqs, budget, support_budget)
+    step = P.pack_step(seqs, budget, support_budget)
+    batches = step.batches
     if not batches:
-        return batches, efficiency
+        return step
     lens = [n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()]
     total = sum(lens)
     positions = np.arange(max(lens), dtype=np.int64)
@@ -157,19 +158,19 @@ def pack_with_per_token_arrays(seqs, budget: int, support_budget=None):
     for b in batches:  # each micro-batch keeps its views alive, as the two fields did
         b.per_token_arrays = (position_ids[lo : lo + b.num_tokens], temperature[lo : lo + b.num_tokens])
         lo += b.num_tokens
-    return batches, efficiency
+    return step
 
 
 def loader_run_per_token(ds, config: LoaderConfig) -> dict:
     """loader_run with pack_with_per_token_arrays in place of the loader's packing (bench only)."""
     import rollshard.store.loader.assemble as loader_pack
 
-    real = loader_pack.pack
-    loader_pack.pack = pack_with_per_token_arrays
+    real = loader_pack.pack_step
+    loader_pack.pack_step = pack_with_per_token_arrays
     try:
         return loader_run(ds, config)
     finally:
-        loader_pack.pack = real
+        loader_pack.pack_step = real
 
 
 def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
