@@ -16,6 +16,7 @@ MIXTURE_STATE_FORMAT = "rollshard-loader-mixture"  # store/loader/mixture.py
 # its cursor counts in); 2: each rank's cursor in its own share of the blocks; 1: in the global stream every rank
 # read (a version-1 state resumes a world size of 1 only, where the two are the same stream)
 STATE_VERSION = 3
+FILE_ORDER_STATE_VERSION = 2  # the newest version whose cursors count a block's groups in the file's order
 SMALL_COLUMNS = ["sample_id", "group_id", "agent", "status", "reward", "weight_version", "temperature"]
 SPAN_COLUMNS = ["weight_versions"]  # read with the small ones when the staleness filter is on (filters.py)
 TOKEN_COLUMNS = ["prompt_tokens", "response_tokens", "rollout_logprobs", "loss_mask"]

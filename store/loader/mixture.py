@@ -84,6 +84,7 @@ from rollshard.store.loader.assemble import make_step
 from rollshard.store.loader.config import (
     FILTER_KEYS,
     MIXTURE_STATE_FORMAT,
+    FILE_ORDER_STATE_VERSION,
     STATE_VERSION,
     LoaderConfig,
     LoaderStateError,
@@ -329,7 +330,7 @@ class MixtureLoader(PrefetchingLoader):
         c, total = self._cursor, sum(self.weights)
         return {
             "format": MIXTURE_STATE_FORMAT,
-            "version": 2 if self._streams[0].file_order else STATE_VERSION,  # the order its cursors count in
+            "version": FILE_ORDER_STATE_VERSION if self._streams[0].file_order else STATE_VERSION,
             "world_size": self.world_size,
             "rank": self.rank,
             "seed": self.config.seed,
@@ -381,7 +382,7 @@ class MixtureLoader(PrefetchingLoader):
                     "resume on the same shards or start a new run"
                 )
         self._stop_producer()
-        if state["version"] < 3:  # its cursors count groups in the files' order (config.py)
+        if state["version"] <= FILE_ORDER_STATE_VERSION:  # its cursors count groups in the files' order
             for stream in self._streams:
                 stream.file_order = True
             self._held = {}

@@ -22,10 +22,10 @@ counts differ by about a block, and the remainder only has to make that up (the 
 1 at a world size of 8; store/loader/__init__.py gives the figures). With fewer than
 ``MIN_BLOCKS_PER_RANK`` blocks per rank (a small dataset) whole blocks would share the groups out too
 unevenly, so the ranks instead *share* one stream, that of a world size of 1: every rank reads every
-block that holds one of its groups (as small as the dataset is) and rank ``r`` takes the stream's groups ``r, r + w, r + 2w, ...`` (so
-the first step of each of ``w`` ranks together are the first step of one rank with ``w`` times the
-groups, when no filter drops one). A rank's share as a list of pieces is its stream; a world size of 1,
-or a shared stream, is the block order itself.
+block that holds one of its groups (as small as the dataset is) and rank ``r`` takes the stream's
+groups ``r, r + w, r + 2w, ...`` (so the first step of each of ``w`` ranks together are the first step
+of one rank with ``w`` times the groups, when no filter drops one). A rank's share as a list of pieces
+is its stream; a world size of 1, or a shared stream, is the block order itself.
 
 **Windows.** A rank's stream is cut into consecutive windows of ``shuffle_window`` groups, each
 permuted by ``(seed, epoch, window)``. Memory: one window of groups. The blocks of a window are read in
@@ -153,7 +153,7 @@ class EpochPlan:
             at, start, count = (np.array(c, np.int64).reshape(-1) for c in zip(*pieces[rank])) if pieces[rank] else \
                 (np.zeros(0, np.int64),) * 3
             self.piece_block, self.piece_start, self.piece_groups = self.order[at], start, count
-        else:  # shared: every rank reads the blocks of its groups (about all); rank r takes the stream's groups r, r + w, r + 2w, ...
+        else:  # shared: each rank reads the blocks of its groups (about all); rank r takes groups r, r + w, r + 2w, ...
             self.piece_block, self.piece_start, self.piece_groups = self.order, np.zeros(n, np.int64), sizes
             shares = np.array([_residues(int(sizes.sum()), r, w) for r in range(w)], np.int64)
         self.shares = shares  # [world size] groups of each rank's share
@@ -166,10 +166,6 @@ class EpochPlan:
         self.step_cap = least // g if cfg.tail == "drop" else -(-least // g)
         self.rank, self.world_size = rank, w
 
-    def mine(self, position: int) -> bool:
-        """Whether the group at stream position ``position`` is this rank's (every one, unless shared)."""
-        return not self.shared or position % self.world_size == self.rank
-
     def left(self, position: int) -> int:
         """This rank's groups of the epoch at stream positions ``position`` and after."""
         if not self.shared:
@@ -180,20 +176,22 @@ class EpochPlan:
     def bounds(self, k: int) -> tuple[int, int]:
         return k * self.window, min((k + 1) * self.window, self.num_groups)
 
-    def draws(self, k: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Window ``k``'s groups from stream position ``start`` on, in the order they are taken: their index in the
-        window (``p``, whose group is the one at position ``lo + permutation[p]``) and the piece holding each.
-        This rank's groups only."""
+    def draws(self, k: int, start: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Window ``k``'s groups from stream position ``start`` on, in the order they are taken, this rank's only
+        (all of them unless shared: then the slots ``p`` with ``(lo + p) % world_size == rank``): each one's slot
+        ``p`` in the window (the cursor's position after it is ``lo + p + 1``), its stream position ``lo +
+        permutation[p]`` and the piece holding that."""
         lo, hi = self.bounds(k)
         p = np.arange(max(start, lo) - lo, hi - lo)  # [n]
         if self.shared:
             p = p[(lo + p) % self.world_size == self.rank]
-        return p, np.searchsorted(self.cum, lo + self.permutation(k)[p], side="right") - 1
+        position = lo + self.permutation(k)[p]
+        return p, position, np.searchsorted(self.cum, position, side="right") - 1
 
     def read_order(self, k: int, start: int = 0) -> list[int]:
         """The pieces window ``k``'s groups from position ``start`` on draw from, in the order they are first
         needed: a step waits only for the blocks its own groups are in, not for the whole window."""
-        _, pieces = self.draws(k, start)
+        _, _, pieces = self.draws(k, start)
         _, first = np.unique(pieces, return_index=True)
         return pieces[np.sort(first)].tolist()
 

@@ -18,6 +18,7 @@ from rollshard.store.loader.blocks import scan_blocks
 from rollshard.store.loader.config import (
     MIXTURE_STATE_FORMAT,
     STATE_FORMAT,
+    FILE_ORDER_STATE_VERSION,
     STATE_VERSION,
     LoaderConfig,
     SYNC_END,
@@ -303,7 +304,7 @@ class RolloutLoader(PrefetchingLoader):
         c = self._cursor
         return {
             "format": STATE_FORMAT,
-            "version": 2 if self._stream.file_order else STATE_VERSION,  # the order its cursor counts in
+            "version": FILE_ORDER_STATE_VERSION if self._stream.file_order else STATE_VERSION,  # its cursor's order
             "world_size": self.world_size,
             "rank": self.rank,
             "seed": self.config.seed,
@@ -331,7 +332,7 @@ class RolloutLoader(PrefetchingLoader):
         check_state_header(state, STATE_FORMAT)
         check_state_settings(state, self.state_dict())
         self._stop_producer()
-        if state["version"] < 3:  # its cursor counts groups in the file's order (config.py)
+        if state["version"] <= FILE_ORDER_STATE_VERSION:  # its cursor counts groups in the file's order
             self._stream.file_order, self._held = True, {}
         self._cursor = Cursor(state["epoch"], state["cursor"]["position"], state["cursor"]["step"])
         self._epoch_counts = dict(state.get("epoch_counts") or {})

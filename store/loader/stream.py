@@ -207,12 +207,9 @@ class GroupStream:
                 first = int(np.searchsorted(plan.cum, lo, side="right") - 1)  # the window's first piece
                 for key in [key for key in held if key < (epoch, first)]:  # earlier windows' only
                     del held[key]
-                perm = plan.permutation(k)
-                ps, pieces = plan.draws(k, position)
-                for p, i in zip(ps.tolist(), pieces.tolist()):
+                for p, q, i in zip(*(a.tolist() for a in plan.draws(k, position))):
                     if (epoch, i) not in held:  # the reader reads the pieces in the order they are first needed
                         self._pull(reader, held, epoch, i, first, stop)
-                    q = lo + int(perm[p])
                     yield epoch, lo + p + 1, held[(epoch, i)], int(plan.piece_start[i]) + q - int(plan.cum[i])
             yield EpochEnd(epoch=epoch, num_groups=plan.num_groups)
             epoch, position = epoch + 1, 0
