@@ -389,6 +389,9 @@ class Trainer:
                     waited = time.perf_counter() - t0
                     if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
                         self.stopped_by = stop.name  # a signal that ended a wait for data (--follow), or None
+                        if stop.name is None and bar.total is not None and bar.n < bar.total:
+                            bar.total = bar.n  # the plan was an upper bound (filters dropped groups): all done
+                            bar.refresh()
                         break  # the data ended (on some rank: all stop together)
                     if not signal_checked:
                         self._check_signal()

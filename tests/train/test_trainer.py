@@ -4,6 +4,7 @@ versions, the step's metrics and the run's constants."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 
@@ -349,6 +350,22 @@ def test_progress_bar_knows_the_steps_and_no_progress_silences_transformers(tiny
         assert trainer.planned_steps() == 4  # --max-steps 5, but the data holds 4
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_the_bar_ends_full_when_filters_left_fewer_steps_than_planned(tiny_gpt2, tmp_path, capsys):
+    # The plan counts the groups before the filters: 4 steps of one group, of which --drop-zero-variance leaves 2. The
+    # bar's end says what the run did (2/2), not 2/4 at the end of the data.
+    data = write_rows(tmp_path / "data", [[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.0, 0.0]])
+    sections = {"data": {"groups_per_step": 1, "drop_zero_variance": True},
+                "trainer": {"max_steps": None, "progress": True}}
+    trainer = Trainer(make_config(data, tiny_gpt2, tmp_path / "run", **sections))
+    try:
+        assert trainer.planned_steps() == 4
+        assert len(trainer.run()) == 2
+    finally:
+        trainer.close()
+    renders = [r for r in re.split(r"[\r\n]", capsys.readouterr().err) if "step" in r and "|" in r]
+    assert "2/2 " in renders[-1] and "100%" in renders[-1], renders[-3:]
 
 
 def test_torn_metrics_line_is_dropped_on_resume(tiny_dataset, tiny_gpt2, tmp_path):
