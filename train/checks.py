@@ -69,8 +69,8 @@ def no_signal_warning(
     return (
         f"no learning signal: of the {groups} groups in --data, {' and '.join(parts)}{equal}, so every advantage is 0 "
         "and every step's loss and gradient will be 0; check the reward function on a few rows (rollshard-store "
-        "inspect), and generate more samples per prompt (--n-samples) or at a higher temperature so a group's "
-        "rewards can differ"
+        "inspect), and generate more samples per prompt (--n-samples) or at another temperature (lower where a "
+        "model's samples all fail, higher where they all succeed) so a group's rewards can differ"
     )
 
 
