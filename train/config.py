@@ -362,8 +362,9 @@ class TrainConfig:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> "TrainConfig":
-        """Strict: an unknown section or key is an error naming it."""
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config", flags: bool = False) -> "TrainConfig":
+        """Strict: an unknown section or key is an error naming it. ``flags``: the values came from the command
+        line, so a value of the wrong kind is named by its flag (``--mode``), not by its key (``loss.mode``)."""
         unknown = set(d) - set(SECTIONS)
         if unknown:
             raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; sections are {list(SECTIONS)}")
@@ -379,11 +380,12 @@ class TrainConfig:
                 from rollshard.store.loader.mixture import sources_text
 
                 raw = {**raw, "path": sources_text(raw["path"])}
+            fields = {f.name: f for f in dataclasses.fields(kls)}
             for key, value in raw.items():
                 try:
                     kw[key] = _coerce(value, hints[key])
                 except (TypeError, ValueError) as e:
-                    raise ValueError(f"{where}: {name}.{key}: {e}") from e
+                    raise ValueError(f"{flag_of(fields[key])}: {e}" if flags else f"{where}: {name}.{key}: {e}") from e
             sections[name] = kls(**kw)
         return cls(**sections)
 
@@ -564,4 +566,5 @@ def resolve(args: argparse.Namespace, *, require_paths: bool = True) -> TrainCon
         if "." in dest:
             section, key = dest.split(".", 1)
             base[section][key] = value
-    return TrainConfig.from_dict(base, where="command line").validate(require_paths=require_paths)
+    # The file's values were checked as it was read (from_yaml): a value that does not fit here is a flag's.
+    return TrainConfig.from_dict(base, where="command line", flags=True).validate(require_paths=require_paths)

@@ -50,6 +50,23 @@ def test_usage_errors_are_one_line(argv, message, capsys):
     assert err.startswith("rollshard-train: error:") and message in err and "\n" not in err
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--mode", "foo", "--mode: 'foo' is not one of bypass, decoupled"),
+        ("--lr", "abc", "--lr: could not convert string to float: 'abc'"),
+        ("--ratio-level", "row", "--ratio-level: 'row' is not one of token, sequence"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_named_by_the_flag_it_was_given_with(flag, value, message, tmp_path, capsys):
+    assert main(["--data", "d", "--model", "m", "--out", "o", flag, value]) == 2
+    assert capsys.readouterr().err == f"rollshard-train: error: {message}\n"
+    (tmp_path / "train.yaml").write_text("loss:\n  mode: foo\n")  # a config file's value: named by its key there
+    assert main(["--config", str(tmp_path / "train.yaml"), "--data", "d", "--model", "m", "--out", "o"]) == 2
+    message = f"{tmp_path / 'train.yaml'}: loss.mode: 'foo' is not one of bypass, decoupled"
+    assert capsys.readouterr().err == f"rollshard-train: error: {message}\n"
+
+
 def test_missing_dataset_is_a_clear_error(tiny_gpt2, tmp_path, capsys):
     assert main(args_for(tmp_path / "nowhere", tiny_gpt2, tmp_path / "run")) == 2
     assert "no rollshard dataset" in capsys.readouterr().err

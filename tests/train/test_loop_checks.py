@@ -28,7 +28,7 @@ def stages(monkeypatch) -> list[str]:
     [
         (["--train", "--lrr 1"], "rollshard-loop: error: --train: unrecognized arguments: --lrr 1"),
         (["--train", "--eps-low 1.5"], "rollshard-loop: error: --train: --eps-low 1.5 must be in [0, 1] (1: no lower bound)"),
-        (["--train", "--agg nope"], "rollshard-loop: error: --train: command line: loss.agg: 'nope' is not one of"),
+        (["--train", "--agg nope"], "rollshard-loop: error: --train: --agg: 'nope' is not one of"),
         (["--generate", "--bogus 3"], "rollshard-loop: error: --generate: unrecognized arguments: --bogus 3"),
         (["--generate", "--temperature -0.5"],
          "rollshard-loop: error: --generate: --temperature -0.5 must be a finite number >= 0"),
