@@ -545,8 +545,8 @@ def test_correction_keys_from_yaml_and_flags_over_them(tmp_path):
         (["--dppo-kl-tau", "-1"], "--dppo-kl-tau"),
         (["--opsm-delta", "-0.0001"], "--opsm-delta"),
         (["--k3-rs", "-0.01"], "--k3-rs"),
-        (["--pg-loss", "grpo"], "pg_loss"),  # a Literal's error names the key (loss.pg_loss) and the choices
-        (["--k3-rs-reduce", "max"], "k3_rs_reduce"),
+        (["--pg-loss", "grpo"], "--pg-loss: 'grpo' is not one of ppo, cispo"),  # a Literal's: the flag, the choices
+        (["--k3-rs-reduce", "max"], "--k3-rs-reduce: 'max' is not one of"),
         (["--pg-loss", "cispo", "--eps-low", "1.5"], "--eps-low"),
     ],
 )
