@@ -4,14 +4,17 @@
 #
 # The first .venv built on a machine is kept as a copy outside the checkout, keyed by what decides its contents
 # (the Python, pyproject.toml, constraints/cpu.txt), as the SGLang venv is: a fresh clone's set-up copies it (about
-# 15 s) instead of installing every package again (about 2 minutes on 2 cores), then installs rollshard itself.
-#   ROLLSHARD_VENV_CACHE=DIR   keep it in DIR instead of ${XDG_CACHE_HOME:-~/.cache}/rollshard/venv-dev-<key>
+# 20-30 s) instead of installing every package again (about 2 minutes on 2 cores), then installs rollshard itself.
+#   ROLLSHARD_VENV_CACHE=DIR   keep it as DIR/venv-dev-<key> (default DIR: ${XDG_CACHE_HOME:-~/.cache}/rollshard)
 #   ROLLSHARD_VENV_CACHE=off   neither read nor keep a copy
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 KEY=$({ "$PY" -VV; cat pyproject.toml constraints/cpu.txt; } | sha256sum | cut -c1-16)
-CACHED=${ROLLSHARD_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollshard/venv-dev-$KEY}
+CACHED=off
+if [ "${ROLLSHARD_VENV_CACHE:-}" != off ]; then
+    CACHED=${ROLLSHARD_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollshard}/venv-dev-$KEY
+fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 cached_ok() {
