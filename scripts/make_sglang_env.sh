@@ -33,7 +33,7 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$SGLANG_VERSI
     exit 0
 fi
 if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sglang; print(sglang.__version__)' 2>/dev/null)" = "$SGLANG_VERSION" ]; then
-    echo "$SGLANG_VERSION" > "$STAMP"
+    echo "$SGLANG_VERSION" 2>/dev/null > "$STAMP" || true  # a venv this user cannot write to is checked each time
     echo "sglang environment ready: $VENV ($SGLANG_VERSION)"
     exit 0
 fi

@@ -35,3 +35,14 @@ def test_the_first_check_imports_sglang_and_later_ones_read_its_stamp(tmp_path):
 
     other = check(venv, version="0.6.0")  # another pin: neither the stamp nor the import says ready, so it builds
     assert other.returncode != 0 and "ready" not in other.stdout  # (a build that fails: PYTHON=false, or no disk)
+
+
+def test_a_venv_where_the_stamp_cannot_be_written_is_still_ready(tmp_path):
+    venv, stub = tmp_path / "venv", tmp_path / "stub"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / ".rollshard-sglang-ready").mkdir()  # unwritable as a file (as a venv of another user's would be)
+    (stub / "sglang").mkdir(parents=True)
+    (stub / "sglang" / "__init__.py").write_text('__version__ = "0.5.23"\n')
+    p = check(venv, stub=stub)
+    assert p.returncode == 0 and p.stdout == f"sglang environment ready: {venv} (0.5.23)\n", p.stderr
