@@ -7,7 +7,9 @@ every parameter and AdamW moment is a DTensor sharded along dim 0: each rank wri
 chunks to its own file and reads back only the slices it holds, so no rank ever holds more than its
 share. DCP's load planner maps the saved chunks onto the live ones, so a folder written by N
 processes loads into M (resharding; the trainer itself still refuses another world size, because
-the loader's cursors are per rank). One process (no process group) writes and reads the same format.
+the loader's cursors are per rank). One process (no process group) writes the same files itself, streaming
+each tensor out (:func:`write_whole`: DCP builds each file in memory first, several times slower), and reads them
+with DCP.
 
 A ``shards/`` folder:
 
@@ -58,6 +60,9 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 HEADER_ALIGN = 8  # the safetensors library pads its JSON header with spaces to a multiple of 8 bytes
+# The __metadata__ keys of DCP's safetensors storage (torch.distributed.checkpoint._hf_utils): each file's chunk offsets
+# as a JSON string, and the layout's version.
+DCP_SHARDING_INFO, DCP_VERSION = "DCP_SHARDING_INFO", "DCP_VERSION"
 # DCP's safetensors writer serializes a whole file in memory before writing it (the file's bytes, plus a copy of each
 # FSDP2 parameter shard, a view into a padded buffer): files of at most this much per rank bound that transient.
 FILE_BYTES_PER_RANK = 256 * 2**20
@@ -145,18 +150,68 @@ def save_sharded(
 ) -> None:
     """Write the weights and optimizer state of every rank into ``folder`` (collective: every rank calls it
     and writes its own file; rank 0 writes ``optimizer.json``). ``strip``: a prefix of the module's names
-    that the files leave out (the policy wrapper's ``model.``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    that the files leave out (the policy wrapper's ``model.``). Not fsynced: the checkpoint's save does that.
+
+    Under FSDP (several processes) DCP writes each rank's chunks. One process writes the same files itself
+    (:func:`write_whole`): DCP serializes every file in memory before it writes it, 5-10x the time of
+    streaming the tensors out (docs/performance.md)."""
+    from torch.distributed.tensor import DTensor
 
     model_sd, optim_sd = _live_state(module, optimizer)
     tensors, meta = _split(model_sd, optim_sd, aliases=tied_aliases(module), strip=strip)
-    with _dcp_quiet():
-        files = file_buckets(tensors, world_size=env.world_size)
-        writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-        dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
+    files = file_buckets(tensors, world_size=env.world_size)
+    if not env.enabled and not any(isinstance(t, DTensor) or t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
+        write_whole(folder, tensors, files)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        with _dcp_quiet():
+            writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
+            dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
     if env.is_main:
         (folder / OPTIM_META).write_text(json.dumps(meta, indent=1))
+
+
+def write_whole(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str, int]) -> None:
+    """The files DCP's safetensors storage writes for one process holding ``tensors`` whole (``files``: tensor name
+    -> file number), streamed a tensor at a time: the file names, the headers (DCP's chunk offsets, all 0, in
+    ``__metadata__``) and the data are DCP's (a test compares them), so DCP's reader loads them into any world size.
+    Extra memory: one tensor (a device tensor is copied to the host one at a time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    last = max(files.values(), default=0)
+    for index in range(1, last + 1):
+        names = [k for k in tensors if files[k] == index]
+        chunks = {k: {"saved_offsets": [0] * tensors[k].dim()} for k in names}  # DCP's json.dumps, default spacing
+        meta = {DCP_SHARDING_INFO: json.dumps(chunks), DCP_VERSION: "1.0", "format": "pt"}
+        order, header = _safetensors_header({k: tensors[k] for k in names}, meta)
+        name = f"shard-00001-model-{index:05d}-of-{last:05d}.safetensors"  # DCP's name for rank 0's file
+        with open(folder / name, "wb") as f:
+            f.write(header)
+            for k in order:
+                f.write(_bytes(tensors[k]))
+
+
+def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[list[str], bytes]:
+    """(the tensors' order in the file, the file's first bytes: header length and JSON header) of a safetensors
+    file of ``tensors``: largest item size first, then by name (the library's order for one dtype), so that every
+    offset is a multiple of its item size."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        size = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % HEADER_ALIGN)
+    return order, struct.pack("<Q", len(blob)) + blob
+
+
+def _bytes(t: torch.Tensor):
+    """A tensor's bytes as the file holds them (on the host, C order)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def load_sharded(
@@ -219,23 +274,13 @@ def save_gathered(path: Path, tensors: dict[str, torch.Tensor], *, write: bool) 
     library's order for one dtype), so every offset is a multiple of its item size."""
     from torch.distributed.tensor import DTensor
 
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # what transformers' save_pretrained records
-    offset = 0
-    for k in order:
-        t = tensors[k]
-        size = t.numel() * t.element_size()
-        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % HEADER_ALIGN)
+    order, header = _safetensors_header(tensors, {"format": "pt"})  # what transformers' save_pretrained records
     with open(path, "wb") if write else contextlib.nullcontext() as f:
         if f is not None:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
+            f.write(header)
         for k in order:
             t = tensors[k]
             whole = t.full_tensor() if isinstance(t, DTensor) else t
             if f is not None:
-                f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(_bytes(whole))
             del whole

@@ -4,6 +4,7 @@ checked before publishing."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -111,6 +112,51 @@ def test_shards_are_safetensors_and_json_without_pickle(tiny_gpt2, tmp_path):
             assert torch.equal(tensors[f"optim/{name}/{key}"], b.optimizer.state[p][key]), (name, key)
     assert meta["param_groups"][0]["lr"] == b.optimizer.param_groups[0]["lr"] > 0
     assert meta["param_groups"][0]["params"][0] == "transformer.wte.weight"  # transformers names, no wrapper prefix
+
+
+def safetensors_parts(path: Path) -> tuple[dict, dict[str, bytes]]:
+    """(a safetensors file's header, its ``__metadata__`` JSON strings parsed, and each tensor's bytes by name)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    meta = {k: json.loads(v) if v.startswith("{") else v for k, v in header.pop("__metadata__").items()}
+    data = {k: raw[8 + n + h["data_offsets"][0] : 8 + n + h["data_offsets"][1]] for k, h in header.items()}
+    return {"metadata": meta, "tensors": {k: (h["dtype"], h["shape"]) for k, h in header.items()}}, data
+
+
+@pytest.mark.parametrize("model", ["tiny_gpt2", "tiny_qwen3"])
+def test_one_process_writes_the_files_dcp_writes_without_dcp(model, request, tmp_path, monkeypatch):
+    # One process streams its state out itself (DCP serializes each file in memory first, several times slower):
+    # the same file names, headers (DCP's chunk offsets in __metadata__) and tensor bytes as DCP's safetensors
+    # storage writes, so DCP's reader loads them. Several files: the file size bound is DCP's too.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    import rollshard.train.sharded as sharded
+
+    monkeypatch.setattr(sharded, "FILE_BYTES_PER_RANK", 100_000)
+    b = backend(request.getfixturevalue(model))
+    one_update(b)
+    model_sd, optim_sd = sharded._live_state(b.policy, b.optimizer)
+    tensors, _ = sharded._split(model_sd, optim_sd, aliases=sharded.tied_aliases(b.policy), strip="model.")
+    writer = HuggingFaceStorageWriter(str(tmp_path / "dcp"), fqn_to_index_mapping=sharded.file_buckets(tensors,
+                                      world_size=1), save_distributed=True)
+    with sharded._dcp_quiet():
+        dcp.save(tensors, storage_writer=writer, no_dist=True)
+
+    def refuse(*a, **kw):
+        raise AssertionError("one process saved through dcp.save")
+
+    monkeypatch.setattr(dcp, "save", refuse)
+    b.save_state(tmp_path / "own")
+    names = sorted(p.name for p in (tmp_path / "dcp").glob("*.safetensors"))
+    assert len(names) > 10 and names == sorted(p.name for p in (tmp_path / "own").glob("*.safetensors"))
+    for name in names:
+        assert safetensors_parts(tmp_path / "own" / name) == safetensors_parts(tmp_path / "dcp" / name), name
+    c = backend(request.getfixturevalue(model))
+    c.load_state(tmp_path / "own")
+    c.updates = b.updates  # counted in the checkpoint's trainer state, not in the shards
+    assert_same_state(b, c)
 
 
 @pytest.mark.parametrize("model", ["tiny_gpt2", "tiny_qwen3"])
