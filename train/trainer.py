@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from rollshard.store.common import progress
-from rollshard.store.loader import FILTER_KEYS, NoStepError, NoStepWarning, Step, StepLoader
+from rollshard.store.loader import FILTER_KEYS, NO_VERSION, NoStepError, NoStepWarning, Step, StepLoader
 from rollshard.store.loader.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
@@ -662,8 +662,10 @@ class Trainer:
                     acc.add_sum(f"{key}/_sum", r)
                     acc.add_sum(f"{key}/_sumsq", r * r)
                     acc.add_sum(f"{key}/_n", 1.0)
-            for v in mb.weight_versions:
-                lag = self._staleness(v)
+            # a row's staleness is its oldest token's (the staleness filter's measure), else its weight_version's
+            oldest = mb.oldest_versions.tolist() if mb.oldest_versions is not None else [None] * mb.num_sequences
+            for v, first in zip(mb.weight_versions, oldest):
+                lag = self._staleness(v) if first is None else (None if first == NO_VERSION else self.version - first)
                 acc.add_sum(f"staleness/hist/{lag if lag is not None else 'unknown'}", 1.0)
                 if lag is not None:
                     acc.add_max("staleness/max", float(lag))

@@ -92,6 +92,7 @@ from rollshard.store.common import DataError
 from rollshard.store.loader.config import (
     FILTER_KEYS,
     SAMPLING_COLUMNS,
+    NO_VERSION,
     SMALL_COLUMNS,
     SYNC_END,
     SYNC_FAILED,
@@ -112,6 +113,7 @@ __all__ = [
     "DataError",
     "FILTER_KEYS",
     "HF_GROUP_SCHEMA",
+    "NO_VERSION",
     "SAMPLING_COLUMNS",
     "SMALL_COLUMNS",
     "SYNC_END",

@@ -94,6 +94,7 @@ def gather_sequences(groups: list[tuple[BlockData, int, np.ndarray]]) -> tuple[S
             cols["agent"].append(bd.agent[row])
             cols["sample_id"].append(bd.sample_id[row])
             cols["weight_version"].append(bd.weight_version[row])
+            cols["oldest_version"].append(bd.oldest[row])
             support = bd.row_support(row)
             cols["support"].append(support)
             cols["sampling_logprobs"].append(None if support is None else bd.row_tokens("sampling_logprobs", row))
@@ -110,6 +111,7 @@ def gather_sequences(groups: list[tuple[BlockData, int, np.ndarray]]) -> tuple[S
         agent=cols["agent"],
         sample_id=cols["sample_id"],
         weight_version=cols["weight_version"],
+        oldest_version=np.asarray(cols["oldest_version"], np.int64),
         sampling_logprobs=cols["sampling_logprobs"] if any_support else None,
         support=cols["support"] if any_support else None,
         routing=cols["routing"] if any(r is not None for r in cols["routing"]) else None,

@@ -51,32 +51,42 @@ class Filters:
 
 
 
-def _versions(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+def _versions(col: pa.ChunkedArray | pa.Array, strict: bool = True) -> np.ndarray:
+    """[rows] int64 versions; NO_VERSION for a null, and (not ``strict``) for a version that is no integer."""
     enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
     idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
-    parsed = [parse_version(v, "weight_version") for v in enc.dictionary.to_pylist()]
+    parse = parse_version if strict else _lenient_version
+    parsed = [parse(v, "weight_version") for v in enc.dictionary.to_pylist()]
     values = np.array(parsed + [NO_VERSION], np.int64)
     return values[idx]  # index -1 (null) picks NO_VERSION
 
 
-def oldest_versions(small: pa.Table) -> np.ndarray:
+def oldest_versions(small: pa.Table, strict: bool = True) -> np.ndarray:
     """[rows] each row's oldest policy version: its ``weight_version``, or the least of its tokens' spans
     (``weight_versions``: a request continued across a weight update has several) when older; NO_VERSION when
-    the row has no version."""
-    versions = _versions(small.column("weight_version"))
+    the row has no version. ``strict``: a version that is no integer raises (the staleness filter compares
+    them), else it counts as no version (its row's staleness is unknown)."""
+    versions = _versions(small.column("weight_version"), strict)
     if "weight_versions" not in small.column_names:
         return versions
     spans = small.column("weight_versions").combine_chunks()
     lengths = spans.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
     if not lengths.any():
         return versions
-    span_versions = _versions(pc.struct_field(pc.list_flatten(spans), "version"))  # [spans]
+    span_versions = _versions(pc.struct_field(pc.list_flatten(spans), "version"), strict)  # [spans]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     has = lengths > 0
     oldest = versions.copy()
     oldest[has] = np.minimum(versions[has], np.minimum.reduceat(span_versions, starts[has]))
     # NO_VERSION is the least int64: a row without a weight_version, or with a span without one, stays unknown
     return oldest
+
+
+def _lenient_version(version: Any, what: str) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return NO_VERSION
 
 
 def parse_version(version: Any, what: str) -> int:

@@ -85,6 +85,8 @@ class PackedBatch:
     sample_ids: list[str]  # [S]
     weight_versions: list[str | None]  # [S]
     num_tokens: int  # T
+    # [S] int64 each sequence's oldest policy version, of its tokens' spans (NO_VERSION: unknown); None: not read
+    oldest_versions: torch.Tensor | None = None
     num_loss_tokens: int  # tokens with loss_mask 1
     # Schema 1.1 sampling support; None when no row of the micro-batch has one (no cost for 1.0 data).
     sampling_logprobs: torch.Tensor | None = None  # [T] float32, stored sampling logprob where has_support, else 0
@@ -142,6 +144,7 @@ class Sequences:
     agent: list[str]
     sample_id: list[str]
     weight_version: list[str | None]
+    oldest_version: np.ndarray | None = None  # [S] int64, the oldest of each row's versions (NO_VERSION: unknown)
     # Schema 1.1, None when no sequence has a support; else per sequence None (no support) or its arrays.
     sampling_logprobs: list[np.ndarray | None] | None = None  # S arrays of float32, one per response token
     support: list[tuple[np.ndarray, np.ndarray] | None] | None = None  # S (ids int32 [n], sizes [R] per token)
@@ -272,6 +275,7 @@ def pack_step(seqs: Sequences, budget: int, support_budget: int | None = None) -
     response_start = cu[:-1] + p_len  # [S] step-wide
     group = seqs.group[order].astype(np.int64)
     reward = seqs.reward[order].astype(np.float32)
+    oldest = None if seqs.oldest_version is None else seqs.oldest_version[order]
     batches, first = [], 0
     for b in bins:
         last = first + len(b)
@@ -290,6 +294,7 @@ def pack_step(seqs: Sequences, budget: int, support_budget: int | None = None) -
                 agents=[seqs.agent[i] for i in ids],
                 sample_ids=[seqs.sample_id[i] for i in ids],
                 weight_versions=[seqs.weight_version[i] for i in ids],
+                oldest_versions=None if oldest is None else torch.from_numpy(oldest[first:last]),
                 num_tokens=hi - lo,
                 num_loss_tokens=int(seq_loss[first:last].sum()),
             )

@@ -60,7 +60,10 @@ class BlockData:
         self.pass_agent = None
         if filters.agents is not None:
             self.pass_agent = _bool(pc.is_in(_single(small.column("agent")), value_set=filters.agents))
-        self.version = oldest_versions(small) if filters.staleness else None
+        # [rows] each row's oldest policy version (NO_VERSION: unknown); what the staleness filter compares (it
+        # refuses a version that is no integer) and what the trainer's staleness figures count
+        self.oldest = oldest_versions(small, strict=filters.staleness)
+        self.version = self.oldest if filters.staleness else None
         self.reward = small.column("reward").to_numpy().astype(np.float32)  # null (failed rows) -> NaN
         self.temperature = small.column("temperature").to_numpy().astype(np.float32)  # null -> NaN
         self.sample_id: list[str] = small.column("sample_id").to_pylist()
@@ -134,7 +137,7 @@ def read_block(pf: pq.ParquetFile, block: Block, filters: Filters, shard: str, c
     rgs = list(block.row_groups)
     where = f"{shard} (row group{'s' * (len(rgs) > 1)} {', '.join(map(str, rgs))})"
     try:
-        small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS + (SPAN_COLUMNS if filters.staleness else [])))
+        small = _one_chunk(pf.read_row_groups(rgs, columns=SMALL_COLUMNS + SPAN_COLUMNS))
         tokens = None
         routing = None
         if _passes(small, filters).any():  # the sampling columns only from a shard that has them (not a 1.0 one)

@@ -248,6 +248,36 @@ def test_initial_version_comes_from_a_checkpoint_folder(tiny_dataset, tiny_gpt2,
     assert m["train/weight_version"] == 11.0
 
 
+@pytest.mark.parametrize("max_staleness", [None, 5])
+def test_staleness_figures_count_a_rows_oldest_token_as_the_filter_does(tiny_gpt2, tmp_path, max_staleness):
+    # Policy version 3. Rows recorded as version 2 whose first tokens came from version 1 (a request continued across
+    # a weight update) are 2 versions stale, as --max-staleness counts them; single-span rows of version 2 are 1;
+    # a version that is no integer is unknown (only the staleness filter refuses one).
+    from rollshard.store.format.schema import Row, Status, WeightSpan
+    from rollshard.store.io.writer import ShardWriter
+
+    def row(g: int, i: int, version: str, spans: list[tuple[str, int, int]] | None) -> Row:
+        return Row(sample_id=f"p{g}-{i}", prompt_id=f"p{g}", group_id=f"p{g}/policy/0", agent="policy", round=0,
+                   prompt_tokens=[5 + g, 6, 7], response_tokens=[11 * i + k + 3 for k in range(4)],
+                   rollout_logprobs=[-1.0] * 4, loss_mask=[1] * 4, reward=float(i % 2), status=Status.COMPLETED,
+                   finish_reason="stop", weight_version=version, temperature=1.0, top_p=1.0, top_k=-1,
+                   weight_versions=None if spans is None else [WeightSpan(version=v, start=a, end=b) for v, a, b in spans])
+
+    groups = [[row(0, i, "2", [("1", 0, 2), ("2", 2, 4)] if i < 3 else None) for i in range(4)],
+              [row(1, i, "2", None) for i in range(4)]]
+    if max_staleness is None:
+        groups.append([row(2, i, "run-a", None) for i in range(2)])
+    with ShardWriter(tmp_path / "data", writer_id="test") as w:
+        for rows in groups:
+            w.write_group(rows)
+    config = make_config(tmp_path / "data", tiny_gpt2, tmp_path / "run", trainer={"max_steps": 1, "initial_version": 3},
+                         data={"groups_per_step": len(groups), "max_staleness": max_staleness})
+    m = train(config)[0]
+    assert m["staleness/hist/2"] == 3.0 and m["staleness/hist/1"] == 5.0  # the newest version said 1 for all 8
+    assert m["staleness/max"] == 2.0 and m["staleness/mean"] == pytest.approx(11 / 8)
+    assert m.get("staleness/hist/unknown", 0.0) == (2.0 if max_staleness is None else 0.0)
+
+
 def test_loss_metrics_are_the_step_loss_whatever_the_mini_batches(tiny_dataset, tiny_gpt2, tmp_path):
     # lr 0: both runs see the same weights, so the step's loss is the same number; each mini-batch's loss
     # is normalized by its own tokens, and the logged loss weights them by their share of the step's tokens.
