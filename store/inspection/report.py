@@ -270,7 +270,8 @@ def _staleness(page: Page, lf, agents) -> None:
     page.add(
         "staleness", "Staleness by weight version",
         _p("weight_version is the policy that generated a row (the last one when an update landed mid-response: "
-           "multi-version rows). Staleness: versions behind the newest in the dataset, as the trainer counts it."),
+           "multi-version rows). Staleness: versions behind the newest in the dataset. The trainer and --max-staleness "
+           "count a multi-version row from its oldest token, so such a row is staler there than its line here."),
         table_html(data.version_totals(counts), cls="versions"),
         page.figure(figures.staleness_figure(counts, agents), "rows by weight version"),
     )

@@ -3,8 +3,8 @@ prints as tables, and what its figures draw.
 
 Definitions are the store's own: reward statistics over finite rewards with the trainer's ddof
 (:mod:`rollshard.store.format.groups`), per-agent totals from :func:`rollshard.store.inspection.stats.dataset_stats` (so
-the report's numbers are ``rollshard-store stats --json``'s), staleness as the trainer counts it (the
-newest integer version minus the row's ``weight_version``).
+the report's numbers are ``rollshard-store stats --json``'s), staleness by version (the
+newest integer version minus the row's ``weight_version``; the trainer counts a multi-version row from its oldest).
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def row_mean_logprob(lf: pl.LazyFrame) -> pl.DataFrame:
 def staleness_counts(lf: pl.LazyFrame, current: int | None = None) -> pl.DataFrame:
     """Rows by weight_version and agent, with each version's staleness.
 
-    Staleness is ``current - int(weight_version)``, as the trainer and the loader's ``max_staleness`` count it;
-    ``current`` defaults to the newest integer version present. A version that is not an integer has no
+    Staleness is ``current - int(weight_version)``, as the trainer and the loader's ``max_staleness`` count a
+    single-version row (a multi-version row they count from its oldest token's version); ``current`` defaults to the newest integer version present. A version that is not an integer has no
     staleness (null). Versions come in their natural order (``2`` before ``10``)."""
     df = (
         lf.group_by("weight_version", "agent")
