@@ -7,9 +7,8 @@ Layout of ``OUT/checkpoints/step_00000012/`` (format 2):
   (``/update_weights_from_disk``) load as it is. Weights are the fp32 master weights, gathered
   one tensor at a time and written by rank 0 (``export_model``; peak: the largest tensor).
 * ``shards/``: the sharded weights and AdamW state, safetensors files of each rank in the layout
-  of torch.distributed.checkpoint's safetensors storage, which writes them under FSDP and reads
-  them (one process writes its own, streamed; rollshard.train.sharded: the layout, and why not
-  DCP's default pickled metadata). Each rank writes and reads only its
+  of torch.distributed.checkpoint's safetensors storage, which reads them (each rank streams its
+  own files out; rollshard.train.sharded: the layout, and why not DCP's default pickled metadata). Each rank writes and reads only its
   own shards; a resume rebuilds the model from the run's ``--model`` and loads every weight and
   moment from here. In a subfolder because engines load every ``*.safetensors`` file at the
   top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).

@@ -18,10 +18,9 @@ CPU, FSDP2 for 2+ processes), so that no measurement reuses memory another one f
   maps while reading (page cache, reclaimable) as well as allocations.
 
 Format 1 is written by the frozen copy of its writer (tests/train/v1_checkpoint.py) plus the same
-fsyncs; format 2 by ``rollshard.train.checkpoint.save_checkpoint``. On one process format 2 is measured twice:
-as rollshard writes it (its files streamed a tensor at a time, ``rollshard.train.sharded.write_whole``) and with
-the same files written by DCP's ``HuggingFaceStorageWriter`` (``dcp.save``, what one process used before, and
-what every rank still uses under FSDP). Prints a markdown table
+fsyncs; format 2 by ``rollshard.train.checkpoint.save_checkpoint``. Format 2 is measured twice: as rollshard
+writes it (each rank's files streamed a tensor at a time, ``rollshard.train.sharded.write_shards``) and with the
+same files written by DCP's ``HuggingFaceStorageWriter`` (``dcp.save``, what every rank used before). Prints a markdown table
 (``--json``: the figures as JSON). ``--repeat N``: the fastest save of N (with its load).
 """
 
@@ -86,15 +85,15 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
     if fmt == "v2-dcp":  # the same files through DCP's safetensors storage
         import rollshard.train.sharded as sharded
 
-        def dcp_write(folder: Path, tensors: dict, files: dict) -> None:
+        def dcp_write(folder: Path, tensors: dict, files: dict, *, rank: int) -> None:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
             with sharded._dcp_quiet():
                 writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-                dcp.save(tensors, storage_writer=writer, no_dist=True)
+                dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
 
-        sharded.write_whole = dcp_write
+        sharded.write_shards = dcp_write
     ckpt = latest_checkpoint(root) if op == "load" else None
     b = HFBackend(ModelConfig(path=model), OptimConfig(), env=env, total_updates=None,
                   weights_from=ckpt.weights_from if ckpt else None)
@@ -185,7 +184,7 @@ def main() -> None:
         model = build_model(Path(tmp), args.hidden, args.layers)
         for n in (int(x) for x in args.nprocs.split(",")):
             result: dict = {"world_size": n}
-            formats = [("v1", "format 1"), ("v2", "format 2")] + ([("v2-dcp", "format 2, DCP writer")] if n == 1 else [])
+            formats = [("v1", "format 1"), ("v2", "format 2"), ("v2-dcp", "format 2, DCP writer")]
             best: dict = {name: {} for _, name in formats}
             rounds = []  # each round's save seconds by format: every format once a round, so load changes hit all
             for _ in range(args.repeat):
@@ -210,10 +209,9 @@ def main() -> None:
                                 **{k: best[name]["save"][k] for k in sizes}}
                 result["parameters"] = best[name]["save"]["parameters"]
             result["save_s_rounds"] = rounds
-            if n == 1:  # > 1: rollshard's own writer is faster than DCP's for the same files
-                result["dcp_writer_over_own_save"] = {
-                    "best": best["format 2, DCP writer"]["save"]["s"] / best["format 2"]["save"]["s"],
-                    "rounds": [r["format 2, DCP writer"] / r["format 2"] for r in rounds]}
+            result["dcp_writer_over_own_save"] = {  # > 1: rollshard's own writer is faster than DCP's, same files
+                "best": best["format 2, DCP writer"]["save"]["s"] / best["format 2"]["save"]["s"],
+                "rounds": [r["format 2, DCP writer"] / r["format 2"] for r in rounds]}
             results.append(result)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -221,10 +219,9 @@ def main() -> None:
         print(f"GPT-2 {args.hidden} x {args.layers}: {results[0]['parameters'] / 1e9:.2f} B parameters\n")
         print(table(results))
         for r in results:
-            if "dcp_writer_over_own_save" in r:
-                ratio = r["dcp_writer_over_own_save"]
-                print(f"\none process, format 2: DCP's writer takes {ratio['best']:.2f}x rollshard's save (best of "
-                      f"{args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
+            ratio = r["dcp_writer_over_own_save"]
+            print(f"\n{r['world_size']} process(es), format 2: DCP's writer takes {ratio['best']:.2f}x rollshard's save "
+                  f"(best of {args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py first DATA MODEL OUT STEPS
     torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py resume DATA MODEL OUT STEPS
     torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py unshared DATA MODEL OUT STEPS
+    torchrun --standalone --nproc_per_node 2 fsdp_resume_worker.py dcp DATA MODEL OUT STEPS
 
 ``first`` trains STEPS steps straight into ``OUT/straight`` (one checkpoint, at the end), then the
 same run into ``OUT/resumed`` saving every step, and dies while saving step 2: rank 1 SIGKILLs
@@ -18,6 +19,10 @@ from each shard file while resuming (``OUT/reads-RANK.json``: file name -> bytes
 ``unshared`` trains one step into ``OUT/unshared`` and saves it, rank 1's shard files lost as they would be on
 a disk of its own (an ``--out`` not shared): rank 1 deletes them once written. Every rank raises the refusal;
 each writes its message to ``OUT/refused-RANK.txt`` (the run exits non-zero).
+
+``dcp`` trains STEPS steps into ``OUT/own`` (each rank writes its shard files itself; the calls of ``dcp.save`` it
+made go to ``OUT/dcp-saves-RANK.txt``), then saves the same state through ``dcp.save`` with DCP's safetensors storage
+into ``OUT/dcp``: the files the test compares them with.
 """
 
 from __future__ import annotations
@@ -127,6 +132,20 @@ def record_reads(out: Path, env) -> None:
     atexit.register(lambda: (out / f"reads-{env.rank}.json").write_text(json.dumps(reads)))
 
 
+def save_through_dcp(backend: HFBackend, folder: Path, env) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    import rollshard.train.sharded as sharded
+    from rollshard.train.backends.hf import POLICY_PREFIX
+
+    model_sd, optim_sd = sharded._live_state(backend.policy, backend.optimizer)
+    tensors, _ = sharded._split(model_sd, optim_sd, aliases=sharded.tied_aliases(backend.policy), strip=POLICY_PREFIX)
+    files = sharded.file_buckets(tensors, world_size=env.world_size)
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files,
+                                                              save_distributed=True))
+
+
 if __name__ == "__main__":
     mode, data, model, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
     env = init_distributed()
@@ -142,6 +161,19 @@ if __name__ == "__main__":
             except ValueError as e:
                 (out / f"refused-{env.rank}.txt").write_text(str(e))
                 raise
+        elif mode == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            real_save, saves = dcp.save, []
+            dcp.save = lambda *a, **kw: saves.append(1) or real_save(*a, **kw)
+            trainer = Trainer(config(data, model, str(out / "own"), steps, save_every=0), env=env)
+            try:
+                trainer.run()
+                (out / f"dcp-saves-{env.rank}.txt").write_text(str(len(saves)))
+                dcp.save = real_save
+                save_through_dcp(trainer.backend, out / "dcp", env)
+            finally:
+                trainer.close()
         else:
             record_reads(out, env)
             run(config(data, model, str(out / "resumed"), steps, save_every=1, resume=True), env)

@@ -24,6 +24,7 @@ from rollshard.train.config import ModelConfig, OptimConfig, TrainConfig
 from rollshard.train.metrics import read_metrics
 from rollshard.train.checkpoint import SHARDS_DIR
 from rollshard.train.trainer import Trainer
+from tests.train.test_checkpoint import safetensors_parts
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -213,6 +214,38 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
     })
     with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1; resume with the same number"):
         Trainer(cfg)
+
+
+def chunks(folder: Path) -> dict[tuple[str, tuple[int, ...]], tuple[str, tuple, list, bytes]]:
+    """Every chunk of a shards folder: (tensor, offsets) -> (the file holding it, dtype and shape, bytes)."""
+    out = {}
+    for f in sorted(folder.glob("shard-*.safetensors")):
+        parts, data = safetensors_parts(f)
+        info = parts["metadata"]["DCP_SHARDING_INFO"]
+        for name, (dtype, shape) in parts["tensors"].items():
+            out[name, tuple(info[name]["saved_offsets"])] = (f.name, (dtype, shape), data[name])
+    return out
+
+
+def test_each_rank_writes_the_chunks_dcp_writes(tiny_dataset, tiny_gpt2, tmp_path):
+    # Each rank streams its shard files out itself. DCP writes the same files: each rank's chunk of every weight and
+    # AdamW moment (FSDP2: along dim 0) in that rank's file, the same bytes at the same offsets; a tensor every rank
+    # holds whole (AdamW's step) once, in one rank's file (DCP balances which; rollshard: rank 0's).
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                str(HERE / "fsdp_resume_worker.py")]
+    proc = subprocess.run(torchrun + ["dcp", str(tiny_dataset), str(tiny_gpt2), str(tmp_path), "1"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [(tmp_path / f"dcp-saves-{r}.txt").read_text() for r in (0, 1)] == ["0", "0"]
+    own, dcp = chunks(latest_checkpoint(tmp_path / "own").path / SHARDS_DIR), chunks(tmp_path / "dcp")
+    assert own.keys() == dcp.keys() and len(own) > 30
+    whole = {key for key in own if key[0].endswith("/step")}
+    assert whole and all(own[key][0].startswith("shard-00001-") for key in whole)
+    for key in own:
+        assert own[key][1:] == dcp[key][1:], key  # dtype, shape and bytes
+        assert key in whole or own[key][0] == dcp[key][0], key  # a rank's chunk in that rank's file
+    assert {own[k][0] for k in own} == {dcp[k][0] for k in dcp} == {"shard-00001-model-00001-of-00001.safetensors",
+                                                                    "shard-00002-model-00001-of-00001.safetensors"}
 
 
 def test_a_save_missing_a_rank_shards_is_refused_on_every_rank(tiny_dataset, tiny_gpt2, tmp_path):
