@@ -63,8 +63,8 @@ HEADER_ALIGN = 8  # the safetensors library pads its JSON header with spaces to 
 # The __metadata__ keys of DCP's safetensors storage (torch.distributed.checkpoint._hf_utils): each file's chunk offsets
 # as a JSON string, and the layout's version.
 DCP_SHARDING_INFO, DCP_VERSION = "DCP_SHARDING_INFO", "DCP_VERSION"
-# DCP's safetensors writer serializes a whole file in memory before writing it (the file's bytes, plus a copy of each
-# FSDP2 parameter shard, a view into a padded buffer): files of at most this much per rank bound that transient.
+# Files of at most this much per rank: DCP's layout, which rollshard's writer keeps. DCP's own writer (still used for a
+# state write_shards does not take) serializes a whole file in memory before writing it; the bound caps that transient.
 FILE_BYTES_PER_RANK = 256 * 2**20
 # DCP warns on every call without a process group, which is how one process runs here (no_dist) by design.
 SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
