@@ -156,20 +156,29 @@ def save_sharded(
     writes it (measured on one process: 1.3-1.7x the time of the whole save, and 500 MiB more memory;
     docs/performance.md). State that only DCP's planner knows how to split (a DTensor on a mesh of more than one
     dimension, a dtype safetensors lacks) goes through ``dcp.save``, into the same layout."""
-    model_sd, optim_sd = _live_state(module, optimizer)
-    tensors, meta = _split(model_sd, optim_sd, aliases=tied_aliases(module), strip=strip)
-    files = file_buckets(tensors, world_size=env.world_size)
-    if _streamable(tensors):
-        write_shards(folder, tensors, files, rank=env.rank)
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-        with _dcp_quiet():
-            writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-            dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
+    tensors, meta = state_tensors(module, optimizer, strip=strip)
+    write = write_shards if _streamable(tensors) else write_with_dcp
+    write(folder, tensors, file_buckets(tensors, world_size=env.world_size), env=env)
     if env.is_main:
         (folder / OPTIM_META).write_text(json.dumps(meta, indent=1))
+
+
+def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer, *, strip: str = "") -> tuple[dict, dict]:
+    """``(tensors keyed as on disk, the JSON part)`` of a module and its optimizer as they are held (DTensor shards
+    under FSDP2): what :func:`save_sharded` writes."""
+    model_sd, optim_sd = _live_state(module, optimizer)
+    return _split(model_sd, optim_sd, aliases=tied_aliases(module), strip=strip)
+
+
+def write_with_dcp(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str, int], *, env: DistEnv) -> None:
+    """Every rank's files of ``tensors`` through ``dcp.save`` and DCP's safetensors storage (collective): the
+    layout :func:`write_shards` writes, for a state only DCP's planner splits."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    with _dcp_quiet():
+        writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
+        dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
 
 
 def _streamable(tensors: dict[str, torch.Tensor]) -> bool:
@@ -184,7 +193,7 @@ def _streamable(tensors: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def write_shards(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str, int], *, rank: int) -> None:
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str, int], *, env: DistEnv) -> None:
     """This rank's files of DCP's safetensors storage for ``tensors`` (``files``: tensor name -> file number, the
     same on every rank), streamed a tensor at a time and fsynced, as ``dcp.save`` writes them: a DTensor's local
     chunk with its offsets in the whole tensor, a tensor every rank holds whole (AdamW's ``step``) once, by rank
@@ -198,7 +207,7 @@ def write_shards(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str
         if isinstance(t, DTensor):
             (chunk,) = t.__create_chunk_list__()  # DCP's own chunk of this rank (FSDP2: one, along dim 0)
             chunks[name] = t.to_local(), list(chunk.offsets)
-        elif rank == 0:
+        elif env.is_main:
             chunks[name] = t, [0] * t.dim()
     folder.mkdir(parents=True, exist_ok=True)
     last = max(files.values(), default=0)
@@ -209,7 +218,7 @@ def write_shards(folder: Path, tensors: dict[str, torch.Tensor], files: dict[str
         offsets = {k: {"saved_offsets": chunks[k][1]} for k in names}  # DCP's json.dumps, default spacing
         meta = {DCP_SHARDING_INFO: json.dumps(offsets), DCP_VERSION: "1.0", "format": "pt"}
         order, header = _safetensors_header({k: chunks[k][0] for k in names}, meta)
-        with open(folder / f"shard-{rank + 1:05d}-model-{index:05d}-of-{last:05d}.safetensors", "wb") as f:
+        with open(folder / f"shard-{env.rank + 1:05d}-model-{index:05d}-of-{last:05d}.safetensors", "wb") as f:
             f.write(header)
             for k in order:
                 f.write(_bytes(chunks[k][0]))

@@ -53,6 +53,7 @@ import torch
 
 from rollshard.store.common import progress
 from rollshard.store.loader import FILTER_KEYS, NO_VERSION, NoStepError, NoStepWarning, Step, StepLoader
+from rollshard.store.loader.filters import int_version
 from rollshard.store.loader.packing import PackedBatch
 from rollshard.train.advantages import step_advantages
 from rollshard.train.backends import build_backend
@@ -662,10 +663,7 @@ class Trainer:
                     acc.add_sum(f"{key}/_sum", r)
                     acc.add_sum(f"{key}/_sumsq", r * r)
                     acc.add_sum(f"{key}/_n", 1.0)
-            # a row's staleness is its oldest token's (the staleness filter's measure), else its weight_version's
-            oldest = mb.oldest_versions.tolist() if mb.oldest_versions is not None else [None] * mb.num_sequences
-            for v, first in zip(mb.weight_versions, oldest):
-                lag = self._staleness(v) if first is None else (None if first == NO_VERSION else self.version - first)
+            for lag in self._staleness(mb):
                 acc.add_sum(f"staleness/hist/{lag if lag is not None else 'unknown'}", 1.0)
                 if lag is not None:
                     acc.add_max("staleness/max", float(lag))
@@ -682,11 +680,14 @@ class Trainer:
             else:
                 acc.add_mean(f"loader/{k}", float(v))
 
-    def _staleness(self, version: str | None) -> int | None:
-        try:
-            return self.version - int(version)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return None
+    def _staleness(self, mb: PackedBatch) -> list[int | None]:
+        """[S] versions behind the policy of each sequence's oldest token (the staleness filter's measure), None where
+        unknown; a batch without its sequences' oldest versions (built by hand) counts their weight_version."""
+        if mb.oldest_versions is not None:
+            versions = mb.oldest_versions.tolist()
+        else:
+            versions = [int_version(v) for v in mb.weight_versions]
+        return [None if v == NO_VERSION else self.version - v for v in versions]
 
     @staticmethod
     def _staleness_values(metrics: dict[str, float]) -> list[float]:

@@ -55,8 +55,7 @@ def _versions(col: pa.ChunkedArray | pa.Array, strict: bool = True) -> np.ndarra
     """[rows] int64 versions; NO_VERSION for a null, and (not ``strict``) for a version that is no integer."""
     enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
     idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
-    parse = parse_version if strict else _lenient_version
-    parsed = [parse(v, "weight_version") for v in enc.dictionary.to_pylist()]
+    parsed = [parse_version(v, "weight_version") if strict else int_version(v) for v in enc.dictionary.to_pylist()]
     values = np.array(parsed + [NO_VERSION], np.int64)
     return values[idx]  # index -1 (null) picks NO_VERSION
 
@@ -82,10 +81,11 @@ def oldest_versions(small: pa.Table, strict: bool = True) -> np.ndarray:
     return oldest
 
 
-def _lenient_version(version: Any, what: str) -> int:
+def int_version(version: Any) -> int:
+    """A policy version as an integer, NO_VERSION when it has none or it is no integer (its staleness is unknown)."""
     try:
-        return int(version)
-    except (TypeError, ValueError):
+        return parse_version(version, "weight_version")
+    except ValueError:
         return NO_VERSION
 
 

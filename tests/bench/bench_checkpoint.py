@@ -85,15 +85,7 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
     if fmt == "v2-dcp":  # the same files through DCP's safetensors storage
         import rollshard.train.sharded as sharded
 
-        def dcp_write(folder: Path, tensors: dict, files: dict, *, rank: int) -> None:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-            with sharded._dcp_quiet():
-                writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-                dcp.save(tensors, storage_writer=writer, no_dist=not env.enabled)
-
-        sharded.write_shards = dcp_write
+        sharded.write_shards = sharded.write_with_dcp
     ckpt = latest_checkpoint(root) if op == "load" else None
     b = HFBackend(ModelConfig(path=model), OptimConfig(), env=env, total_updates=None,
                   weights_from=ckpt.weights_from if ckpt else None)

@@ -133,17 +133,11 @@ def record_reads(out: Path, env) -> None:
 
 
 def save_through_dcp(backend: HFBackend, folder: Path, env) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    import rollshard.train.sharded as sharded
     from rollshard.train.backends.hf import POLICY_PREFIX
+    from rollshard.train.sharded import file_buckets, state_tensors, write_with_dcp
 
-    model_sd, optim_sd = sharded._live_state(backend.policy, backend.optimizer)
-    tensors, _ = sharded._split(model_sd, optim_sd, aliases=sharded.tied_aliases(backend.policy), strip=POLICY_PREFIX)
-    files = sharded.file_buckets(tensors, world_size=env.world_size)
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files,
-                                                              save_distributed=True))
+    tensors, _ = state_tensors(backend.policy, backend.optimizer, strip=POLICY_PREFIX)
+    write_with_dcp(folder, tensors, file_buckets(tensors, world_size=env.world_size), env=env)
 
 
 if __name__ == "__main__":

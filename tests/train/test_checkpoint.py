@@ -130,19 +130,14 @@ def test_one_process_writes_the_files_dcp_writes_without_dcp(model, request, tmp
     # the same file names, headers (DCP's chunk offsets in __metadata__) and tensor bytes as DCP's safetensors
     # storage writes, so DCP's reader loads them. Several files: the file size bound is DCP's too.
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     import rollshard.train.sharded as sharded
 
     monkeypatch.setattr(sharded, "FILE_BYTES_PER_RANK", 100_000)
     b = backend(request.getfixturevalue(model))
     one_update(b)
-    model_sd, optim_sd = sharded._live_state(b.policy, b.optimizer)
-    tensors, _ = sharded._split(model_sd, optim_sd, aliases=sharded.tied_aliases(b.policy), strip="model.")
-    writer = HuggingFaceStorageWriter(str(tmp_path / "dcp"), fqn_to_index_mapping=sharded.file_buckets(tensors,
-                                      world_size=1), save_distributed=True)
-    with sharded._dcp_quiet():
-        dcp.save(tensors, storage_writer=writer, no_dist=True)
+    tensors, _ = sharded.state_tensors(b.policy, b.optimizer, strip="model.")
+    sharded.write_with_dcp(tmp_path / "dcp", tensors, sharded.file_buckets(tensors, world_size=1), env=DistEnv())
 
     def refuse(*a, **kw):
         raise AssertionError("one process saved through dcp.save")
