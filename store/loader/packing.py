@@ -265,43 +265,59 @@ def pack_step(seqs: Sequences, budget: int, support_budget: int | None = None) -
     if nonempty.any():  # 0/1 values: float32 sums are exact
         seq_loss[nonempty] = np.add.reduceat(loss_mask, cu[:-1][nonempty])
     seq_loss = seq_loss.astype(np.int64)
+    # Each micro-batch's tensors are views of step-wide ones, cut by one split per field (a micro-batch holds a
+    # few sequences, so per-micro-batch numpy and torch calls would cost more than the tokens' copies).
+    counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))  # [B] sequences per micro-batch
+    firsts = np.zeros(len(bins), np.int64)  # [B] index of each one's first sequence in the step's order
+    np.cumsum(counts[:-1], out=firsts[1:])
+    k, starts = counts.tolist(), cu[firsts]  # starts: [B] each micro-batch's first token in the step
+    tokens = np.diff(cu[np.append(firsts, len(order))]).tolist()  # [B]
+    # [S + B] each micro-batch's cu_seqlens (its S_b + 1 boundaries, from 0), laid end to end
+    at = np.arange(len(order) + len(bins)) - np.repeat(np.arange(len(bins)), counts + 1)
+    local_cu = torch.from_numpy((cu[at] - np.repeat(starts, counts + 1)).astype(np.int32)).split([n + 1 for n in k])
     temp = seqs.temperature[order]  # [S]
-    temperatures = torch.from_numpy(np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32))  # [S]
-    flat = {
-        "input_ids": torch.from_numpy(input_ids),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "rollout_logprobs": torch.from_numpy(logprobs),
+    per_seq = {  # [S] each, split into the micro-batches' [S_b]
+        "temperatures": np.where(np.isnan(temp), DEFAULT_TEMPERATURE, temp).astype(np.float32),
+        "response_start": cu[:-1] + p_len - np.repeat(starts, counts),  # within its micro-batch
+        "seq_group": seqs.group[order].astype(np.int64),
+        "rewards": seqs.reward[order].astype(np.float32),
     }
-    response_start = cu[:-1] + p_len  # [S] step-wide
-    group = seqs.group[order].astype(np.int64)
-    reward = seqs.reward[order].astype(np.float32)
-    oldest = None if seqs.oldest_version is None else seqs.oldest_version[order]
-    batches, first = [], 0
-    for b in bins:
-        last = first + len(b)
-        lo, hi = int(cu[first]), int(cu[last])
-        ids = order[first:last].tolist()
+    if seqs.oldest_version is not None:
+        per_seq["oldest_versions"] = seqs.oldest_version[order]
+    cut = {name: torch.from_numpy(a).split(k) for name, a in per_seq.items()}
+    cut.update({name: torch.from_numpy(a).split(tokens) for name, a in
+                (("input_ids", input_ids), ("loss_mask", loss_mask), ("rollout_logprobs", logprobs))})
+    loss_tokens = np.add.reduceat(seq_loss, firsts).tolist()  # [B]
+    agents, sample_ids = [seqs.agent[i] for i in idx], [seqs.sample_id[i] for i in idx]  # [S] in the step's order
+    versions = [seqs.weight_version[i] for i in idx]
+    batches = []
+    for b, (first, n) in enumerate(zip(firsts.tolist(), k)):
+        last = first + n
         batches.append(
             PackedBatch(
-                **{name: t[lo:hi] for name, t in flat.items()},
-                **_supports(seqs, ids, (cu[first:last] - lo + p_len[first:last]).tolist(), loss_mask[lo:hi]),
-                **_routing(seqs, ids, hi - lo),
-                cu_seqlens=torch.from_numpy((cu[first : last + 1] - lo).astype(np.int32)),
-                temperatures=temperatures[first:last],
-                response_start=torch.from_numpy(response_start[first:last] - lo),
-                seq_group=torch.from_numpy(group[first:last]),
-                rewards=torch.from_numpy(reward[first:last]),
-                agents=[seqs.agent[i] for i in ids],
-                sample_ids=[seqs.sample_id[i] for i in ids],
-                weight_versions=[seqs.weight_version[i] for i in ids],
-                oldest_versions=None if oldest is None else torch.from_numpy(oldest[first:last]),
-                num_tokens=hi - lo,
-                num_loss_tokens=int(seq_loss[first:last].sum()),
+                **{name: views[b] for name, views in cut.items()},
+                **_extras(seqs, idx[first:last], cu[first:last], p_len[first:last], starts[b], loss_mask, tokens[b]),
+                cu_seqlens=local_cu[b],
+                agents=agents[first:last],
+                sample_ids=sample_ids[first:last],
+                weight_versions=versions[first:last],
+                num_tokens=tokens[b],
+                num_loss_tokens=loss_tokens[b],
             )
         )
-        first = last
-    capacity = sum(max(budget, b.num_tokens) for b in batches)
-    return PackedStep(batches, total / capacity, group, seq_len, seq_loss)
+    capacity = sum(max(budget, n) for n in tokens)
+    return PackedStep(batches, total / capacity, per_seq["seq_group"], seq_len, seq_loss)
+
+
+def _extras(seqs: Sequences, ids: list[int], cu: np.ndarray, p_len: np.ndarray, lo: int, loss_mask: np.ndarray,
+            T: int) -> dict[str, torch.Tensor]:
+    """The schema 1.1 and 1.2 fields of the micro-batch of sequences ``ids`` (``cu``, ``p_len``: their starts in
+    the step and prompt lengths; ``lo``: the micro-batch's first token in the step, ``T`` its tokens), none for
+    data without them."""
+    if seqs.support is None and seqs.routing is None:
+        return {}
+    starts = (cu - lo + p_len).tolist()  # each sequence's first response token in the micro-batch
+    return {**_supports(seqs, ids, starts, loss_mask[lo : lo + T]), **_routing(seqs, ids, T)}
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T] int64
