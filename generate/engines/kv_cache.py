@@ -96,6 +96,14 @@ def prefill_cache():
     return DynamicCache()
 
 
+def repeated(cache, rows: int):
+    """A prefill cache holding a one-row cache's keys and values for each of ``rows`` rows (a shared prefix's)."""
+    out = prefill_cache()
+    for i, (k, v) in enumerate(cache_tensors(cache)):  # [1, H, L, D] each
+        out.update(k.expand(rows, -1, -1, -1).contiguous(), v.expand(rows, -1, -1, -1).contiguous(), i)
+    return out
+
+
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (keys, values) of a transformers cache."""
     if hasattr(cache, "layers"):  # transformers >= 4.56

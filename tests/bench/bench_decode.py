@@ -2,8 +2,9 @@
 against transformers ``generate()`` on the same batches, side by side in one run.
 
     .venv/bin/python tests/bench/bench_decode.py [--model smollm2|tiny|PATH] [--batches 1,8,32,64]
-        [--answers 48,192] [--rounds 3] [--threads N] [--parts profile,speed,groups,threads]
-        [--groups 32,8,48] [--compare-threads 1,2] [--max-batch-size N] [--engine-src DIR] [--json]
+        [--answers 48,192] [--rounds 3] [--threads N] [--parts profile,speed,groups,threads,eval]
+        [--groups 32,8,48] [--compare-threads 1,2] [--eval 32,48] [--max-batch-size N] [--engine-src DIR]
+        [--json]
 
 (a) profile: per batch size and answer length, one batch of requests (32-token chat prompts, temperature 1 over the
     whole vocabulary, ``ignore_eos``) runs through the engine's own prefill, decode and bookkeeping methods, in this
@@ -26,6 +27,12 @@ against transformers ``generate()`` on the same batches, side by side in one run
     ``generate()`` on the same requests in static batches of that size, in order. Same rounds and ratios.
 (d) threads (``--parts threads``): the groups workload at each of ``--compare-threads`` (default 1,2): per
     round and count, ``generate()`` and a fresh engine at that count, in turn.
+
+(e) eval (``--parts eval``): ``rollshard-generate eval``'s requests, ``--eval P,N``: the first P held-out arithmetic
+    prompts through the tokenizer's chat template, greedy, up to N new tokens, ending at eos, all at once. The
+    engine as it is, the same engine prefilling each prompt whole (the tokens every prompt starts with not run
+    once: the prefill before), and ``generate()`` (one static batch, greedy, ending each row at eos), in turn;
+    seconds per round, the speedups per round (median, range), and how many answers the two prefills share.
 
 ``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
 ``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The profile part drives the
@@ -341,6 +348,82 @@ def bench_thread_counts(path, model, tokenizer, n_prompts, samples, new_tokens, 
     return row
 
 
+def eval_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first ``n`` held-out arithmetic prompts as ``rollshard-generate eval`` sends them (the tokenizer's chat
+    template: SmolLM2's puts its system turn before every question)."""
+    from rollshard.generate.chat import ChatFormat
+    from rollshard.generate.tasks import get_task
+
+    task = get_task("arithmetic")
+    chosen = task.generator.prompts("eval", task.generator.resolve({}, "eval"))[:n]
+    return [ChatFormat().ids(tokenizer, task.messages(p)) for p in chosen]
+
+
+def bench_eval(engine, model, tokenizer, n_prompts: int, new_tokens: int, rounds: int) -> dict:
+    """``rollshard-generate eval``'s requests: ``n_prompts`` held-out prompts, greedy, up to ``new_tokens``, ending
+    at eos, all at once. The engine as it is (a prefix every prompt starts with prefilled once), the same engine
+    prefilling every prompt whole (``shared_prefix`` 0: the prefill before), and ``generate()`` (one static batch,
+    greedy, ending each row at eos), in turn, ``rounds`` rounds."""
+    from rollshard.generate.engines import SamplingParams, embedded
+
+    ids = eval_prompts(tokenizer, n_prompts)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    pad = tokenizer.pad_token_id or 0
+    own = embedded.shared_prefix
+
+    async def engine_run(shared) -> tuple[float, list[list[int]]]:
+        embedded.shared_prefix = shared
+        try:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(engine.generate(p, sp) for p in ids))
+            return time.perf_counter() - t0, [r.output_ids for r in results]
+        finally:
+            embedded.shared_prefix = own
+
+    def generate_run() -> tuple[float, int]:
+        import torch
+
+        length = max(len(p) for p in ids)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            x = torch.tensor([[pad] * (length - len(p)) + p for p in ids])
+            mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in ids])
+            out = model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                 pad_token_id=pad, eos_token_id=list(engine.eos_ids))
+        return time.perf_counter() - t0, out.shape[1] - length
+
+    asyncio.run(engine_run(own))  # warm
+    load0 = os.getloadavg()
+    seconds: dict[str, list[float]] = {"shared_prefix": [], "whole_prompts": [], "generate": []}
+    same = tokens = 0
+    for r in range(rounds):
+        order = list(seconds) if r % 2 == 0 else list(seconds)[::-1]
+        for key in order:
+            if key == "generate":
+                seconds[key].append(generate_run()[0])
+                continue
+            t, outs = asyncio.run(engine_run(own if key == "shared_prefix" else (lambda prompts: 0)))
+            seconds[key].append(t)
+            if key == "shared_prefix":
+                answers, tokens = outs, sum(len(o) for o in outs)
+            else:
+                whole = outs
+        same = sum(a == b for a, b in zip(answers, whole))
+    ratio = sorted(w / s for w, s in zip(seconds["whole_prompts"], seconds["shared_prefix"]))
+    vs_generate = sorted(g / s for g, s in zip(seconds["generate"], seconds["shared_prefix"]))
+    row = {
+        "prompts": n_prompts, "new_tokens": new_tokens, "prompt_tokens": [min(map(len, ids)), max(map(len, ids))],
+        "shared_prefix_tokens": own(ids), "response_tokens": tokens, "same_answers": same,
+        **{f"{k}_s": [round(x, 3) for x in v] for k, v in seconds.items()},
+        "shared_over_whole_speedup_median": round(statistics.median(ratio), 3),
+        "shared_over_whole_speedup_range": [round(ratio[0], 3), round(ratio[-1], 3)],
+        "vs_generate_speedup_median": round(statistics.median(vs_generate), 3),
+        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+    }  # fmt: skip
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -354,12 +437,13 @@ def main() -> None:
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes (default 1,8,32,64)")
     ap.add_argument("--answers", type=_ints, default=[48, 192], help="new tokens per request (default 48,192)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed part (default 3)")
-    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups, threads")
+    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups, threads, eval")
     ap.add_argument("--groups", type=_ints, default=[32, 8, 48], help="groups part: prompts, samples, new tokens")
     ap.add_argument(
         "--compare-threads", type=_ints, default=None,
         help="threads part: the groups workload at each of these torch thread counts, fresh engines, in turn",
     )  # fmt: skip
+    ap.add_argument("--eval", type=_ints, default=[32, 48], help="eval part: held-out prompts, new tokens (default 32,48)")
     ap.add_argument("--max-batch-size", type=int, default=None, help="groups part: the engine's (default its own)")
     ap.add_argument(
         "--threads", type=int, default=None,
@@ -371,9 +455,9 @@ def main() -> None:
     if args.engine_src:
         sys.path.insert(0, str(Path(args.engine_src).resolve()))
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"profile", "speed", "groups", "threads"}
+    unknown = set(parts) - {"profile", "speed", "groups", "threads", "eval"}
     if unknown or args.rounds < 1 or min(args.batches + args.answers) < 1:
-        ap.error("--parts takes profile, speed, groups and threads; --rounds, --batches and --answers must be >= 1")
+        ap.error("--parts takes profile, speed, groups, threads and eval; --rounds, --batches and --answers must be >= 1")
 
     import tempfile
 
@@ -416,6 +500,9 @@ def main() -> None:
         figures["threads"] = bench_thread_counts(
             path, reference, engine.tokenizer, *args.groups, args.rounds, counts, own_batch
         )
+    if "eval" in parts:
+        engine.max_batch_size = own_batch
+        figures["eval"] = bench_eval(engine, reference, engine.tokenizer, *args.eval, args.rounds)
     figures["loadavg_end"] = os.getloadavg()
     asyncio.run(engine.close())
     if args.json:

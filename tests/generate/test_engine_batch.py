@@ -183,6 +183,69 @@ def test_n_samples_of_one_prompt_are_prefilled_once(tiny_qwen3, teacher_forced):
     assert len({tuple(r.output_ids) for r in batched[:4]}) == 4  # the samples differ: their own seeds, not a copy
 
 
+def test_a_prefix_every_prompt_starts_with_runs_once(tiny_qwen3, teacher_forced):
+    # Four prompts (one of them sampled twice) start with the same 40 tokens, as a chat template's system turn
+    # does: the prefill runs those 40 once, as one row, then the four tails (1 to 9 tokens) after them. Every
+    # request is the one it would be alone: the same seeded tokens, logprobs equal to the teacher-forced ones.
+    reference = load_causal_lm(tiny_qwen3)
+    head = list(range(200, 240))
+    tails = [[5], [6, 7, 8], list(range(300, 309)), [9, 10]]
+    requests = [(head + t, 30 + i) for i, t in enumerate(tails)] + [(head + tails[1], 40)]
+    forwards: list[tuple[int, int]] = []
+
+    class Counting(GatedEngine):
+        def _prefill(self, rows):
+            forward = self.model.forward
+
+            def counted(*args, **kwargs):
+                forwards.append(tuple(kwargs["input_ids"].shape))
+                return forward(*args, **kwargs)
+
+            self.model.forward = counted
+            try:
+                return super()._prefill(rows)
+            finally:
+                del self.model.forward
+
+    def sp(seed):
+        return SamplingParams(max_new_tokens=12, sampling_seed=seed)
+
+    async def together():
+        async with Counting(tiny_qwen3) as eng:
+            eng.block_at_step(1)
+            first = asyncio.ensure_future(eng.generate([3, 4], SamplingParams(max_new_tokens=2), ignore_eos=True))
+            await eng.wait_blocked()
+            forwards.clear()
+            futs = [asyncio.ensure_future(eng.generate(p, sp(s), ignore_eos=True)) for p, s in requests]
+            await until(lambda: eng.num_in_flight == 6)
+            eng.release.set()
+            await first
+            return await asyncio.gather(*futs)
+
+    async def alone():
+        async with EmbeddedEngine(tiny_qwen3, max_batch_size=1) as eng:
+            return [await eng.generate(p, sp(s), ignore_eos=True) for p, s in requests]
+
+    batched = run(together())
+    assert forwards == [(1, 40), (4, 9)]  # the shared 40 once, then 4 distinct tails padded to the longest
+    for (prompt, _), res, single in zip(requests, batched, run(alone())):
+        assert res.output_ids == single.output_ids and len(res.output_ids) == 12
+        want = teacher_forced(reference, prompt, res.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+    assert batched[1].output_ids != batched[4].output_ids  # one prompt, two seeds
+
+
+def test_shared_prefix_runs_apart_only_where_it_saves_tokens():
+    from rollshard.generate.engines.embedded import MIN_SHARED_TOKENS, shared_prefix
+
+    head = list(range(MIN_SHARED_TOKENS))
+    assert shared_prefix([head + [1], head + [2]]) == MIN_SHARED_TOKENS  # saves 64 x 1 tokens
+    assert shared_prefix([head[:-1] + [1], head[:-1] + [2]]) == 0  # 63 saved: one more forward does not pay
+    assert shared_prefix([head[:22] + [1]] * 4) == 22  # 3 x 22 = 66 saved; the last token stays each prompt's own
+    assert shared_prefix([head + [1]]) == 0  # one prompt: nothing to share
+    assert shared_prefix([head, [7] + head]) == 0  # nothing in common
+
+
 def test_threads_sets_the_workers_torch_threads(tiny_gpt2):
     seen: list[int] = []
 
