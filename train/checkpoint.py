@@ -1,26 +1,32 @@
 """Checkpoints: a Hugging Face model folder plus everything a resumed run needs.
 
-Layout of ``OUT/checkpoints/step_00000012/`` (format 2):
+Layout of ``OUT/checkpoints/step_00000012/`` (format 3):
 
 * ``config.json``, ``model.safetensors``, tokenizer files, ``generation_config.json``:
   a model folder that transformers, the embedded engine and SGLang
   (``/update_weights_from_disk``) load as it is. Weights are the fp32 master weights, gathered
-  one tensor at a time and written by rank 0 (``export_model``; peak: the largest tensor).
-* ``shards/``: the sharded weights and AdamW state, safetensors files of each rank in the layout
+  one tensor at a time and written by rank 0 (``export_model``; peak: the largest tensor). A resume builds
+  its model from this folder, as from ``--model``, so these are also the weights it continues from.
+* ``shards/``: the sharded AdamW state, safetensors files of each rank in the layout
   of torch.distributed.checkpoint's safetensors storage, which reads them (each rank streams its
   own files out; rollshard.train.sharded: the layout, and why not DCP's default pickled metadata). Each rank writes and reads only its
-  own shards; a resume rebuilds the model from the run's ``--model`` and loads every weight and
-  moment from here. In a subfolder because engines load every ``*.safetensors`` file at the
-  top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
+  own shards, any world size loading what any wrote. In a subfolder because engines load every ``*.safetensors``
+  file at the top of a model folder as weights (SGLang's ``/update_weights_from_disk`` does).
 * ``trainer_state.json``: format version, step, optimizer updates, weight version, world size and
   every rank's loader state (``RolloutLoader.state_dict()``, or ``MixtureLoader.state_dict()``
   for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.loader.mixture).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
+Format 2 kept the weights under ``shards/`` as well (``model/<name>``, sharded like the moments), a second copy of
+what the model folder holds: a quarter of a checkpoint of AdamW's fp32 state. It is what a backend writes whose
+export is not its weights as held (:attr:`~rollshard.train.backends.base.Backend.exports_held_weights`: megatron's,
+an HF model whose class converts weights on load), and it resumes as before: the model built from the run's
+``--model``, every weight and moment then loaded from the shards.
+
 Format 1 (rollshard before sharded checkpoints) kept the whole optimizer state in
 ``optimizer/state.safetensors`` + ``optimizer/meta.json``, gathered to rank 0; it still resumes
 (weights from its model folder, the optimizer state loaded whole on every rank), and the next save
-writes format 2. One written under torchrun resumes at world size 1 only: its loader states are of loader
+writes format 3. One written under torchrun resumes at world size 1 only: its loader states are of loader
 state version 1 (every rank read the whole stream), which the loader's state check refuses above one rank
 (rollshard.store.loader), so a run of more processes has to start its data anew.
 
@@ -65,7 +71,10 @@ CKPT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.yaml"
-STATE_VERSION = 2  # 2: sharded weights and optimizer state under shards/; 1: optimizer/ gathered to rank 0
+# 3: the weights in the model folder only, the optimizer state under shards/; 2: the weights under shards/ too (a
+# backend whose export is not its weights as held, and every checkpoint written before 3); 1: optimizer/ gathered
+STATE_VERSION = 3
+WEIGHTS_IN_SHARDS = 2  # the format written when the model folder's weights are not the held ones
 V1_OPTIM_DIR, V1_OPTIM_TENSORS, V1_OPTIM_META = "optimizer", "state.safetensors", "meta.json"
 OLD_PREFIX = ".old-"  # a checkpoint folder being replaced by a new save of the same step
 
@@ -84,9 +93,9 @@ class Checkpoint:
 
     @property
     def weights_from(self) -> Path | None:
-        """The model folder a resumed backend is built from: this checkpoint's own for format 1; None (the run's
-        ``--model``) for format 2, whose shards then replace every weight."""
-        return self.path if self.version < 2 else None
+        """The model folder a resumed backend is built from: this checkpoint's own for formats 1 and 3; None (the
+        run's ``--model``) for format 2, whose shards then replace every weight."""
+        return None if self.version == WEIGHTS_IN_SHARDS else self.path
 
     def restore(self, backend: Any) -> None:
         """Optimizer state, update count and (format 2) weights into a backend built from :attr:`weights_from`
@@ -94,7 +103,7 @@ class Checkpoint:
         if self.version < 2:
             backend.load_optimizer_state(load_v1_optimizer_state(self.path))
         else:
-            backend.load_state(self.path / SHARDS_DIR)
+            backend.load_state(self.path / SHARDS_DIR, weights=self.version == WEIGHTS_IN_SHARDS)
         backend.updates = self.updates
 
 
@@ -149,11 +158,12 @@ def save_checkpoint(
             shutil.rmtree(leftover)
         tmp.mkdir()
     env.barrier()  # the leftover tmp folders are gone before any rank writes into one
-    backend.save_state(tmp / SHARDS_DIR)
+    weights_apart = backend.exports_held_weights  # the model folder holds them: the shards need not
+    backend.save_state(tmp / SHARDS_DIR, weights=not weights_apart)
     backend.export_model(tmp)
     if env.is_main:
         state = {
-            "version": STATE_VERSION,
+            "version": STATE_VERSION if weights_apart else WEIGHTS_IN_SHARDS,
             "step": step,
             "updates": backend.updates,
             "weight_version": weight_version,

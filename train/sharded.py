@@ -14,8 +14,9 @@ A ``shards/`` folder:
 
 * ``shard-0000R-model-0000I-of-0000N.safetensors``: the files of rank R - 1, N of them of at most
   :data:`FILE_BYTES_PER_RANK` each (unless one tensor is larger), holding tensors
-  ``model/<name>`` (fp32 master weights under transformers names) and ``optim/<name>/<state>``
-  (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``), each holding that rank's chunk. Where the chunk
+  ``optim/<name>/<state>`` (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``) and, unless the checkpoint keeps its weights
+  in its model folder only (``weights=False``: train/checkpoint.py, format 3), ``model/<name>`` (fp32 master weights
+  under transformers names), each holding that rank's chunk. Where the chunk
   sits in the whole tensor is JSON in the file's safetensors header (``DCP_SHARDING_INFO``, the
   offsets); the reader builds DCP's plan from those headers. A tensor every rank holds whole
   (AdamW's ``step``) is written once, by one rank (DCP deduplicates it).
@@ -146,21 +147,29 @@ def file_buckets(tensors: dict[str, torch.Tensor], *, world_size: int) -> dict[s
 
 
 def save_sharded(
-    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = ""
+    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = "",
+    weights: bool = True,
 ) -> None:
     """Write the weights and optimizer state of every rank into ``folder`` (collective: every rank calls it
     and writes its own files; rank 0 writes ``optimizer.json``). ``strip``: a prefix of the module's names
-    that the files leave out (the policy wrapper's ``model.``).
+    that the files leave out (the policy wrapper's ``model.``). ``weights`` False: the optimizer state only (a
+    checkpoint whose model folder holds the weights as they are).
 
     Each rank streams its files out itself (:func:`write_shards`): DCP serializes every file in memory before it
     writes it (measured on one process: 1.3-1.7x the time of the whole save, and 500 MiB more memory;
     docs/performance.md). State that only DCP's planner knows how to split (a DTensor on a mesh of more than one
     dimension, a dtype safetensors lacks) goes through ``dcp.save``, into the same layout."""
     tensors, meta = state_tensors(module, optimizer, strip=strip)
+    if not weights:
+        tensors = _optimizer_only(tensors)
     write = write_shards if _streamable(tensors) else write_with_dcp
     write(folder, tensors, file_buckets(tensors, world_size=env.world_size), env=env)
     if env.is_main:
         (folder / OPTIM_META).write_text(json.dumps(meta, indent=1))
+
+
+def _optimizer_only(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if not k.startswith(MODEL_KEY)}
 
 
 def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer, *, strip: str = "") -> tuple[dict, dict]:
@@ -249,10 +258,12 @@ def _bytes(t: torch.Tensor):
 
 
 def load_sharded(
-    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = ""
+    folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, env: DistEnv, strip: str = "",
+    weights: bool = True,
 ) -> None:
     """Load a :func:`save_sharded` folder into ``module`` and ``optimizer`` as they are sharded now (collective;
-    each rank reads the slices of its own shards, whatever the world size that wrote the folder)."""
+    each rank reads the slices of its own shards, whatever the world size that wrote the folder). ``weights``
+    False: the optimizer state only (the module keeps its weights)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
@@ -261,6 +272,8 @@ def load_sharded(
     model_sd, optim_sd = _live_state(module, optimizer)
     aliases = tied_aliases(module)
     tensors, live = _split(model_sd, optim_sd, aliases=aliases, strip=strip)
+    if not weights:
+        tensors = _optimizer_only(tensors)
     saved = json.loads((folder / OPTIM_META).read_text())
     if [g["params"] for g in saved["param_groups"]] != [g["params"] for g in live["param_groups"]]:
         raise ValueError(

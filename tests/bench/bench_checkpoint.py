@@ -1,4 +1,4 @@
-"""Checkpoint benchmark: format 2 (sharded, DCP safetensors storage) against format 1 (gathered to rank 0).
+"""Checkpoint benchmark: formats 3 and 2 (sharded, DCP safetensors storage) against format 1 (gathered to rank 0).
 
     .venv/bin/python tests/bench/bench_checkpoint.py [--hidden 1024] [--layers 24] [--nprocs 1,2] [--repeat 1] [--json]
 
@@ -11,15 +11,17 @@ CPU, FSDP2 for 2+ processes), so that no measurement reuses memory another one f
   the whole save (fsyncs included), bytes on disk per rank (format 1 has one writer) and in total
   (model folder + state), and rank 0's peak RSS during the save, also as the rise over its RSS just
   before (``malloc_trim``, then ``VmHWM`` reset through ``/proc/self/clear_refs``);
-* load: a backend built as a resume builds it (format 1: from the checkpoint's model folder;
+* load: a backend built as a resume builds it (formats 1 and 3: from the checkpoint's model folder;
   format 2: from ``--model``, the same cost), then the checkpoint's state put in (format 1: the
   whole optimizer file read on every rank, then set; format 2: weights and moments from the rank's
-  own shards); wall time and rank 0's peak RSS of that step. RSS counts the file pages safetensors
+  own shards; format 3: the moments from them); wall time and rank 0's peak RSS of that step. RSS counts the file pages safetensors
   maps while reading (page cache, reclaimable) as well as allocations.
 
 Format 1 is written by the frozen copy of its writer (tests/train/v1_checkpoint.py) plus the same
-fsyncs; format 2 by ``rollshard.train.checkpoint.save_checkpoint``. Format 2 is measured twice: as rollshard
-writes it (each rank's files streamed a tensor at a time, ``rollshard.train.sharded.write_shards``) and with the
+fsyncs; formats 2 and 3 by ``rollshard.train.checkpoint.save_checkpoint``: format 3 (what it writes now) keeps the
+weights in the model folder only and builds a resume's model from it, format 2 (written here by telling the backend
+its export is not its weights, ``exports_held_weights``) keeps them in the shards as well and loads them from
+there. Format 2 is measured twice: as rollshard writes it (each rank's files streamed a tensor at a time, ``rollshard.train.sharded.write_shards``) and with the
 same files written by DCP's ``HuggingFaceStorageWriter`` (``dcp.save``, what every rank used before). Prints a markdown table
 (``--json``: the figures as JSON). ``--repeat N``: the fastest save of N (with its load).
 """
@@ -82,6 +84,8 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
 
     env = init_distributed()
     root = Path(out) / fmt
+    if fmt in ("v2", "v2-dcp"):  # the weights in the shards too
+        HFBackend.exports_held_weights = False
     if fmt == "v2-dcp":  # the same files through DCP's safetensors storage
         import rollshard.train.sharded as sharded
 
@@ -144,7 +148,7 @@ def table(results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        for fmt in ("format 1", "format 2", "format 2, DCP writer"):
+        for fmt in ("format 1", "format 2", "format 2, DCP writer", "format 3"):
             if fmt not in r:
                 continue
             f = r[fmt]
@@ -176,7 +180,7 @@ def main() -> None:
         model = build_model(Path(tmp), args.hidden, args.layers)
         for n in (int(x) for x in args.nprocs.split(",")):
             result: dict = {"world_size": n}
-            formats = [("v1", "format 1"), ("v2", "format 2"), ("v2-dcp", "format 2, DCP writer")]
+            formats = [("v1", "format 1"), ("v2", "format 2"), ("v2-dcp", "format 2, DCP writer"), ("v3", "format 3")]
             best: dict = {name: {} for _, name in formats}
             rounds = []  # each round's save seconds by format: every format once a round, so load changes hit all
             for _ in range(args.repeat):
@@ -204,6 +208,9 @@ def main() -> None:
             result["dcp_writer_over_own_save"] = {  # > 1: rollshard's own writer is faster than DCP's, same files
                 "best": best["format 2, DCP writer"]["save"]["s"] / best["format 2"]["save"]["s"],
                 "rounds": [r["format 2, DCP writer"] / r["format 2"] for r in rounds]}
+            result["format_2_over_format_3_save"] = {  # > 1: format 3 (the weights once) saves faster
+                "best": best["format 2"]["save"]["s"] / best["format 3"]["save"]["s"],
+                "rounds": [r["format 2"] / r["format 3"] for r in rounds]}
             results.append(result)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -214,6 +221,9 @@ def main() -> None:
             ratio = r["dcp_writer_over_own_save"]
             print(f"\n{r['world_size']} process(es), format 2: DCP's writer takes {ratio['best']:.2f}x rollshard's save "
                   f"(best of {args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
+            ratio = r["format_2_over_format_3_save"]
+            print(f"{r['world_size']} process(es): format 2 takes {ratio['best']:.2f}x format 3's save (best of "
+                  f"{args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from each shard file while resuming (``OUT/reads-RANK.json``: file name -> bytes
 a disk of its own (an ``--out`` not shared): rank 1 deletes them once written. Every rank raises the refusal;
 each writes its message to ``OUT/refused-RANK.txt`` (the run exits non-zero).
 
-``dcp`` trains STEPS steps into ``OUT/own`` (each rank writes its shard files itself; the calls of ``dcp.save`` it
-made go to ``OUT/dcp-saves-RANK.txt``), then saves the same state through ``dcp.save`` with DCP's safetensors storage
-into ``OUT/dcp``: the files the test compares them with.
+``dcp`` trains STEPS steps into ``OUT/own`` in checkpoint format 2 (the weights in the shards beside the moments;
+each rank writes its shard files itself; the calls of ``dcp.save`` it made go to ``OUT/dcp-saves-RANK.txt``), then
+saves the same state through ``dcp.save`` with DCP's safetensors storage into ``OUT/dcp``: the files the test
+compares them with.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def crash_on_rank1_after_its_shards(env) -> None:
     real = HFBackend.save_state
     calls = {"n": 0}
 
-    def save_state(self, folder):
-        real(self, folder)
+    def save_state(self, folder, **kw):
+        real(self, folder, **kw)
         calls["n"] += 1
         if env.rank == 1 and calls["n"] == CRASH_AT_SAVE:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -81,8 +82,8 @@ def crash_on_rank1_after_its_shards(env) -> None:
 def lose_rank1_shards(env) -> None:
     real = HFBackend.save_state
 
-    def save_state(self, folder):
-        real(self, folder)
+    def save_state(self, folder, **kw):
+        real(self, folder, **kw)
         if env.rank == 1:
             for f in Path(folder).glob("shard-00002-*.safetensors"):
                 f.unlink()
@@ -160,6 +161,7 @@ if __name__ == "__main__":
 
             real_save, saves = dcp.save, []
             dcp.save = lambda *a, **kw: saves.append(1) or real_save(*a, **kw)
+            HFBackend.exports_held_weights = False  # format 2: the weights through the shard writer too
             trainer = Trainer(config(data, model, str(out / "own"), steps, save_every=0), env=env)
             try:
                 trainer.run()

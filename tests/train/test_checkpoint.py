@@ -54,13 +54,45 @@ def assert_same_state(a: HFBackend, b: HFBackend) -> None:
     assert a.updates == b.updates
 
 
-def test_resume_continues_exactly_from_the_shards(tiny_gpt2, tmp_path):
+def test_resume_continues_exactly_from_the_model_folder_and_the_shards(tiny_gpt2, tmp_path):
+    a = backend(tiny_gpt2)
+    one_update(a)
+    one_update(a)
+    path = save(a, tmp_path, 2)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.path == path and ckpt.version == 3 and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+    # The weights are written once, in the model folder; the shards hold the AdamW state only.
+    params = dict(a.hf_model.named_parameters())  # lm_head.weight is wte.weight: one parameter
+    tensors, _ = read_sharded(path / SHARDS_DIR)
+    assert tensors.keys() == {f"optim/{n}/{k}" for n in params for k in ("exp_avg", "exp_avg_sq", "step")}
+    moments = 2 * sum(p.numel() * 4 for p in params.values())  # exp_avg + exp_avg_sq, fp32
+    shard_bytes = sum(f.stat().st_size for f in (path / SHARDS_DIR).glob("*.safetensors"))
+    assert moments < shard_bytes < moments + 4 * len(params) + 16384  # the step counts and the header beside them
+    weights = load_file(str(path / "model.safetensors"))
+    assert all(torch.equal(weights[n], p.detach()) for n, p in params.items())
+
+    # Built from the checkpoint's model folder, as a resume does; every moment comes from the shards.
+    assert ckpt.weights_from == path
+    b = backend(tiny_gpt2, weights_from=ckpt.weights_from)
+    ckpt.restore(b)
+    assert_same_state(a, b)
+    assert b.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    one_update(a)
+    one_update(b)
+    assert_same_state(a, b)
+
+
+def test_format_2_resumes_exactly_from_the_shards(tiny_gpt2, tmp_path, monkeypatch):
+    # A backend whose export is not its weights as held writes them into the shards too (format 2), as every
+    # checkpoint before format 3 did.
+    monkeypatch.setattr(HFBackend, "exports_held_weights", False)
     a = backend(tiny_gpt2)
     one_update(a)
     one_update(a)
     path = save(a, tmp_path, 2)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.path == path and ckpt.version == 2 and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+    monkeypatch.undo()  # a resume by today's backend reads format 2 as it is
 
     # Built from --model (the initial weights), as a resume does; every weight and moment comes from the shards.
     assert ckpt.weights_from is None
@@ -74,7 +106,7 @@ def test_resume_continues_exactly_from_the_shards(tiny_gpt2, tmp_path):
     assert_same_state(a, b)
 
 
-def test_format_1_checkpoint_resumes_and_the_next_save_is_format_2(tiny_gpt2, tmp_path):
+def test_format_1_checkpoint_resumes_and_the_next_save_is_format_3(tiny_gpt2, tmp_path):
     a = backend(tiny_gpt2)
     one_update(a)
     v1_checkpoint.save_v1(tmp_path, step=1, backend=a, loader_states=[{"cursor": 1}], weight_version="1")
@@ -88,13 +120,14 @@ def test_format_1_checkpoint_resumes_and_the_next_save_is_format_2(tiny_gpt2, tm
     assert_same_state(a, b)
     save(b, tmp_path, 2)
     ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.version == 2 and (ckpt.path / SHARDS_DIR).is_dir()
+    assert ckpt.version == 3 and (ckpt.path / SHARDS_DIR).is_dir()
     c = backend(tiny_gpt2, weights_from=ckpt.weights_from)
     ckpt.restore(c)
     assert_same_state(b, c)
 
 
-def test_shards_are_safetensors_and_json_without_pickle(tiny_gpt2, tmp_path):
+def test_shards_are_safetensors_and_json_without_pickle(tiny_gpt2, tmp_path, monkeypatch):
+    monkeypatch.setattr(HFBackend, "exports_held_weights", False)  # format 2: the weights in the shards too
     b = backend(tiny_gpt2)
     one_update(b)
     shards = save(b, tmp_path, 1) / SHARDS_DIR
@@ -366,8 +399,9 @@ def test_a_rank_state_spreads_over_files_of_bounded_size(tiny_gpt2, tmp_path, mo
     assert len(files) > 10
     biggest = 1024 * 64 * 4  # wte, 1024 x 64 fp32: a file of its own
     assert all(f.stat().st_size <= max(100_000, biggest) + 8192 for f in files)  # + the JSON header
-    b = backend(tiny_gpt2)
-    latest_checkpoint(tmp_path).restore(b)
+    ckpt = latest_checkpoint(tmp_path)
+    b = backend(tiny_gpt2, weights_from=ckpt.weights_from)
+    ckpt.restore(b)
     assert_same_state(a, b)
 
 
@@ -390,8 +424,8 @@ def test_a_checkpoint_without_every_rank_shards_is_not_published(tiny_gpt2, tmp_
     save(b, tmp_path, 1)
     real = b.save_state
 
-    def written_elsewhere(folder):
-        real(folder)
+    def written_elsewhere(folder, **kw):
+        real(folder, **kw)
         for f in folder.glob("shard-*.safetensors"):
             f.unlink()
 

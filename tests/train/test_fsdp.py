@@ -154,12 +154,12 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
     second = subprocess.run(torchrun + ["resume", *args], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     straight, resumed = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
-    assert straight.step == resumed.step == steps and straight.version == resumed.version == 2
+    assert straight.step == resumed.step == steps and straight.version == resumed.version == 3
     # Rank 0 cleared the torn saves before the first barrier of the resumed run's first save, and found both ranks'
     # shards in every folder it published.
     assert not list(root.glob(".tmp-*"))
 
-    # Bitwise: the weights (model folder) and every rank's shards of weights and AdamW state.
+    # Bitwise: the weights (model folder, where format 3 keeps them) and every rank's shards of AdamW state.
     a, b = load_file(str(straight.path / "model.safetensors")), load_file(str(resumed.path / "model.safetensors"))
     assert set(a) == set(b) and len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
     files = sorted(p.name for p in (straight.path / SHARDS_DIR).iterdir())
@@ -175,7 +175,7 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
         m["loss/total"] for m in read_metrics(tmp_path / "resumed")
     ]
 
-    # Each rank's file holds its half of each weight and moment: rows [0, R/2) on rank 0, [R/2, R) on rank 1.
+    # Each rank's file holds its half of each moment: rows [0, R/2) on rank 0, [R/2, R) on rank 1; no weight.
     chunks = shard_chunks(straight.path / SHARDS_DIR)
     weights = load_file(str(straight.path / "model.safetensors"))
     moments_total = 2 * sum(t.numel() * 4 for t in weights.values())  # exp_avg + exp_avg_sq, fp32
@@ -183,8 +183,9 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
         held = chunks[rank]
         moments = sum(n for k, (_, _, n) in held.items() if k.startswith("optim/") and not k.endswith("/step"))
         assert abs(moments - moments_total / 2) <= 0.01 * moments_total, (rank, moments, moments_total)
+        assert not any(k.startswith("model/") for k in held), rank
         for name, w in weights.items():
-            for key in (f"model/{name}", f"optim/{name}/exp_avg", f"optim/{name}/exp_avg_sq"):
+            for key in (f"optim/{name}/exp_avg", f"optim/{name}/exp_avg_sq"):
                 offsets, shape, _ = held[key]
                 rows = -(-w.shape[0] // 2)  # FSDP2 shards dim 0 in torch.chunk pieces
                 assert offsets[0] == rank * rows and shape == [min(rows, w.shape[0] - rank * rows), *w.shape[1:]], key
@@ -198,9 +199,10 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
         assert held <= own <= held + step_bytes and other <= step_bytes, (rank, reads)
 
     # 3. World size 2 -> 1: the shards load into one process (DCP reshards) equal to the ranks' pieces put
-    # together; the trainer itself refuses, its loader cursors being per rank.
-    one = HFBackend(ModelConfig(path=str(tiny_gpt2)), OptimConfig(), env=DistEnv(), total_updates=None)
-    one.load_state(straight.path / SHARDS_DIR)
+    # together, the weights from the model folder; the trainer itself refuses, its loader cursors being per rank.
+    one = HFBackend(ModelConfig(path=str(tiny_gpt2)), OptimConfig(), env=DistEnv(), total_updates=None,
+                    weights_from=straight.weights_from)
+    straight.restore(one)
     for name, p in one.hf_model.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name
         state = one.optimizer.state[p]

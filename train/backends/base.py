@@ -86,13 +86,17 @@ class Backend(abc.ABC):
 
     # -- state -----------------------------------------------------------------------------------
 
-    @abc.abstractmethod
-    def save_state(self, folder: Path) -> None:
-        """Weights and optimizer state of every rank into a checkpoint folder."""
+    # True where :meth:`export_model` writes the weights exactly as held (every one, same names and values), so a
+    # checkpoint keeps them once, in its model folder, and a resume builds the model from it (train/checkpoint.py).
+    exports_held_weights: bool = False
 
     @abc.abstractmethod
-    def load_state(self, folder: Path) -> None:
-        """Weights and optimizer state from :meth:`save_state`'s folder."""
+    def save_state(self, folder: Path, *, weights: bool = True) -> None:
+        """Optimizer state, and the weights unless ``weights`` is False, of every rank into a checkpoint folder."""
+
+    @abc.abstractmethod
+    def load_state(self, folder: Path, *, weights: bool = True) -> None:
+        """Optimizer state, and the weights unless ``weights`` is False, from :meth:`save_state`'s folder."""
 
     @abc.abstractmethod
     def load_optimizer_state(self, state: dict[str, Any]) -> None:

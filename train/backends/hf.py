@@ -242,13 +242,20 @@ class HFBackend(Backend):
 
     # -- state -----------------------------------------------------------------------------------
 
-    def save_state(self, folder: Path) -> None:
-        """Weights and optimizer state, sharded as they are held (collective: each rank writes its own file)."""
-        save_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX)
+    @property
+    def exports_held_weights(self) -> bool:
+        """Whether :meth:`export_model` writes every weight as held: not for a model whose class converts weights
+        on load (its export is ``save_pretrained``'s, reverted) or that leaves some out of its saves."""
+        model = self.hf_model
+        return not getattr(model, "_weight_conversions", None) and not model._keys_to_ignore_on_save
 
-    def load_state(self, folder: Path) -> None:
+    def save_state(self, folder: Path, *, weights: bool = True) -> None:
+        """Optimizer state (and weights), sharded as they are held (collective: each rank writes its own file)."""
+        save_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX, weights=weights)
+
+    def load_state(self, folder: Path, *, weights: bool = True) -> None:
         """A :meth:`save_state` folder into the shards this process holds (collective; any world size wrote it)."""
-        load_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX)
+        load_sharded(folder, self.policy, self.optimizer, env=self.env, strip=POLICY_PREFIX, weights=weights)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """A full (unsharded) optimizer state keyed by parameter name: checkpoints of format 1."""

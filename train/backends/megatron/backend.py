@@ -411,8 +411,9 @@ class MegatronBackend(Backend):
         return {"tp": str(e.tp), "pp": str(e.pp), "ep": str(e.ep), "tp_rank": str(self.tp_rank),
                 "pp_rank": str(self.pp_rank), "ep_rank": str(self.ep_rank), "dp_rank": str(e.rank)}
 
-    def save_state(self, folder: Path) -> None:
-        """Every rank's weights and AdamW state, each in its own file (collective only through the caller's barriers)."""
+    def save_state(self, folder: Path, *, weights: bool = True) -> None:
+        """Every rank's weights and AdamW state, each in its own file (collective only through the caller's barriers).
+        The weights always: its export is gathered across the parallel layout (``exports_held_weights`` False)."""
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {MODEL_KEY + n: t.contiguous() for n, t in self.local_weights().items()}
         scalars: dict[str, dict[str, Any]] = {}
@@ -430,7 +431,7 @@ class MegatronBackend(Backend):
         if self.env.is_main:
             (folder / OPTIM_META).write_text(json.dumps({"backend": "megatron", **self._layout()}, indent=1))
 
-    def load_state(self, folder: Path) -> None:
+    def load_state(self, folder: Path, *, weights: bool = True) -> None:
         """This rank's file of a :meth:`save_state` folder, bit for bit; ValueError for another parallel layout."""
         path = folder / _shard_file(self.env.global_rank)
         if not path.is_file():
