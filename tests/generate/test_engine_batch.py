@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from rollshard.generate.engines import SamplingParams
@@ -183,11 +184,13 @@ def test_n_samples_of_one_prompt_are_prefilled_once(tiny_qwen3, teacher_forced):
     assert len({tuple(r.output_ids) for r in batched[:4]}) == 4  # the samples differ: their own seeds, not a copy
 
 
-def test_a_prefix_every_prompt_starts_with_runs_once(tiny_qwen3, teacher_forced):
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_gpt2"])  # rotary positions, and learned absolute ones
+def test_a_prefix_every_prompt_starts_with_runs_once(model, request, teacher_forced):
     # Four prompts (one of them sampled twice) start with the same 40 tokens, as a chat template's system turn
     # does: the prefill runs those 40 once, as one row, then the four tails (1 to 9 tokens) after them. Every
     # request is the one it would be alone: the same seeded tokens, logprobs equal to the teacher-forced ones.
-    reference = load_causal_lm(tiny_qwen3)
+    tiny = request.getfixturevalue(model)
+    reference = load_causal_lm(tiny)
     head = list(range(200, 240))
     tails = [[5], [6, 7, 8], list(range(300, 309)), [9, 10]]
     requests = [(head + t, 30 + i) for i, t in enumerate(tails)] + [(head + tails[1], 40)]
@@ -211,7 +214,7 @@ def test_a_prefix_every_prompt_starts_with_runs_once(tiny_qwen3, teacher_forced)
         return SamplingParams(max_new_tokens=12, sampling_seed=seed)
 
     async def together():
-        async with Counting(tiny_qwen3) as eng:
+        async with Counting(tiny) as eng:
             eng.block_at_step(1)
             first = asyncio.ensure_future(eng.generate([3, 4], SamplingParams(max_new_tokens=2), ignore_eos=True))
             await eng.wait_blocked()
@@ -223,7 +226,7 @@ def test_a_prefix_every_prompt_starts_with_runs_once(tiny_qwen3, teacher_forced)
             return await asyncio.gather(*futs)
 
     async def alone():
-        async with EmbeddedEngine(tiny_qwen3, max_batch_size=1) as eng:
+        async with EmbeddedEngine(tiny, max_batch_size=1) as eng:
             return [await eng.generate(p, sp(s), ignore_eos=True) for p, s in requests]
 
     batched = run(together())
