@@ -134,66 +134,9 @@ def test_sliding_window_layers_keep_their_window(tiny_qwen3, tmp_path, teacher_f
         assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
 
 
-def test_n_samples_of_one_prompt_are_prefilled_once(tiny_qwen3, teacher_forced):
-    # 4 samples of one prompt and 1 of another arrive together: the prefill forward runs 2 rows, and every sample
-    # is the one it would be alone (same seeded tokens, logprobs equal to the teacher-forced ones).
-    reference = load_causal_lm(tiny_qwen3)
-    shared, other = [1, 5, 6, 7, 8], list(range(100, 120))
-    requests = [(shared, 10 + i) for i in range(4)] + [(other, 20)]
-    prefill_rows: list[int] = []
-
-    class Counting(GatedEngine):
-        def _prefill(self, rows):
-            forward = self.model.forward
-
-            def counted(*args, **kwargs):
-                prefill_rows.append(kwargs["input_ids"].shape[0])
-                return forward(*args, **kwargs)
-
-            self.model.forward = counted
-            try:
-                return super()._prefill(rows)
-            finally:
-                del self.model.forward  # the instance attribute: the class's forward again
-
-    def sp(seed):
-        return SamplingParams(max_new_tokens=12, sampling_seed=seed)
-
-    async def together():
-        async with Counting(tiny_qwen3) as eng:
-            eng.block_at_step(1)  # the five wait in the queue until the worker drains them at once
-            first = asyncio.ensure_future(eng.generate([3, 4], SamplingParams(max_new_tokens=2), ignore_eos=True))
-            await eng.wait_blocked()
-            prefill_rows.clear()
-            futs = [asyncio.ensure_future(eng.generate(p, sp(s), ignore_eos=True)) for p, s in requests]
-            await until(lambda: eng.num_in_flight == 6)
-            eng.release.set()
-            await first
-            return await asyncio.gather(*futs)
-
-    async def alone():
-        async with EmbeddedEngine(tiny_qwen3, max_batch_size=1) as eng:
-            return [await eng.generate(p, sp(s), ignore_eos=True) for p, s in requests]
-
-    batched = run(together())
-    assert prefill_rows == [2]
-    for (prompt, _), res, single in zip(requests, batched, run(alone())):
-        assert res.output_ids == single.output_ids and len(res.output_ids) == 12
-        want = teacher_forced(reference, prompt, res.output_ids, 1.0)
-        assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
-    assert len({tuple(r.output_ids) for r in batched[:4]}) == 4  # the samples differ: their own seeds, not a copy
-
-
-@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_gpt2"])  # rotary positions, and learned absolute ones
-def test_a_prefix_every_prompt_starts_with_runs_once(model, request, teacher_forced):
-    # Four prompts (one of them sampled twice) start with the same 40 tokens, as a chat template's system turn
-    # does: the prefill runs those 40 once, as one row, then the four tails (1 to 9 tokens) after them. Every
-    # request is the one it would be alone: the same seeded tokens, logprobs equal to the teacher-forced ones.
-    tiny = request.getfixturevalue(model)
-    reference = load_causal_lm(tiny)
-    head = list(range(200, 240))
-    tails = [[5], [6, 7, 8], list(range(300, 309)), [9, 10]]
-    requests = [(head + t, 30 + i) for i, t in enumerate(tails)] + [(head + tails[1], 40)]
+def batched_and_alone(model, requests: list[tuple[list[int], int]]):
+    """``requests`` ((prompt, seed) each, 12 new tokens) submitted together and drained by the worker at once, and
+    each alone: (the input shape of every prefill forward of the batched run, its results, the lone results)."""
     forwards: list[tuple[int, int]] = []
 
     class Counting(GatedEngine):
@@ -208,33 +151,62 @@ def test_a_prefix_every_prompt_starts_with_runs_once(model, request, teacher_for
             try:
                 return super()._prefill(rows)
             finally:
-                del self.model.forward
+                del self.model.forward  # the instance attribute: the class's forward again
 
     def sp(seed):
         return SamplingParams(max_new_tokens=12, sampling_seed=seed)
 
     async def together():
-        async with Counting(tiny) as eng:
-            eng.block_at_step(1)
+        async with Counting(model) as eng:
+            eng.block_at_step(1)  # the requests wait in the queue until the worker drains them at once
             first = asyncio.ensure_future(eng.generate([3, 4], SamplingParams(max_new_tokens=2), ignore_eos=True))
             await eng.wait_blocked()
             forwards.clear()
             futs = [asyncio.ensure_future(eng.generate(p, sp(s), ignore_eos=True)) for p, s in requests]
-            await until(lambda: eng.num_in_flight == 6)
+            await until(lambda: eng.num_in_flight == len(requests) + 1)
             eng.release.set()
             await first
             return await asyncio.gather(*futs)
 
     async def alone():
-        async with EmbeddedEngine(tiny, max_batch_size=1) as eng:
+        async with EmbeddedEngine(model, max_batch_size=1) as eng:
             return [await eng.generate(p, sp(s), ignore_eos=True) for p, s in requests]
 
-    batched = run(together())
-    assert forwards == [(1, 40), (4, 9)]  # the shared 40 once, then 4 distinct tails padded to the longest
-    for (prompt, _), res, single in zip(requests, batched, run(alone())):
+    return forwards, run(together()), run(alone())
+
+
+def assert_as_alone(model, requests, batched, singles, teacher_forced) -> None:
+    """Every batched request is the one it was alone: the same seeded tokens, logprobs the teacher-forced ones."""
+    reference = load_causal_lm(model)
+    for (prompt, _), res, single in zip(requests, batched, singles):
         assert res.output_ids == single.output_ids and len(res.output_ids) == 12
         want = teacher_forced(reference, prompt, res.output_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(res.logprobs, want)) <= TOL
+
+
+def test_n_samples_of_one_prompt_are_prefilled_once(tiny_qwen3, teacher_forced):
+    # 4 samples of one prompt and 1 of another arrive together: the prefill forward runs 2 rows, and every sample
+    # is the one it would be alone (same seeded tokens, logprobs equal to the teacher-forced ones).
+    shared, other = [1, 5, 6, 7, 8], list(range(100, 120))
+    requests = [(shared, 10 + i) for i in range(4)] + [(other, 20)]
+    forwards, batched, singles = batched_and_alone(tiny_qwen3, requests)
+    assert [rows for rows, _ in forwards] == [2]
+    assert_as_alone(tiny_qwen3, requests, batched, singles, teacher_forced)
+    assert len({tuple(r.output_ids) for r in batched[:4]}) == 4  # the samples differ: their own seeds, not a copy
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_gpt2"])  # rotary positions, and learned absolute ones
+def test_a_prefix_every_prompt_starts_with_runs_once(model, request, teacher_forced):
+    # Four prompts (one of them sampled twice) start with the same 40 tokens, as a chat template's system turn
+    # does: the prefill runs those 40 once, as one row, then the four tails (1 to 9 tokens) after them. Every
+    # request is the one it would be alone: the same seeded tokens, logprobs equal to the teacher-forced ones.
+    tiny = request.getfixturevalue(model)
+    head = list(range(200, 240))
+    tails = [[5], [6, 7, 8], list(range(300, 309)), [9, 10]]
+    requests = [(head + t, 30 + i) for i, t in enumerate(tails)] + [(head + tails[1], 40)]
+    forwards, batched, singles = batched_and_alone(tiny, requests)
+    assert forwards == [(1, 40), (4, 9)]  # the shared 40 once, then 4 distinct tails padded to the longest
+    assert_as_alone(tiny, requests, batched, singles, teacher_forced)
     assert batched[1].output_ids != batched[4].output_ids  # one prompt, two seeds
 
 

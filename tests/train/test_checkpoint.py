@@ -54,13 +54,19 @@ def assert_same_state(a: HFBackend, b: HFBackend) -> None:
     assert a.updates == b.updates
 
 
+def saved_after_two_updates(model, out: Path, version: int):
+    """A backend after two updates, and its checkpoint of step 2 (of format ``version``)."""
+    a = backend(model)
+    one_update(a)
+    one_update(a)
+    path = save(a, out, 2)
+    ckpt = latest_checkpoint(out)
+    assert ckpt.path == path and ckpt.version == version and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+    return a, path, ckpt
+
+
 def test_resume_continues_exactly_from_the_model_folder_and_the_shards(tiny_gpt2, tmp_path):
-    a = backend(tiny_gpt2)
-    one_update(a)
-    one_update(a)
-    path = save(a, tmp_path, 2)
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.path == path and ckpt.version == 3 and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+    a, path, ckpt = saved_after_two_updates(tiny_gpt2, tmp_path, 3)
     # The weights are written once, in the model folder; the shards hold the AdamW state only.
     params = dict(a.hf_model.named_parameters())  # lm_head.weight is wte.weight: one parameter
     tensors, _ = read_sharded(path / SHARDS_DIR)
@@ -86,12 +92,7 @@ def test_format_2_resumes_exactly_from_the_shards(tiny_gpt2, tmp_path, monkeypat
     # A backend whose export is not its weights as held writes them into the shards too (format 2), as every
     # checkpoint before format 3 did.
     monkeypatch.setattr(HFBackend, "exports_held_weights", False)
-    a = backend(tiny_gpt2)
-    one_update(a)
-    one_update(a)
-    path = save(a, tmp_path, 2)
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.path == path and ckpt.version == 2 and ckpt.updates == 2 and ckpt.loader_states == [{"cursor": 2}]
+    a, _, ckpt = saved_after_two_updates(tiny_gpt2, tmp_path, 2)
     monkeypatch.undo()  # a resume by today's backend reads format 2 as it is
 
     # Built from --model (the initial weights), as a resume does; every weight and moment comes from the shards.
