@@ -107,6 +107,28 @@ class Checkpoint:
         backend.updates = self.updates
 
 
+# The config.json fields that fix a model's parameter names and shapes (Llama/Qwen-style and GPT-2-style names).
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "n_embd", "n_layer", "n_head", "n_inner")
+
+
+def architecture_mismatch(checkpoint: Path, model: Path) -> str | None:
+    """What differs between the architecture of a checkpoint's model folder and a model folder's (their configs as
+    transformers reads them, defaults filled in: a saved ``config.json`` leaves out what equals the class's default),
+    e.g. ``hidden_size 64 against 128``; None when nothing does, or when ``model`` is no folder with a config. A
+    format-3 resume builds its model from the checkpoint, so another ``--model`` would otherwise go unnoticed (format
+    2 loaded the shards' weights into ``--model``'s, which refused another shape)."""
+    from transformers import AutoConfig
+
+    try:
+        ours, theirs = (AutoConfig.from_pretrained(str(p), local_files_only=True) for p in (checkpoint, model))
+    except (OSError, ValueError, KeyError):
+        return None
+    differ = [f"{k} {getattr(ours, k, None)} against {getattr(theirs, k, None)}" for k in ARCHITECTURE_KEYS
+              if getattr(ours, k, None) != getattr(theirs, k, None)]
+    return ", ".join(differ) or None
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 

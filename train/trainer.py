@@ -60,7 +60,8 @@ from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.checks import mismatch_line, mismatch_warning, no_signal_warning, recorded_models
 from rollshard.train.checkpoint import (
-    CKPT_DIR, Checkpoint, checkpoint_name, export_policy, latest_checkpoint, recover, save_checkpoint,
+    CKPT_DIR, Checkpoint, architecture_mismatch, checkpoint_name, export_policy, latest_checkpoint, recover,
+    save_checkpoint,
 )
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
@@ -231,7 +232,7 @@ class Trainer:
         self.backend = build_backend(config, env=self.env, total_updates=total, weights_from=ckpt.weights_from if ckpt else None)
         check_datasets(self.loader.datasets, self.backend.routing_shape, config.model.routing_replay)  # MoE routing (R3)
         if ckpt:
-            ckpt.restore(self.backend)  # weights (format 2), optimizer state and update count
+            ckpt.restore(self.backend)  # optimizer state, update count and (format 2) weights
         self.logger = self.open_logger(resume_step=self.step if ckpt else None)
         self.last_saved = self.step if ckpt else None
         self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
@@ -292,6 +293,12 @@ class Trainer:
             raise ValueError(
                 f"checkpoint {ckpt.path} has weight version {ckpt.weight_version}, but initial version {initial} + "
                 f"step {ckpt.step} is {initial + ckpt.step}; resume with the run's --model and --initial-version"
+            )
+        differs = architecture_mismatch(ckpt.path, Path(self.cfg.model.path)) if ckpt.version >= 3 else None
+        if differs:
+            raise ValueError(
+                f"checkpoint {ckpt.path} is of another model than --model {self.cfg.model.path} ({differs}); resume "
+                "with the run's --model"
             )
         say(f"rollshard-train: resuming at step {ckpt.step} from {ckpt.path} (weight version {ckpt.weight_version})",
             file=sys.stderr)

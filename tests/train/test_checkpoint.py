@@ -435,3 +435,15 @@ def test_a_checkpoint_without_every_rank_shards_is_not_published(tiny_gpt2, tmp_
         save(b, tmp_path, 2)
     root = tmp_path / CKPT_DIR
     assert latest_checkpoint(tmp_path).step == 1 and not (root / "step_00000002").exists()
+
+
+def test_a_resume_with_another_model_is_refused(tiny_dataset, tiny_gpt2, tiny_qwen3, tmp_path):
+    # A format-3 resume builds its model from the checkpoint's folder, so --model is compared with it: another
+    # architecture is refused in one line, naming what differs, before anything is built.
+    train(make_config(tiny_dataset, tiny_gpt2, tmp_path, trainer={"max_steps": 1}))
+    other = make_config(tiny_dataset, tiny_qwen3, tmp_path, trainer={"max_steps": 2, "resume": True})
+    with pytest.raises(ValueError, match=r"step_00000001 is of another model than --model .*tiny.* \(model_type gpt2 "
+                                         r"against qwen3, .*\); resume with the run's --model") as e:
+        Trainer(other)
+    assert "\n" not in str(e.value)
+    assert latest_checkpoint(tmp_path).step == 1
