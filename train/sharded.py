@@ -267,7 +267,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
     model_sd, optim_sd = _live_state(module, optimizer)
     aliases = tied_aliases(module)
@@ -294,7 +294,10 @@ def load_sharded(
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value  # JSON made betas a list
     for fqn in optim_sd["state"]:
         optim_sd["state"][fqn].update(saved["scalars"].get(fqn.removeprefix(strip), {}))
-    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if weights:
+        set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:  # the module's weights are as they were: not copied onto themselves
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_sd)
 
 
 def read_sharded(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -5,7 +5,6 @@ save whose shards did not all reach rank 0's file system is refused on every ran
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -109,18 +108,23 @@ def test_bf16_policy_keeps_embedding_norm_and_head_fp32(tiny_gpt2, tiny_qwen3, t
         assert bf16["err_mean"] > 1e-2 and bf16["err_max"] > 3e-2, model
 
 
+def chunks(folder: Path) -> dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, list[int]], bytes]]:
+    """Every chunk of a shards folder: (tensor, offsets) -> (the file holding it, (dtype, shape), bytes)."""
+    out = {}
+    for f in sorted(folder.glob("shard-*.safetensors")):
+        parts, data = safetensors_parts(f)
+        info = parts["metadata"]["DCP_SHARDING_INFO"]
+        for name, (dtype, shape) in parts["tensors"].items():
+            out[name, tuple(info[name]["saved_offsets"])] = (f.name, (dtype, shape), data[name])
+    return out
+
+
 def shard_chunks(folder: Path) -> dict[int, dict[str, tuple[list[int], list[int], int]]]:
     """Per rank, per tensor of its shard file: ``(offsets, shape, bytes)`` of the chunk it holds, from the
     file's safetensors header (DCP's JSON sharding info)."""
     out: dict[int, dict] = {}
-    for f in sorted(folder.glob("shard-*.safetensors")):
-        rank = int(f.name.split("-")[1]) - 1
-        with safe_open(str(f), framework="pt") as st:
-            offsets = json.loads(st.metadata()["DCP_SHARDING_INFO"])
-            for name in st.keys():
-                sl = st.get_slice(name)
-                shape = list(sl.get_shape())
-                out.setdefault(rank, {})[name] = (offsets[name]["saved_offsets"], shape, math.prod(shape) * 4)
+    for (name, offsets), (file, (_, shape), data) in chunks(folder).items():
+        out.setdefault(int(file.split("-")[1]) - 1, {})[name] = (list(offsets), shape, len(data))
     return out
 
 
@@ -216,17 +220,6 @@ def test_sharded_checkpoint_resumes_exactly_after_a_crash_while_saving(tiny_data
     })
     with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1; resume with the same number"):
         Trainer(cfg)
-
-
-def chunks(folder: Path) -> dict[tuple[str, tuple[int, ...]], tuple[str, tuple, list, bytes]]:
-    """Every chunk of a shards folder: (tensor, offsets) -> (the file holding it, dtype and shape, bytes)."""
-    out = {}
-    for f in sorted(folder.glob("shard-*.safetensors")):
-        parts, data = safetensors_parts(f)
-        info = parts["metadata"]["DCP_SHARDING_INFO"]
-        for name, (dtype, shape) in parts["tensors"].items():
-            out[name, tuple(info[name]["saved_offsets"])] = (f.name, (dtype, shape), data[name])
-    return out
 
 
 def test_each_rank_writes_the_chunks_dcp_writes(tiny_dataset, tiny_gpt2, tmp_path):
