@@ -58,6 +58,12 @@ SAFE_WEIGHTS = "model.safetensors"
 POLICY_PREFIX = "model."  # PackedPolicy holds the transformers model as .model; checkpoints use transformers names
 
 
+def converts_weights(model: nn.Module) -> bool:
+    """Whether the model's transformers class converts weights on load (``_weight_conversions``, transformers 5:
+    e.g. fused MoE experts), so that its held weights are not the ones a model folder stores."""
+    return bool(getattr(model, "_weight_conversions", None))
+
+
 class HFBackend(Backend):
     """Policy (and optional reference) model, optimizer and the update step."""
 
@@ -247,7 +253,7 @@ class HFBackend(Backend):
         """Whether :meth:`export_model` writes every weight as held: not for a model whose class converts weights
         on load (its export is ``save_pretrained``'s, reverted) or that leaves some out of its saves."""
         model = self.hf_model
-        return not getattr(model, "_weight_conversions", None) and not model._keys_to_ignore_on_save
+        return not converts_weights(model) and not model._keys_to_ignore_on_save
 
     def save_state(self, folder: Path, *, weights: bool = True) -> None:
         """Optimizer state (and weights), sharded as they are held (collective: each rank writes its own file)."""
@@ -282,7 +288,7 @@ class HFBackend(Backend):
                 if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES) and f.name != "config.json":
                     shutil.copy2(f, folder / f.name)
         model = self.hf_model
-        if getattr(model, "_weight_conversions", None):
+        if converts_weights(model):
             full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if main:
                 model.save_pretrained(folder, state_dict={k.removeprefix(POLICY_PREFIX): v for k, v in full.items()})
