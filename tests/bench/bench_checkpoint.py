@@ -14,15 +14,16 @@ CPU, FSDP2 for 2+ processes), so that no measurement reuses memory another one f
 * load: a backend built as a resume builds it (formats 1 and 3: from the checkpoint's model folder;
   format 2: from ``--model``, the same cost), then the checkpoint's state put in (format 1: the
   whole optimizer file read on every rank, then set; format 2: weights and moments from the rank's
-  own shards; format 3: the moments from them); wall time and rank 0's peak RSS of that step. RSS counts the file pages safetensors
-  maps while reading (page cache, reclaimable) as well as allocations.
+  own shards; format 3: the moments from them); wall time and rank 0's peak RSS of that step. RSS counts the
+  file pages safetensors maps while reading (page cache, reclaimable) as well as allocations.
 
 Format 1 is written by the frozen copy of its writer (tests/train/v1_checkpoint.py) plus the same
 fsyncs; formats 2 and 3 by ``rollshard.train.checkpoint.save_checkpoint``: format 3 (what it writes now) keeps the
 weights in the model folder only and builds a resume's model from it, format 2 (written here by telling the backend
 its export is not its weights, ``exports_held_weights``) keeps them in the shards as well and loads them from
-there. Format 2 is measured twice: as rollshard writes it (each rank's files streamed a tensor at a time, ``rollshard.train.sharded.write_shards``) and with the
-same files written by DCP's ``HuggingFaceStorageWriter`` (``dcp.save``, what every rank used before). Prints a markdown table
+there. Format 2 is measured twice: as rollshard writes it (each rank's files streamed a tensor at a time,
+``rollshard.train.sharded.write_shards``) and with the same files written by DCP's ``HuggingFaceStorageWriter``
+(``dcp.save``, what every rank used before). Prints a markdown table
 (``--json``: the figures as JSON). ``--repeat N``: the fastest save of N (with its load).
 """
 
@@ -149,8 +150,6 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         for fmt in ("format 1", "format 2", "format 2, DCP writer", "format 3"):
-            if fmt not in r:
-                continue
             f = r[fmt]
             per_rank = " / ".join(f"{n / 1e6:.0f}" for n in f["state_bytes_per_rank"])
             rows.append(
@@ -205,12 +204,13 @@ def main() -> None:
                                 **{k: best[name]["save"][k] for k in sizes}}
                 result["parameters"] = best[name]["save"]["parameters"]
             result["save_s_rounds"] = rounds
-            result["dcp_writer_over_own_save"] = {  # > 1: rollshard's own writer is faster than DCP's, same files
-                "best": best["format 2, DCP writer"]["save"]["s"] / best["format 2"]["save"]["s"],
-                "rounds": [r["format 2, DCP writer"] / r["format 2"] for r in rounds]}
-            result["format_2_over_format_3_save"] = {  # > 1: format 3 (the weights once) saves faster
-                "best": best["format 2"]["save"]["s"] / best["format 3"]["save"]["s"],
-                "rounds": [r["format 2"] / r["format 3"] for r in rounds]}
+            def over(slow: str, fast: str) -> dict:  # save time of ``slow`` over ``fast``: best, and per round
+                return {"best": best[slow]["save"]["s"] / best[fast]["save"]["s"],
+                        "rounds": [r[slow] / r[fast] for r in rounds]}
+
+            # > 1: rollshard's own writer is faster than DCP's (the same files); format 3 (the weights once) is faster
+            result["dcp_writer_over_own_save"] = over("format 2, DCP writer", "format 2")
+            result["format_2_over_format_3_save"] = over("format 2", "format 3")
             results.append(result)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -218,12 +218,11 @@ def main() -> None:
         print(f"GPT-2 {args.hidden} x {args.layers}: {results[0]['parameters'] / 1e9:.2f} B parameters\n")
         print(table(results))
         for r in results:
-            ratio = r["dcp_writer_over_own_save"]
-            print(f"\n{r['world_size']} process(es), format 2: DCP's writer takes {ratio['best']:.2f}x rollshard's save "
-                  f"(best of {args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
-            ratio = r["format_2_over_format_3_save"]
-            print(f"{r['world_size']} process(es): format 2 takes {ratio['best']:.2f}x format 3's save (best of "
-                  f"{args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
+            for key, slow, fast in (("dcp_writer_over_own_save", "format 2 through DCP's writer", "rollshard's"),
+                                    ("format_2_over_format_3_save", "format 2", "format 3's")):
+                ratio = r[key]
+                print(f"{r['world_size']} process(es): {slow} takes {ratio['best']:.2f}x {fast} save time (best of "
+                      f"{args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
 
 
 if __name__ == "__main__":
