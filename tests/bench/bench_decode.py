@@ -212,22 +212,27 @@ def bench_profile(engine, tokenizer, batches: list[int], answers: list[int]) -> 
 # ---- (b) speed -----------------------------------------------------------------------------------------------
 
 
-def run_generate(model, ids: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    """transformers generate(): one static batch, sampling at T = 1 over the whole vocabulary, eos off."""
+def run_generate(model, ids: list[list[int]], new_tokens: int, pad_id: int, eos_ids=None) -> float:
+    """transformers generate(): one static batch, sampling at T = 1 over the whole vocabulary, eos off; or, with
+    ``eos_ids``, greedy, each row ending at one of them (as ``rollshard-generate eval`` asks)."""
     import torch
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id, eos_token_id=None,
-        max_new_tokens=new_tokens,
-    )  # fmt: skip
+    if eos_ids is None:
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id, eos_token_id=None,
+            max_new_tokens=new_tokens,
+        )  # fmt: skip
+    else:
+        config = GenerationConfig(do_sample=False, pad_token_id=pad_id, eos_token_id=list(eos_ids),
+                                  max_new_tokens=new_tokens)
     length = max(len(p) for p in ids)
     t0 = time.perf_counter()
     with torch.inference_mode():
         x = torch.tensor([[pad_id] * (length - len(p)) + p for p in ids])
         mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in ids])
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=config)
-    assert out.shape[1] == length + new_tokens, (out.shape, length, new_tokens)
+    assert eos_ids is not None or out.shape[1] == length + new_tokens, (out.shape, length, new_tokens)
     return time.perf_counter() - t0
 
 
@@ -380,35 +385,20 @@ def bench_eval(engine, model, tokenizer, n_prompts: int, new_tokens: int, rounds
         finally:
             embedded.shared_prefix = own
 
-    def generate_run() -> tuple[float, int]:
-        import torch
-
-        length = max(len(p) for p in ids)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            x = torch.tensor([[pad] * (length - len(p)) + p for p in ids])
-            mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in ids])
-            out = model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                                 pad_token_id=pad, eos_token_id=list(engine.eos_ids))
-        return time.perf_counter() - t0, out.shape[1] - length
-
     asyncio.run(engine_run(own))  # warm
     load0 = os.getloadavg()
     seconds: dict[str, list[float]] = {"shared_prefix": [], "whole_prompts": [], "generate": []}
-    same = tokens = 0
+    answers: dict[str, list[list[int]]] = {}  # the last round's, by engine variant
     for r in range(rounds):
         order = list(seconds) if r % 2 == 0 else list(seconds)[::-1]
         for key in order:
             if key == "generate":
-                seconds[key].append(generate_run()[0])
+                seconds[key].append(run_generate(model, ids, new_tokens, pad, eos_ids=engine.eos_ids))
                 continue
-            t, outs = asyncio.run(engine_run(own if key == "shared_prefix" else (lambda prompts: 0)))
+            t, answers[key] = asyncio.run(engine_run(own if key == "shared_prefix" else (lambda prompts: 0)))
             seconds[key].append(t)
-            if key == "shared_prefix":
-                answers, tokens = outs, sum(len(o) for o in outs)
-            else:
-                whole = outs
-        same = sum(a == b for a, b in zip(answers, whole))
+    same = sum(a == b for a, b in zip(answers["shared_prefix"], answers["whole_prompts"]))
+    tokens = sum(len(o) for o in answers["shared_prefix"])
     ratio = sorted(w / s for w, s in zip(seconds["whole_prompts"], seconds["shared_prefix"]))
     vs_generate = sorted(g / s for g, s in zip(seconds["generate"], seconds["shared_prefix"]))
     row = {
