@@ -114,10 +114,11 @@ ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_laye
 
 def architecture_mismatch(checkpoint: Path, model: Path) -> str | None:
     """What differs between the architecture of a checkpoint's model folder and a model folder's (their configs as
-    transformers reads them, defaults filled in: a saved ``config.json`` leaves out what equals the class's default),
-    e.g. ``hidden_size 64 against 128``; None when nothing does, or when ``model`` is no folder with a config. A
-    format-3 resume builds its model from the checkpoint, so another ``--model`` would otherwise go unnoticed (format
-    2 loaded the shards' weights into ``--model``'s, which refused another shape)."""
+    transformers reads them, defaults filled in: a saved ``config.json`` leaves out what equals the class's default):
+    the first three fields that do, e.g. ``hidden_size 64 against 128``, and how many more; None when nothing does, or
+    when ``model`` is no folder with a config. A format-3 resume builds its model from the checkpoint, so another
+    ``--model`` would otherwise go unnoticed (format 2 loaded the shards' weights into ``--model``'s, which refused
+    another shape)."""
     from transformers import AutoConfig
 
     try:
@@ -126,7 +127,8 @@ def architecture_mismatch(checkpoint: Path, model: Path) -> str | None:
         return None
     differ = [f"{k} {getattr(ours, k, None)} against {getattr(theirs, k, None)}" for k in ARCHITECTURE_KEYS
               if getattr(ours, k, None) != getattr(theirs, k, None)]
-    return ", ".join(differ) or None
+    more = f", {len(differ) - 3} more" if len(differ) > 3 else ""
+    return ", ".join(differ[:3]) + more if differ else None
 
 
 def checkpoint_name(step: int) -> str:
