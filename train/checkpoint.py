@@ -17,6 +17,12 @@ Layout of ``OUT/checkpoints/step_00000012/`` (format 3):
   for ``--data a:0.7,b:0.3``: one cursor per source; rollshard.store.loader.mixture).
 * ``train_config.yaml``: the resolved :class:`~rollshard.train.config.TrainConfig`.
 
+A run's last checkpoint may hold its model only (``--final-checkpoint model``; ``"optimizer": false`` in its
+``trainer_state.json``, no ``shards/``): the model folder, its version and the data cursors, for a run nothing
+continues (each ``rollshard-loop`` round starts from a fresh optimizer). That is a third of an AdamW checkpoint's
+bytes (torchtitan's ``last_save_model_only``). A resume of it may finish the run (nothing left to train) but not
+train a step: the optimizer state to continue from was not kept (:meth:`Trainer.run` refuses in one line).
+
 Format 2 kept the weights under ``shards/`` as well (``model/<name>``, sharded like the moments), a second copy of
 what the model folder holds: a quarter of a checkpoint of AdamW's fp32 state. It is what a backend writes whose
 export is not its weights as held (:attr:`~rollshard.train.backends.base.Backend.exports_held_weights`: megatron's,
@@ -90,16 +96,20 @@ class Checkpoint:
     weight_version: str
     world_size: int
     loader_states: list[dict[str, Any]]
+    optimizer: bool = True  # False: the model only (--final-checkpoint model), nothing under shards/
 
     @property
     def weights_from(self) -> Path | None:
         """The model folder a resumed backend is built from: this checkpoint's own for formats 1 and 3; None (the
         run's ``--model``) for format 2, whose shards then replace every weight."""
-        return None if self.version == WEIGHTS_IN_SHARDS else self.path
+        return None if self.version == WEIGHTS_IN_SHARDS and self.optimizer else self.path
 
     def restore(self, backend: Any) -> None:
         """Optimizer state, update count and (format 2) weights into a backend built from :attr:`weights_from`
-        (collective under torchrun)."""
+        (collective under torchrun); of a model-only checkpoint, the update count alone."""
+        if not self.optimizer:  # the backend's weights are its folder's, and there is nothing else to load
+            backend.updates = self.updates
+            return
         if self.version < 2:
             backend.load_optimizer_state(load_v1_optimizer_state(self.path))
         else:
@@ -168,9 +178,11 @@ def save_checkpoint(
     env: DistEnv,
     config_yaml: str,
     keep_last: int,
+    optimizer: bool = True,
 ) -> Path:
     """Write ``OUT/checkpoints/step_N`` (collective: every rank calls it and writes its shards; rank 0 the rest
-    and publishes it). Returns once it is published, on every rank."""
+    and publishes it); with ``optimizer=False``, the model folder and the state files only (module docstring).
+    Returns once it is published, on every rank."""
     root = Path(out) / CKPT_DIR
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
@@ -183,7 +195,8 @@ def save_checkpoint(
         tmp.mkdir()
     env.barrier()  # the leftover tmp folders are gone before any rank writes into one
     weights_apart = backend.exports_held_weights  # the model folder holds them: the shards need not
-    backend.save_state(tmp / SHARDS_DIR, weights=not weights_apart)
+    if optimizer:
+        backend.save_state(tmp / SHARDS_DIR, weights=not weights_apart)
     backend.export_model(tmp)
     if env.is_main:
         state = {
@@ -194,11 +207,13 @@ def save_checkpoint(
             "world_size": env.world_size,
             "loader_states": loader_states,
         }
+        if not optimizer:
+            state["optimizer"] = False
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         (tmp / CONFIG_FILE).write_text(config_yaml)
     env.barrier()  # every rank's shards are written before rank 0 checks and publishes the folder
     refused = None
-    if env.is_main:
+    if env.is_main and optimizer:
         refused = missing_shards(tmp / SHARDS_DIR, env.world_size)
     if env.is_main and refused is None:
         fsync_tree(tmp)
@@ -216,6 +231,24 @@ def save_checkpoint(
     if refused:
         raise ValueError(refused)
     return final
+
+
+def drop_optimizer_state(path: Path, env: DistEnv) -> None:
+    """Make the published checkpoint ``path`` model-only (a run's last, saved whole by ``--save-every`` before the
+    data was known to end): its state file says so first, replaced atomically, then ``shards/`` goes; a crash
+    between the two leaves a model-only checkpoint with unused shards (collective: rank 0 writes, all wait)."""
+    if env.is_main:
+        state = json.loads((path / STATE_FILE).read_text())
+        state["optimizer"] = False
+        tmp = path / f".{STATE_FILE}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(state, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / STATE_FILE)
+        fsync_dir(path)
+        shutil.rmtree(path / SHARDS_DIR, ignore_errors=True)
+    env.barrier()
 
 
 POLICY_DIR = "policy"  # OUT/policy/v_<version>: weights-only exports for an engine (rollshard-loop --async)
@@ -363,4 +396,5 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         weight_version=str(state["weight_version"]),
         world_size=int(state["world_size"]),
         loader_states=list(state["loader_states"]),
+        optimizer=bool(state.get("optimizer", True)),
     )

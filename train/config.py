@@ -286,6 +286,13 @@ class TrainerConfig:
         "to load (rollshard-loop --async pushes them); 0: never",
     )
     keep_last: int = _f(2, "checkpoints kept on disk (the newest)")
+    final_checkpoint: Literal["full", "model"] = _f(
+        "full",
+        "what the checkpoint at the run's end holds: full (the optimizer state too, so a --resume with more steps or "
+        "data trains on); model (the model folder and the data cursor, no optimizer state: a third of an AdamW "
+        "checkpoint's bytes, for a run nothing continues, such as a rollshard-loop round, each of which starts a "
+        "fresh optimizer). A checkpoint written before the end (--save-every, a signal) is always full",
+    )
     resume: bool = _f(False, "continue from the newest checkpoint in --out")
     seed: int = _f(0, "torch seed")
     initial_version: int | None = _f(

@@ -20,7 +20,9 @@ The loop kills its children if it dies (SIGKILL included), and forwards SIGINT/S
 which commits (generate) or saves (train) before exiting.
 
 Each round trains from P_k with a fresh optimizer (the checkpoint's AdamW state belongs to its own data
-stream, which a resume of another dataset would refuse). Exit status: 0 every round done; 1 a stage failed
+stream, which a resume of another dataset would refuse), so a round's last checkpoint holds the model only
+(``--final-checkpoint model``, unless ``--train`` says otherwise): a third of the bytes of one with AdamW's state.
+Exit status: 0 every round done; 1 a stage failed
 (its own message says why); 2 bad input; 130 interrupted (rerun to continue).
 """
 
@@ -412,6 +414,8 @@ class Loop:
         # With wandb, each round is a run of its own; name it after the round (every round's folder is `train`).
         if any("wandb" in t for t in train) and not any(t.startswith("--wandb-name") for t in train):
             train = ["--wandb-name", f"{self.out.name}/round_{k:03d}", *train]
+        if not any(t.startswith("--final-checkpoint") for t in train):  # the next round starts a fresh optimizer
+            train = ["--final-checkpoint", "model", *train]
         return ["--data", data, "--model", policy, "--out", str(out), *resume, *train, *self._quiet()]
 
     def audit_command(self, k: int, policy: str) -> list[str]:

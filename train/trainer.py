@@ -60,8 +60,8 @@ from rollshard.train.backends import build_backend
 from rollshard.train.backends.distributed import DistEnv
 from rollshard.train.checks import mismatch_line, mismatch_warning, no_signal_warning, recorded_models
 from rollshard.train.checkpoint import (
-    CKPT_DIR, Checkpoint, architecture_mismatch, checkpoint_name, export_policy, latest_checkpoint, recover,
-    save_checkpoint,
+    CKPT_DIR, Checkpoint, architecture_mismatch, checkpoint_name, drop_optimizer_state, export_policy,
+    latest_checkpoint, recover, save_checkpoint,
 )
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm, effective_sample_size, policy_loss
@@ -235,6 +235,9 @@ class Trainer:
             ckpt.restore(self.backend)  # optimizer state, update count and (format 2) weights
         self.logger = self.open_logger(resume_step=self.step if ckpt else None)
         self.last_saved = self.step if ckpt else None
+        # A model-only checkpoint (--final-checkpoint model) finishes a run; it has no optimizer state to train on.
+        self.model_only_resume = ckpt.path if ckpt and not ckpt.optimizer else None
+        self.saved_model_only = ckpt is not None and not ckpt.optimizer  # the latest checkpoint's kind
         self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
         self.history: list[dict[str, float]] = []
         self.stopped_by: str | None = None  # the signal that stopped run() at a step boundary
@@ -404,6 +407,11 @@ class Trainer:
                     if not signal_checked:
                         self._check_signal()
                         signal_checked = True
+                    if self.model_only_resume is not None:
+                        raise ValueError(
+                            f"checkpoint {self.model_only_resume} holds the model only (--final-checkpoint model), "
+                            "no optimizer state to train on from it; train it as --model into a new --out"
+                        )
                     fresh = self.step == 0
                     metrics = self.train_step(step)
                     self.step += 1
@@ -412,12 +420,18 @@ class Trainer:
                     self.loader.set_current_version(self.version)
                     self._log_step(metrics, waited=waited, elapsed=time.perf_counter() - t0, bar=bar)
                     if tr.save_every and self.step % tr.save_every == 0:
-                        self.save()
+                        if not (tr.final_checkpoint == "model" and self.step == tr.max_steps):  # saved below
+                            self.save()
                     elif tr.export_every and self.step % tr.export_every == 0:  # a checkpoint is a policy folder too
                         export_policy(self.out, step=self.step, backend=self.backend,
                                       weight_version=str(self.version), env=self.env)
                 if self.step > 0 and self.last_saved != self.step:
-                    self.save()
+                    self.save(final=self.stopped_by is None)
+                elif (self.saved_in_run and not self.saved_model_only and self.stopped_by is None
+                      and tr.final_checkpoint == "model"):
+                    # The data ended right after a --save-every checkpoint: that one is the run's last.
+                    drop_optimizer_state(self.checkpoint_path(), self.env)
+                    self.saved_model_only = True
         except KeyboardInterrupt:  # a second signal
             self.exit_status = 130
             raise
@@ -471,8 +485,10 @@ class Trainer:
             ratio=f"{metrics.get('ratio/mean', 1.0):.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}",
         )
 
-    def save(self) -> Path:
+    def save(self, final: bool = False) -> Path:
+        """A checkpoint of this step; ``final``: the run's end (a model-only one with --final-checkpoint model)."""
         states = self.env.all_gather_json(self.loader.state_dict())
+        optimizer = not (final and self.cfg.trainer.final_checkpoint == "model")
         path = save_checkpoint(
             self.out,
             step=self.step,
@@ -482,8 +498,9 @@ class Trainer:
             env=self.env,
             config_yaml=self.cfg.to_yaml(),
             keep_last=self.cfg.trainer.keep_last,
+            optimizer=optimizer,
         )
-        self.last_saved = self.step
+        self.last_saved, self.saved_model_only = self.step, not optimizer
         self.saved_in_run = True
         return path
 

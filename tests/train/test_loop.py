@@ -103,6 +103,8 @@ def test_two_rounds_carry_the_policy_and_its_version(reference):
     assert RolloutDataset.open(out / "round_001" / "data").config["model"] == str(out / r0["checkpoint"])
     final = json.loads((out / r1["checkpoint"] / "trainer_state.json").read_text())
     assert final["weight_version"] == "8" and final["step"] == STEPS_PER_ROUND
+    # Each round starts a fresh optimizer: its last checkpoint holds the model only.
+    assert final["optimizer"] is False and not (out / r1["checkpoint"] / "shards").exists()
 
     # The report: both rounds' rows, the last training's metrics.
     page = (out / "report.html").read_text()

@@ -13,7 +13,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rollshard.train.checkpoint import CONFIG_FILE, STATE_FILE, latest_checkpoint
+from rollshard.train.checkpoint import (
+    CKPT_DIR,
+    CONFIG_FILE,
+    SHARDS_DIR,
+    STATE_FILE,
+    checkpoint_name,
+    latest_checkpoint,
+    read_checkpoint,
+)
+from rollshard.train.cli import _summary
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm
 from rollshard.train.metrics import read_metrics
@@ -129,6 +138,46 @@ def test_existing_run_needs_resume_flag(tiny_dataset, tiny_gpt2, tmp_path):
     train(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run", trainer={"max_steps": 1}))
     with pytest.raises(ValueError, match="--resume"):
         Trainer(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run", trainer={"max_steps": 2}))
+
+
+def test_a_model_only_final_checkpoint_ends_a_run_and_cannot_be_trained_on(tiny_dataset, tiny_gpt2, tmp_path):
+    out = tmp_path / "run"
+    # Step 2 is a --save-every step and the run's last: saved once, model only; step 1's checkpoint stays whole.
+    trainer = Trainer(make_config(tiny_dataset, tiny_gpt2, out,
+                                  trainer={"save_every": 1, "final_checkpoint": "model"}))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    ckpt = latest_checkpoint(out)
+    assert (ckpt.step, ckpt.updates, ckpt.weight_version, ckpt.optimizer) == (2, 2, "2", False)
+    assert not (ckpt.path / SHARDS_DIR).exists() and json.loads((ckpt.path / STATE_FILE).read_text())["optimizer"] is False
+    weights = load_file(str(ckpt.path / "model.safetensors"))
+    assert all(torch.equal(weights[n], p.detach()) for n, p in trainer.backend.hf_model.named_parameters())
+    first = read_checkpoint(out / CKPT_DIR / checkpoint_name(1))
+    assert first.optimizer and (first.path / SHARDS_DIR).is_dir()
+    assert _summary(trainer).count("model only, weight version 2") == 1
+
+    # A resume with nothing left to train finishes (a loop's rerun of a round killed after its last save).
+    resumed = Trainer(make_config(tiny_dataset, tiny_gpt2, out, trainer={"resume": True}))
+    try:
+        assert resumed.run() == [] and resumed.step == 2
+    finally:
+        resumed.close()
+    # Training a step would need the moments it left out: refused before the step, in one line; nothing written.
+    with pytest.raises(ValueError, match=r"step_00000002 holds the model only \(--final-checkpoint model\), no "
+                       r"optimizer state to train on from it; train it as --model into a new --out$"):
+        train(make_config(tiny_dataset, tiny_gpt2, out, trainer={"resume": True, "max_steps": 3}))
+    assert latest_checkpoint(out).step == 2 and sorted(p.name for p in (out / CKPT_DIR).glob("step_*")) == [
+        "step_00000001", "step_00000002"]
+
+    # The data ending right after a --save-every checkpoint: that one is the run's last and loses its moments.
+    out = tmp_path / "epoch"
+    train(make_config(tiny_dataset, tiny_gpt2, out, data={"num_epochs": 1},
+                      trainer={"max_steps": None, "save_every": 1, "final_checkpoint": "model"}))
+    last = latest_checkpoint(out)
+    assert (last.step, last.optimizer) == (4, False) and not (last.path / SHARDS_DIR).exists()
+    assert read_checkpoint(out / CKPT_DIR / checkpoint_name(3)).optimizer
 
 
 def _micro_batch(loss_tokens: list[int], prompt: int = 2, tool: int = 3):
