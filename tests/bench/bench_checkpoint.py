@@ -1,6 +1,7 @@
 """Checkpoint benchmark: formats 3 and 2 (sharded, DCP safetensors storage) against format 1 (gathered to rank 0).
 
-    .venv/bin/python tests/bench/bench_checkpoint.py [--hidden 1024] [--layers 24] [--nprocs 1,2] [--repeat 1] [--json]
+    .venv/bin/python tests/bench/bench_checkpoint.py [--hidden 1024] [--layers 24] [--nprocs 1,2] [--repeat 1]
+                                                     [--formats v1,v2,v2-dcp,v3,v3-model] [--json]
 
 Builds a GPT-2 of ``--hidden`` x ``--layers`` locally (random fp32 weights, the tiny preset's
 tokenizer and its 1024-token vocabulary; default 1024 x 24: 0.30 B parameters, 1.2 GB fp32). For
@@ -23,7 +24,9 @@ weights in the model folder only and builds a resume's model from it, format 2 (
 its export is not its weights, ``exports_held_weights``) keeps them in the shards as well and loads them from
 there. Format 2 is measured twice: as rollshard writes it (each rank's files streamed a tensor at a time,
 ``rollshard.train.sharded.write_shards``) and with the same files written by DCP's ``HuggingFaceStorageWriter``
-(``dcp.save``, what every rank used before). Prints a markdown table
+(``dcp.save``, what every rank used before). Format 3 is also measured model-only (``v3-model``: no AdamW state, what
+``--final-checkpoint model`` writes at a run's end and ``rollshard-loop``'s rounds use; its load is the model's
+build alone). Prints a markdown table
 (``--json``: the figures as JSON). ``--repeat N``: the fastest save of N (with its load).
 """
 
@@ -109,7 +112,7 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
                 fsync_tree(final)
         else:
             save_checkpoint(root, step=1, backend=b, loader_states=[{}], weight_version="1", env=env,
-                            config_yaml="trainer: {}\n", keep_last=1)
+                            config_yaml="trainer: {}\n", keep_last=1, optimizer=fmt != "v3-model")
 
     env.barrier()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS, so the rise is this operation's
@@ -142,6 +145,10 @@ def worker(op: str, fmt: str, model: str, out: str) -> None:
     close_distributed(env)
 
 
+FORMATS = {"v1": "format 1", "v2": "format 2", "v2-dcp": "format 2, DCP writer", "v3": "format 3",
+           "v3-model": "format 3, model only"}
+
+
 def table(results: list[dict]) -> str:
     rows = [
         "| processes | format | save s | load s | rank 0 peak RSS in save, MiB (rise) | in load (rise) "
@@ -149,7 +156,9 @@ def table(results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        for fmt in ("format 1", "format 2", "format 2, DCP writer", "format 3"):
+        for fmt in FORMATS.values():
+            if fmt not in r:
+                continue
             f = r[fmt]
             per_rank = " / ".join(f"{n / 1e6:.0f}" for n in f["state_bytes_per_rank"])
             rows.append(
@@ -161,12 +170,18 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+RATIOS = (("dcp_writer_over_own_save", "format 2, DCP writer", "format 2"),
+          ("format_2_over_format_3_save", "format 2", "format 3"),
+          ("format_3_over_model_only_save", "format 3", "format 3, model only"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--nprocs", default="1,2", help="world sizes to run, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="runs per measurement; the fastest is reported")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"formats to run, comma-separated, of {', '.join(FORMATS)}")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--worker", nargs=4, metavar=("OP", "FORMAT", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -179,7 +194,7 @@ def main() -> None:
         model = build_model(Path(tmp), args.hidden, args.layers)
         for n in (int(x) for x in args.nprocs.split(",")):
             result: dict = {"world_size": n}
-            formats = [("v1", "format 1"), ("v2", "format 2"), ("v2-dcp", "format 2, DCP writer"), ("v3", "format 3")]
+            formats = [(f, FORMATS[f]) for f in args.formats.split(",")]
             best: dict = {name: {} for _, name in formats}
             rounds = []  # each round's save seconds by format: every format once a round, so load changes hit all
             for _ in range(args.repeat):
@@ -208,9 +223,11 @@ def main() -> None:
                 return {"best": best[slow]["save"]["s"] / best[fast]["save"]["s"],
                         "rounds": [r[slow] / r[fast] for r in rounds]}
 
-            # > 1: rollshard's own writer is faster than DCP's (the same files); format 3 (the weights once) is faster
-            result["dcp_writer_over_own_save"] = over("format 2, DCP writer", "format 2")
-            result["format_2_over_format_3_save"] = over("format 2", "format 3")
+            # > 1: rollshard's own writer is faster than DCP's (the same files); format 3 (the weights once) is faster;
+            # the model only is faster than the whole state
+            for key, slow, fast in RATIOS:
+                if slow in best and fast in best:
+                    result[key] = over(slow, fast)
             results.append(result)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -218,10 +235,11 @@ def main() -> None:
         print(f"GPT-2 {args.hidden} x {args.layers}: {results[0]['parameters'] / 1e9:.2f} B parameters\n")
         print(table(results))
         for r in results:
-            for key, slow, fast in (("dcp_writer_over_own_save", "format 2 through DCP's writer", "rollshard's"),
-                                    ("format_2_over_format_3_save", "format 2", "format 3's")):
+            for key, slow, fast in RATIOS:
+                if key not in r:
+                    continue
                 ratio = r[key]
-                print(f"{r['world_size']} process(es): {slow} takes {ratio['best']:.2f}x {fast} save time (best of "
+                print(f"{r['world_size']} process(es): {slow} takes {ratio['best']:.2f}x {fast}'s save time (best of "
                       f"{args.repeat}; per round {', '.join(f'{x:.2f}' for x in ratio['rounds'])})")
 
 
