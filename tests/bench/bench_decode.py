@@ -2,7 +2,7 @@
 against transformers ``generate()`` on the same batches, side by side in one run.
 
     .venv/bin/python tests/bench/bench_decode.py [--model smollm2|tiny|PATH] [--batches 1,8,32,64]
-        [--answers 48,192] [--rounds 3] [--threads N] [--parts profile,speed,groups,threads,eval]
+        [--answers 48,192] [--rounds 3] [--threads N] [--parts profile,speed,groups,threads,eval,compile]
         [--groups 32,8,48] [--compare-threads 1,2] [--eval 32,48] [--max-batch-size N] [--engine-src DIR]
         [--json]
 
@@ -33,6 +33,11 @@ against transformers ``generate()`` on the same batches, side by side in one run
     engine as it is, the same engine prefilling each prompt whole (the tokens every prompt starts with not run
     once: the prefill before), and ``generate()`` (one static batch, greedy, ending each row at eos), in turn;
     seconds per round, the speedups per round (median, range), and how many answers the two prefills share.
+(f) compile (``--parts compile``): whether ``torch.compile`` pays on this CPU, in its best case. Per batch size, the
+    model's decode forward (one token per row after a 54-token prompt, 24 steps, greedy) over transformers'
+    ``StaticCache``, whose shapes never change (the engine's own steps change shape: rows finish, columns grow), eager
+    and through ``torch.compile(model, dynamic=False)`` (inductor's C++ kernels), in turn, ``--rounds`` rounds:
+    the first compiled call's seconds (the compilation) and the median step of each, eager / compiled per round.
 
 ``--engine-src DIR`` imports rollshard from DIR instead (a ``git archive`` of an older commit, laid out as
 ``DIR/rollshard/{generate,store,train}``), to profile an older engine with this bench. The profile part drives the
@@ -417,6 +422,47 @@ def bench_eval(engine, model, tokenizer, n_prompts: int, new_tokens: int, rounds
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
+def bench_compile(model, batches: list[int], rounds: int, prompt: int = 54, steps: int = 24) -> list[dict]:
+    import torch
+    from transformers import StaticCache
+
+    def decode(fwd, batch: int) -> tuple[float, float]:  # (first step s, median of the other steps s)
+        cache = StaticCache(config=model.config, max_batch_size=batch, max_cache_len=prompt + steps + 8)
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+        times = []
+        with torch.inference_mode():
+            out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt), use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            for i in range(steps):
+                t0 = time.perf_counter()
+                out = fwd(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([prompt + i]),
+                          use_cache=True)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                times.append(time.perf_counter() - t0)
+        return times[0], statistics.median(times[1:])
+
+    out = []
+    for batch in batches:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, dynamic=False)
+        load0 = os.getloadavg()
+        compile_s, eager_ms, compiled_ms = None, [], []
+        for r in range(rounds):
+            eager_ms.append(1e3 * decode(model, batch)[1])
+            first, median = decode(compiled, batch)
+            compile_s = first if compile_s is None else compile_s
+            compiled_ms.append(1e3 * median)
+        ratios = [e / c for e, c in zip(eager_ms, compiled_ms)]  # > 1: the compiled step is faster
+        out.append({"batch": batch, "compile_s": compile_s, "eager_step_ms": eager_ms,
+                    "compiled_step_ms": compiled_ms, "eager_over_compiled": ratios,
+                    "eager_over_compiled_median": statistics.median(ratios),
+                    "loadavg": [load0, os.getloadavg()]})
+        print(f"batch {batch}: compiled in {compile_s:.1f} s; step eager {min(eager_ms):.1f} ms, compiled "
+              f"{min(compiled_ms):.1f} ms (best); eager / compiled per round {', '.join(f'{x:.2f}' for x in ratios)}",
+              file=sys.stderr)
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -427,7 +473,8 @@ def main() -> None:
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="batch sizes (default 1,8,32,64)")
     ap.add_argument("--answers", type=_ints, default=[48, 192], help="new tokens per request (default 48,192)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed part (default 3)")
-    ap.add_argument("--parts", default="profile,speed", help="comma-separated, of profile, speed, groups, threads, eval")
+    ap.add_argument("--parts", default="profile,speed",
+                    help="comma-separated, of profile, speed, groups, threads, eval, compile")
     ap.add_argument("--groups", type=_ints, default=[32, 8, 48], help="groups part: prompts, samples, new tokens")
     ap.add_argument(
         "--compare-threads", type=_ints, default=None,
@@ -445,9 +492,10 @@ def main() -> None:
     if args.engine_src:
         sys.path.insert(0, str(Path(args.engine_src).resolve()))
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"profile", "speed", "groups", "threads", "eval"}
+    unknown = set(parts) - {"profile", "speed", "groups", "threads", "eval", "compile"}
     if unknown or args.rounds < 1 or min(args.batches + args.answers) < 1:
-        ap.error("--parts takes profile, speed, groups, threads and eval; --rounds, --batches and --answers must be >= 1")
+        ap.error("--parts takes profile, speed, groups, threads, eval and compile; --rounds, --batches and --answers "
+                 "must be >= 1")
 
     import tempfile
 
@@ -493,6 +541,8 @@ def main() -> None:
     if "eval" in parts:
         engine.max_batch_size = own_batch
         figures["eval"] = bench_eval(engine, reference, engine.tokenizer, *args.eval, args.rounds)
+    if "compile" in parts:
+        figures["compile"] = bench_compile(reference, args.batches, args.rounds)
     figures["loadavg_end"] = os.getloadavg()
     asyncio.run(engine.close())
     if args.json:
