@@ -31,8 +31,9 @@ instead: HF ``datasets`` streaming over the shards (``RolloutDataset.to_hf``) an
 64 rows into padded tensors (``torch.nn.utils.rnn.pad_sequence`` of the ids, logprobs and loss mask)
 (``--no-hf`` leaves it out). The rounds are interleaved with the order rotated each round. Beside the
 wall-clock figures: each path's process CPU seconds (every thread), which a busy machine disturbs less, the
-median of the rounds' ratios, what the data checks cost (best and median of the rounds, and in CPU seconds),
-and the load average before and after. The checks are measured both ways: each block read against its
+median of the rounds' ratios, what the data checks cost (best and median of the rounds, in CPU seconds, and in
+user CPU seconds alone, the median of the rounds: the system time of this kind of virtual machine swings 10x from
+run to run, 0.06-1.3 s for one loader epoch), and the load average before and after. The checks are measured both ways: each block read against its
 XXH3-128 (manifest version 4, the default) and against its sha256 (the same shards, hard-linked, under
 version-3 manifests: ``loader_sha256_checks``). Then the batch as it was before it was made lean, measured
 here only: packing plus ``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays
@@ -244,14 +245,16 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     load_before = os.getloadavg()
     best = {k: float("inf") for k in paths}
     cpu_rounds: dict[str, list[float]] = {k: [] for k in paths}
+    user_rounds: dict[str, list[float]] = {k: [] for k in paths}  # user CPU alone: this VM's system time swings 10x
     rounds = []  # per round: each path's seconds
     names = list(paths)
     for r in range(args.repeat):  # interleaved, the order rotated: a change in machine load hits every path alike
         times = {}
         for name in names[r % len(names):] + names[: r % len(names)]:
-            c0 = time.process_time()
+            c0, u0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
             t, n = best_of(1, paths[name])
             cpu_rounds[name].append(time.process_time() - c0)
+            user_rounds[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_utime - u0)
             assert n == ds.num_tokens, (name, n, ds.num_tokens)
             best[name] = min(best[name], t)
             times[name] = t
@@ -272,6 +275,10 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
         for name, k in (("xxh3", "loader"), ("sha256", "loader_sha256_checks"))}
     out["data_checks_cost_cpu"] = {name: 1 - cpu["loader_unchecked"] / cpu[k]
                                    for name, k in (("xxh3", "loader"), ("sha256", "loader_sha256_checks"))}
+    user = {k: float(np.median(v)) for k, v in user_rounds.items()}  # user CPU seconds, median of the rounds
+    out["user_cpu_s_median"] = user
+    out["data_checks_cost_user_cpu"] = {name: 1 - user["loader_unchecked"] / user[k]
+                                        for name, k in (("xxh3", "loader"), ("sha256", "loader_sha256_checks"))}
     for k in ("loader_per_token_arrays", "loader_before"):  # > 1: the loader as it is now is faster
         out[f"loader_vs_{k}"] = {"best": best[k] / best["loader"],
                                  "median": float(np.median([r[k] / r["loader"] for r in rounds])),
@@ -292,7 +299,8 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     for name, c in out["data_checks_cost"].items():
         say(f"data checks, blocks against their {name}: {100 * c['best']:.1f}% of the loader's time (best of "
             f"{args.repeat}), {100 * c['median']:.1f}% (median of the rounds), "
-            f"{100 * out['data_checks_cost_cpu'][name]:.1f}% of its CPU seconds")
+            f"{100 * out['data_checks_cost_cpu'][name]:.1f}% of its CPU seconds, "
+            f"{100 * out['data_checks_cost_user_cpu'][name]:.1f}% of its user CPU seconds (median of the rounds)")
     po = out["pack_only"]
     say(f"packing alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
         f"{po['m_tokens_per_s']['lean']:.0f} M tokens/s (lean batch), {po['m_tokens_per_s']['per_token_arrays']:.0f} "
