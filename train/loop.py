@@ -69,6 +69,7 @@ from rollshard.train.loop_stages import (
     last_error,
     policy_version,
     say,
+    sets_final_checkpoint,
     split_stage_flags,
     train_flags,
 )
@@ -414,7 +415,7 @@ class Loop:
         # With wandb, each round is a run of its own; name it after the round (every round's folder is `train`).
         if any("wandb" in t for t in train) and not any(t.startswith("--wandb-name") for t in train):
             train = ["--wandb-name", f"{self.out.name}/round_{k:03d}", *train]
-        if not any(t.startswith("--final-checkpoint") for t in train):  # the next round starts a fresh optimizer
+        if not sets_final_checkpoint(train):  # the next round starts a fresh optimizer
             train = ["--final-checkpoint", "model", *train]
         return ["--data", data, "--model", policy, "--out", str(out), *resume, *train, *self._quiet()]
 

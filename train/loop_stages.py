@@ -65,6 +65,25 @@ def check_train_config(train_args: list[str]) -> None:
                          "at its checkpoint's version; remove it from the file")
 
 
+def sets_final_checkpoint(train_args: list[str]) -> bool:
+    """Whether ``--train``'s flags (abbreviated too, as rollshard-train reads them) or its ``--config`` file say what the
+    last checkpoint of a round holds (``final_checkpoint``)."""
+    import yaml
+
+    from rollshard.train.cli import build_parser as train_parser
+
+    args = train_parser().parse_known_args(train_args)[0]
+    if getattr(args, "trainer.final_checkpoint", None) is not None:
+        return True
+    if args.config is None:
+        return False
+    try:
+        raw = yaml.safe_load(Path(args.config).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # rollshard-train says what is wrong with it, in one line
+    return isinstance(raw, dict) and isinstance(raw.get("trainer"), dict) and "final_checkpoint" in raw["trainer"]
+
+
 def last_error(output: str, prog: str) -> str:
     """A stage's error line out of its output (argparse prints its usage first), without the stage's prefix."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]

@@ -399,7 +399,10 @@ class Trainer:
                     step = self._next_step(it)
                     waited = time.perf_counter() - t0
                     if self.env.all_reduce([0.0 if step is None else 1.0], "min")[0] == 0.0:
-                        self.stopped_by = stop.name  # a signal that ended a wait for data (--follow), or None
+                        # A signal that ended a wait for data (--follow), or None; agreed, since it decides what
+                        # the save below writes (every rank makes the same collective calls)
+                        signalled = self.env.all_reduce([1.0 if stop.name else 0.0], "max")[0]
+                        self.stopped_by = (stop.name or "a signal to another rank") if signalled else None
                         if stop.name is None and bar.total is not None and bar.n < bar.total:
                             bar.total = bar.n  # the plan was an upper bound (filters dropped groups): all done
                             bar.refresh()
@@ -427,9 +430,10 @@ class Trainer:
                                       weight_version=str(self.version), env=self.env)
                 if self.step > 0 and self.last_saved != self.step:
                     self.save(final=self.stopped_by is None)
-                elif (self.saved_in_run and not self.saved_model_only and self.stopped_by is None
+                elif (self.step > 0 and not self.saved_model_only and self.stopped_by is None
                       and tr.final_checkpoint == "model"):
-                    # The data ended right after a --save-every checkpoint: that one is the run's last.
+                    # The data ended right after a --save-every checkpoint (or a rerun found nothing left after
+                    # the checkpoint it resumed from): that one is the run's last.
                     drop_optimizer_state(self.checkpoint_path(), self.env)
                     self.saved_model_only = True
         except KeyboardInterrupt:  # a second signal

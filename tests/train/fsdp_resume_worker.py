@@ -24,6 +24,10 @@ each writes its message to ``OUT/refused-RANK.txt`` (the run exits non-zero).
 each rank writes its shard files itself; the calls of ``dcp.save`` it made go to ``OUT/dcp-saves-RANK.txt``), then
 saves the same state through ``dcp.save`` with DCP's safetensors storage into ``OUT/dcp``: the files the test
 compares them with.
+
+``signal-at-end`` trains into ``OUT/signalled`` with ``--final-checkpoint model`` until its one epoch ends (before
+``--max-steps`` 100); rank 0 alone gets a SIGTERM as its loader says the data ended (after the step boundary's
+agreement, before the data-end one). Each rank writes how its run ended to ``OUT/stopped-RANK.txt``.
 """
 
 from __future__ import annotations
@@ -45,15 +49,16 @@ from rollshard.train.trainer import Trainer
 CRASH_AT_SAVE = 2
 
 
-def config(data: str, model: str, out: str, steps: int, *, save_every: int, resume: bool = False) -> TrainConfig:
+def config(data: str, model: str, out: str, steps: int | None, *, save_every: int, resume: bool = False,
+           epochs: int = 2, final: str = "full") -> TrainConfig:
     return TrainConfig.from_dict(
         {
-            "data": {"path": data, "groups_per_step": 2, "micro_batch_tokens": 96, "num_epochs": 2},
+            "data": {"path": data, "groups_per_step": 2, "micro_batch_tokens": 96, "num_epochs": epochs},
             "model": {"path": model},
             # A schedule that depends on the update count, so a resume that lost it would step differently.
             "optim": {"lr": 1e-3, "lr_decay": "linear", "min_lr_ratio": 0.1},
             "trainer": {"out": out, "max_steps": steps, "save_every": save_every, "resume": resume,
-                        "progress": False, "tensorboard": False},
+                        "progress": False, "tensorboard": False, "final_checkpoint": final},
         }
     ).validate()
 
@@ -156,6 +161,23 @@ if __name__ == "__main__":
             except ValueError as e:
                 (out / f"refused-{env.rank}.txt").write_text(str(e))
                 raise
+        elif mode == "signal-at-end":
+            trainer = Trainer(config(data, model, str(out / "signalled"), 100, save_every=0, epochs=1,
+                                     final="model"), env=env)
+            real_next = trainer._next_step
+
+            def next_step(it):
+                step = real_next(it)
+                if step is None and env.rank == 0:
+                    signal.raise_signal(signal.SIGTERM)  # the trainer's handler: a stop rank 1 does not see
+                return step
+
+            trainer._next_step = next_step
+            try:
+                trainer.run()
+                (out / f"stopped-{env.rank}.txt").write_text(f"{trainer.stopped_by} {trainer.exit_status}")
+            finally:
+                trainer.close()
         elif mode == "dcp":
             import torch.distributed.checkpoint as dcp
 

@@ -258,3 +258,18 @@ def test_a_save_missing_a_rank_shards_is_refused_on_every_rank(tiny_dataset, tin
     )
     assert latest_checkpoint(tmp_path / "unshared") is None
     assert not (tmp_path / "unshared" / "checkpoints" / "step_00000001").exists()
+
+
+def test_a_signal_one_rank_gets_as_the_data_ends_stops_every_rank_alike(tiny_dataset, tiny_gpt2, tmp_path):
+    # Rank 0 alone is signalled between the step boundary's check and the data's end: the ranks agree that the run
+    # was stopped, so both write the same (whole) checkpoint instead of rank 0 a whole one and rank 1 the model only.
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                str(HERE / "fsdp_resume_worker.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(torchrun + ["signal-at-end", str(tiny_dataset), str(tiny_gpt2), str(tmp_path), "0"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "stopped-0.txt").read_text() == "SIGTERM 130"
+    assert (tmp_path / "stopped-1.txt").read_text() == "a signal to another rank 130"
+    ckpt = latest_checkpoint(tmp_path / "signalled")
+    assert ckpt.optimizer and len(list((ckpt.path / SHARDS_DIR).glob("shard-*.safetensors"))) == 2

@@ -57,3 +57,31 @@ def test_good_stage_flags_pass_the_check_and_round_0_generates(tiny_gpt2, tmp_pa
     extra = ["--train", f"--mode decoupled --config {config}", "--generate", "--temperature 0 --top-k -1"]
     assert loop_main(loop_args(tiny_gpt2, tmp_path / "run", *extra)) == EXIT_FAILED
     assert stages == ["generating"]  # the check passed; the first stage is round 0's generation
+
+
+@pytest.mark.parametrize(
+    "train, config, sets",
+    [
+        ([], None, False),
+        (["--final-checkpoint", "full"], None, True),
+        (["--final", "full"], None, True),  # abbreviated, as rollshard-train reads it
+        (["--final-checkpoint=model"], None, True),
+        (["--config", "{cfg}"], "trainer:\n  final_checkpoint: full\n", True),
+        (["--config", "{cfg}"], "trainer:\n  keep_last: 3\n", False),
+        (["--lr", "1e-5", "--config={cfg}"], "optim:\n  lr: 1.0e-4\n", False),
+    ],
+)
+def test_the_loop_writes_model_only_round_checkpoints_unless_train_says_otherwise(tmp_path, train, config, sets):
+    from rollshard.train.loop_stages import sets_final_checkpoint
+
+    cfg = tmp_path / "train.yaml"
+    if config is not None:
+        cfg.write_text(config)
+    train = [t.replace("{cfg}", str(cfg)) for t in train]
+    assert sets_final_checkpoint(train) is sets
+    loop = Loop.__new__(Loop)  # train_args reads the settings and the run folder only
+    loop.settings = type("S", (), {"window": 1, "train": train})()
+    loop.out = tmp_path / "run"
+    loop._quiet = lambda: []
+    args = loop.train_args(0, "model")
+    assert (args.count("--final-checkpoint") == 1 and args[args.index("--final-checkpoint") + 1] == "model") is not sets

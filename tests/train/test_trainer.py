@@ -7,6 +7,7 @@ import json
 import re
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -140,15 +141,22 @@ def test_existing_run_needs_resume_flag(tiny_dataset, tiny_gpt2, tmp_path):
         Trainer(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run", trainer={"max_steps": 2}))
 
 
-def test_a_model_only_final_checkpoint_ends_a_run_and_cannot_be_trained_on(tiny_dataset, tiny_gpt2, tmp_path):
+def test_a_model_only_final_checkpoint_ends_a_run_and_cannot_be_trained_on(tiny_dataset, tiny_gpt2, tmp_path,
+                                                                            monkeypatch):
     out = tmp_path / "run"
-    # Step 2 is a --save-every step and the run's last: saved once, model only; step 1's checkpoint stays whole.
+    # Step 2 is a --save-every step and the run's last: saved once, model only (no whole save dropped after);
+    # step 1's checkpoint stays whole.
+    def no_drop(*args):
+        raise AssertionError("the last step was saved whole first")
+
+    monkeypatch.setattr("rollshard.train.trainer.drop_optimizer_state", no_drop)
     trainer = Trainer(make_config(tiny_dataset, tiny_gpt2, out,
                                   trainer={"save_every": 1, "final_checkpoint": "model"}))
     try:
         trainer.run()
     finally:
         trainer.close()
+    monkeypatch.undo()
     ckpt = latest_checkpoint(out)
     assert (ckpt.step, ckpt.updates, ckpt.weight_version, ckpt.optimizer) == (2, 2, "2", False)
     assert not (ckpt.path / SHARDS_DIR).exists() and json.loads((ckpt.path / STATE_FILE).read_text())["optimizer"] is False
@@ -178,6 +186,38 @@ def test_a_model_only_final_checkpoint_ends_a_run_and_cannot_be_trained_on(tiny_
     last = latest_checkpoint(out)
     assert (last.step, last.optimizer) == (4, False) and not (last.path / SHARDS_DIR).exists()
     assert read_checkpoint(out / CKPT_DIR / checkpoint_name(3)).optimizer
+
+    # A rerun that finds nothing left after a whole checkpoint (a loop round killed after its last save, before
+    # that save was made model-only) makes it model-only.
+    out = tmp_path / "rerun"
+    whole = {"max_steps": None, "save_every": 1}
+    train(make_config(tiny_dataset, tiny_gpt2, out, data={"num_epochs": 1}, trainer=whole))
+    assert latest_checkpoint(out).optimizer
+    train(make_config(tiny_dataset, tiny_gpt2, out, data={"num_epochs": 1},
+                      trainer={**whole, "resume": True, "final_checkpoint": "model"}))
+    last = latest_checkpoint(out)
+    assert (last.step, last.optimizer) == (4, False) and not (last.path / SHARDS_DIR).exists()
+
+
+def test_a_run_stopped_by_a_signal_saves_whole_whatever_final_checkpoint_says(tiny_dataset, tiny_gpt2, tmp_path):
+    # The stop is not the run's end: a --resume trains on from that checkpoint, so it keeps the optimizer state.
+    trainer = Trainer(make_config(tiny_dataset, tiny_gpt2, tmp_path / "run",
+                                  trainer={"max_steps": 3, "final_checkpoint": "model"}))
+    real = trainer.train_step
+
+    def step_then_signal(step):
+        metrics = real(step)
+        signal.raise_signal(signal.SIGTERM)  # the trainer's handler: stop at the next step boundary
+        return metrics
+
+    trainer.train_step = step_then_signal
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert trainer.stopped_by == "SIGTERM" and trainer.exit_status == 130
+    assert (ckpt.step, ckpt.optimizer) == (1, True) and (ckpt.path / SHARDS_DIR).is_dir()
 
 
 def _micro_batch(loss_tokens: list[int], prompt: int = 2, tool: int = 3):
