@@ -482,6 +482,16 @@ def test_sglang_client_gets_the_support_from_serve(embedded_server, reference, t
 def test_info_answers_report_the_engine_busy_share(tiny_gpt2):
     async def go():
         engine = EmbeddedEngine(tiny_gpt2)
+        # The worker answers a request inside its step and adds the step's time after: a gate for the step's end,
+        # the worker's first wait for new requests after the answer arrived.
+        answered, idle, real_drain = threading.Event(), threading.Event(), engine._drain
+
+        def drain(block=False):
+            if block and answered.is_set():
+                idle.set()
+            return real_drain(block)
+
+        engine._drain = drain
         async with in_process_server(engine) as (s, url):
 
             async def info(path):
@@ -491,6 +501,8 @@ def test_info_answers_report_the_engine_busy_share(tiny_gpt2):
             before = await info("/get_model_info")
             body = {"input_ids": [1, 5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
             status, _ = await _post(s, url + "/generate", body)
+            answered.set()
+            assert await asyncio.get_running_loop().run_in_executor(None, idle.wait, 60)
             return before, status, await info("/get_model_info"), await info("/get_server_info")
 
     before, status, model_info, server_info = run(go())
