@@ -65,7 +65,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollshard.store.common import fsync_dir
+from rollshard.store.common import fsync_dir, write_atomic
 
 if TYPE_CHECKING:
     from rollshard.train.backends.distributed import DistEnv
@@ -239,14 +239,7 @@ def drop_optimizer_state(path: Path, env: DistEnv) -> None:
     between the two leaves a model-only checkpoint with unused shards (collective: rank 0 writes, all wait)."""
     if env.is_main:
         state = json.loads((path / STATE_FILE).read_text())
-        state["optimizer"] = False
-        tmp = path / f".{STATE_FILE}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(state, indent=1))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / STATE_FILE)
-        fsync_dir(path)
+        write_atomic(path / STATE_FILE, json.dumps({**state, "optimizer": False}, indent=1))
         shutil.rmtree(path / SHARDS_DIR, ignore_errors=True)
     env.barrier()
 

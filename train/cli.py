@@ -133,10 +133,10 @@ def _summary(trainer) -> str:
     last = trainer.history[-1] if trainer.history else {}
     ran, wall = len(trainer.history), trainer.run_seconds
     tb = f", TensorBoard {trainer.out / 'tb'}" if trainer.cfg.trainer.tensorboard else ""
+    kind = "model only, " if trainer.saved_model_only else ""
     return (
         f"{PROG}: {trainer.step} steps ({ran} in this run, {wall:.1f} s, {trainer.run_tokens / max(wall, 1e-9):,.0f} "
-        f"tokens/s); checkpoint {trainer.checkpoint_path()} ({'model only, ' * trainer.saved_model_only}weight version "
-        f"{trainer.version}, linked as "
+        f"tokens/s); checkpoint {trainer.checkpoint_path()} ({kind}weight version {trainer.version}, linked as "
         f"{trainer.out / 'checkpoints' / 'latest'}); metrics {trainer.out / 'metrics.jsonl'}{tb}; "
         f"last loss {last.get('loss/total', float('nan')):.5f}, reward {last.get('reward/mean', float('nan')):.4f}"
     )

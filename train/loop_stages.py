@@ -73,7 +73,7 @@ def sets_final_checkpoint(train_args: list[str]) -> bool:
     from rollshard.train.cli import build_parser as train_parser
 
     args = train_parser().parse_known_args(train_args)[0]
-    if getattr(args, "trainer.final_checkpoint", None) is not None:
+    if vars(args).get("trainer.final_checkpoint") is not None:  # config flags' dests are section.field (resolve)
         return True
     if args.config is None:
         return False

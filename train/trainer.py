@@ -235,9 +235,9 @@ class Trainer:
             ckpt.restore(self.backend)  # optimizer state, update count and (format 2) weights
         self.logger = self.open_logger(resume_step=self.step if ckpt else None)
         self.last_saved = self.step if ckpt else None
-        # A model-only checkpoint (--final-checkpoint model) finishes a run; it has no optimizer state to train on.
-        self.model_only_resume = ckpt.path if ckpt and not ckpt.optimizer else None
-        self.saved_model_only = ckpt is not None and not ckpt.optimizer  # the latest checkpoint's kind
+        # The latest checkpoint holds the model only (--final-checkpoint model): it ends a run, and no step is trained
+        # from it (it has no optimizer state); within a run only the save after the last step makes one.
+        self.saved_model_only = ckpt is not None and not ckpt.optimizer
         self.saved_in_run = False  # whether this run wrote a checkpoint (a resumed one may stop before any)
         self.history: list[dict[str, float]] = []
         self.stopped_by: str | None = None  # the signal that stopped run() at a step boundary
@@ -410,9 +410,9 @@ class Trainer:
                     if not signal_checked:
                         self._check_signal()
                         signal_checked = True
-                    if self.model_only_resume is not None:
+                    if self.saved_model_only:  # resumed from one
                         raise ValueError(
-                            f"checkpoint {self.model_only_resume} holds the model only (--final-checkpoint model), "
+                            f"checkpoint {self.checkpoint_path()} holds the model only (--final-checkpoint model), "
                             "no optimizer state to train on from it; train it as --model into a new --out"
                         )
                     fresh = self.step == 0

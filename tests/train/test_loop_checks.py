@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollshard.train.loop import EXIT_FAILED, Loop
+from rollshard.train.loop import EXIT_FAILED, Loop, LoopSettings
 from rollshard.train.loop import main as loop_main
 from tests.train.test_loop import loop_args
 
@@ -79,9 +79,6 @@ def test_the_loop_writes_model_only_round_checkpoints_unless_train_says_otherwis
         cfg.write_text(config)
     train = [t.replace("{cfg}", str(cfg)) for t in train]
     assert sets_final_checkpoint(train) is sets
-    loop = Loop.__new__(Loop)  # train_args reads the settings and the run folder only
-    loop.settings = type("S", (), {"window": 1, "train": train})()
-    loop.out = tmp_path / "run"
-    loop._quiet = lambda: []
-    args = loop.train_args(0, "model")
+    settings = LoopSettings(model="model", engine="embedded", window=1, seed=0, generate=[], train=train)
+    args = Loop(tmp_path / "run", settings, [], progress=True).train_args(0, "model")
     assert (args.count("--final-checkpoint") == 1 and args[args.index("--final-checkpoint") + 1] == "model") is not sets
