@@ -347,16 +347,71 @@ class Job:
         return True
 
 
+class CheckThread:
+    """The thread that runs :class:`Job` s in the order they are queued. It starts when a job is queued to an idle
+    queue and ends when nothing is waiting; :meth:`close` stops it mid-check. Several :class:`Checksums` may share
+    one (a mixture's sources: one checksum thread for all of them)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lock = threading.Lock()
+        self._todo: collections.deque[Job] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def submit(self, job: Job) -> Job:
+        """Queue ``job`` unless it is queued or done (starting the thread when it is idle)."""
+        with self.lock:
+            if job.done.is_set() or job.queued:
+                return job
+            job.queued = True
+            self._todo.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self.name, daemon=True)
+                self._thread.start()
+                _LIVE_CHECKS.add(self)
+        return job
+
+    def close(self) -> None:
+        """Stop checking; checks not done yet are dropped (waited for again, they start from the beginning)."""
+        if sys.is_finalizing():  # the interpreter is exiting: a daemon thread frozen holding the lock never lets go
+            self._stop.set()
+            return
+        with self.lock:
+            self._stop.set()
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self.lock:
+            for job in self._todo:
+                job.queued = False
+            self._todo.clear()
+            self._stop = threading.Event()
+
+    def _run(self, stop: threading.Event) -> None:
+        while True:
+            with self.lock:
+                if stop.is_set() or not self._todo:
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return
+                job = self._todo.popleft()
+            if not job.run(stop):
+                job.queued = False  # close() drops it; a later wait queues it again
+                return
+
+
 class Checksums:
-    """Checks on one background thread, in the order they are queued: a shard's whole-file sha256
-    (:func:`verify_sha256`) or its footer's (:func:`verify_footer`), by shard (:meth:`touch`, :meth:`wait`), and
-    any :class:`Job` (a block's bytes, :func:`verify_ranges`: :meth:`submit`, :meth:`wait_job`).
+    """Checks on one background thread (a :class:`CheckThread`, its own or shared), in the order they are queued: a
+    shard's whole-file sha256 (:func:`verify_sha256`) or its footer's (:func:`verify_footer`), by shard
+    (:meth:`touch`, :meth:`wait`), and any :class:`Job` (a block's bytes, :func:`verify_ranges`: :meth:`submit`,
+    :meth:`wait_job`).
 
     The loader's reader queues a shard's check before it reads its blocks and each block's as it reads it, so
     hashing runs alongside reading and packing; the step planner waits for every check a step draws from before
     handing the step on. A shard's check runs once per loader (a later epoch does not repeat it; a shard rewritten
     in between is caught by its size, checked at every open, or not at all); a block's, once per read. The thread
-    ends when nothing is waiting, and :meth:`close` stops it mid-check.
+    ends when nothing is waiting, and :meth:`close` stops it mid-check (every check queued on it, when shared).
     """
 
     POLL_S = 0.1  # how often a waiter checks whether it was told to stop
@@ -365,56 +420,41 @@ class Checksums:
         self,
         storage: Storage,
         shards: list[ShardInfo],
-        name: str,
+        thread: CheckThread,
         by_range: bool = False,
         footers: Callable[[int], pq.FileMetaData] | None = None,
     ):
-        self._storage, self._shards, self._name = storage, shards, name
+        self._storage, self._shards = storage, shards
         self._by_range = by_range  # shards with byte ranges get their footer checked, not the whole file
         self._footers = footers  # shard -> the footer the reader decodes with, checked against the verified bytes
-        self._lock = threading.Lock()
+        self.thread = thread
         self._jobs: dict[int, Job] = {}  # the shards' checks
-        self._todo: collections.deque[Job] = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
 
     def _shard_job(self, shard: int) -> Job:
-        job = self._jobs.get(shard)
-        if job is None:
-            info = self._shards[shard]
-            if self._by_range and info.has_ranges:
-                parsed = self._footers(shard) if self._footers is not None else None
-                job = Job(info.path, lambda stop: verify_footer(self._storage, info, stop, parsed))
-            else:  # verify_sha256 looked up at run time (tests replace it)
-                job = Job(info.path, lambda stop: verify_sha256(self._storage, info, stop))
-            job = self._jobs.setdefault(shard, job)
-        return job
+        with self.thread.lock:
+            job = self._jobs.get(shard)
+            if job is None:
+                info = self._shards[shard]
+                if self._by_range and info.has_ranges:
+                    parsed = self._footers(shard) if self._footers is not None else None
+                    job = Job(info.path, lambda stop: verify_footer(self._storage, info, stop, parsed))
+                else:  # verify_sha256 looked up at run time (tests replace it)
+                    job = Job(info.path, lambda stop: verify_sha256(self._storage, info, stop))
+                job = self._jobs.setdefault(shard, job)
+            return job
 
     def touch(self, shard: int) -> threading.Event:
         """Queue ``shard``'s check unless it is queued or done; returns the event set once it passed or failed."""
-        with self._lock:
-            job = self._shard_job(shard)
-        self.submit(job)
+        job = self.submit(self._shard_job(shard))
         return job.done
 
     def submit(self, job: Job) -> Job:
         """Queue ``job`` unless it is queued or done (starting the thread when it is idle)."""
-        with self._lock:
-            if job.done.is_set() or job.queued:
-                return job
-            job.queued = True
-            self._todo.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self._name, daemon=True)
-                self._thread.start()
-                _LIVE_CHECKS.add(self)
-        return job
+        return self.thread.submit(job)
 
     def wait(self, shard: int, stop: threading.Event | None = None) -> bool:
         """Block until ``shard``'s check passed; raise its :class:`DataError`; False when ``stop`` is set first."""
-        with self._lock:
-            job = self._shard_job(shard)
-        return self.wait_job(job, stop)
+        return self.wait_job(self._shard_job(shard), stop)
 
     def wait_job(self, job: Job, stop: threading.Event | None = None) -> bool:
         """Block until ``job`` passed; raise its :class:`DataError`; False when ``stop`` is set first."""
@@ -427,36 +467,10 @@ class Checksums:
 
     def close(self) -> None:
         """Stop checking; checks not done yet are dropped (waited for again, they start from the beginning)."""
-        if sys.is_finalizing():  # the interpreter is exiting: a daemon thread frozen holding the lock never lets go
-            self._stop.set()
-            return
-        with self._lock:
-            self._stop.set()
-            thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        with self._lock:
-            for job in self._todo:
-                job.queued = False
-            self._todo.clear()
-            self._stop = threading.Event()
-
-    def _run(self, stop: threading.Event) -> None:
-        while True:
-            with self._lock:
-                if stop.is_set() or not self._todo:
-                    if self._thread is threading.current_thread():
-                        self._thread = None
-                    return
-                job = self._todo.popleft()
-            if not job.run(stop):
-                job.queued = False  # close() drops it; a later wait queues it again
-                return
+        self.thread.close()
 
 
-
-
-_LIVE_CHECKS: "weakref.WeakSet[Checksums]" = weakref.WeakSet()
+_LIVE_CHECKS: "weakref.WeakSet[CheckThread]" = weakref.WeakSet()
 
 
 @atexit.register

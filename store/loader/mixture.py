@@ -62,7 +62,8 @@ filter counts, ``steps`` and ``tail_dropped_groups``, each also per source as
 ``source/<name>/<key>``, ``source/<name>/groups`` delivered, ``source/<name>/epochs``
 finished and ``source/<name>/exhausted`` (1 for the source that ended the mixture).
 
-**Memory**: one shuffle window, ``prefetch`` blocks and a reader thread per source.
+**Threads and memory**: per source, a reader thread (the sources' blocks decode side by side), one shuffle window and
+``prefetch`` blocks read ahead; one checksum thread hashes every source's blocks, one producer packs the steps.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.integrity import CheckThread
 from rollshard.store.loader.assemble import make_step
 from rollshard.store.loader.config import (
     FILTER_KEYS,
@@ -303,7 +305,8 @@ class MixtureLoader(PrefetchingLoader):
         self.names = tuple(s.name for s in self.sources)
         self.weights = integer_weights([s.weight for s in self.sources])
         self._datasets = [RolloutDataset.open(s.path) for s in self.sources]
-        self._streams = [open_stream(ds, config, rank, world_size) for ds in self._datasets]
+        checks = CheckThread(f"rollshard-checksum-{rank}")  # one thread hashes every source's blocks
+        self._streams = [open_stream(ds, config, rank, world_size, checks) for ds in self._datasets]
         self._num_groups = sum(st.num_groups for st in self._streams)
         self._cursor = _MixCursor(sources=tuple(_SourceCursor() for _ in self.sources))
         self._epoch_counts: dict[str, float] = {}

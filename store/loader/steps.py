@@ -13,6 +13,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from rollshard.store.io.dataset import RolloutDataset
+from rollshard.store.io.integrity import CheckThread
 from rollshard.store.loader.background import END, Background
 from rollshard.store.loader.blocks import scan_blocks
 from rollshard.store.loader.config import (
@@ -358,7 +359,11 @@ class RolloutLoader(PrefetchingLoader):
         return lambda stop: stream.items(start, counts, preloaded, held, version, stop)
 
 
-def open_stream(dataset: RolloutDataset, config: LoaderConfig, rank: int, world_size: int) -> GroupStream:
-    """The group stream of one dataset (its blocks scanned and checked); the machinery a mixture draws from."""
-    return GroupStream(dataset, scan_blocks(dataset, check_types=config.verify_data), config, rank, world_size)
+def open_stream(
+    dataset: RolloutDataset, config: LoaderConfig, rank: int, world_size: int, checks: CheckThread | None = None
+) -> GroupStream:
+    """The group stream of one dataset (its blocks scanned and checked); the machinery a mixture draws from.
+    ``checks``: the checksum thread to hash on (a mixture's sources share one), else its own."""
+    blocks = scan_blocks(dataset, check_types=config.verify_data)
+    return GroupStream(dataset, blocks, config, rank, world_size, checks=checks)
 

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.common import DataError, one_line
-from rollshard.store.io.integrity import Checksums, Job, verify_ranges
+from rollshard.store.io.integrity import CheckThread, Checksums, Job, verify_ranges
 from rollshard.store.loader.assemble import make_step
 from rollshard.store.loader.background import END, Background, Stopped
 from rollshard.store.loader.blocks import Block, open_dataset_shard
@@ -53,14 +53,21 @@ from rollshard.store.loader.read import BlockData, read_block
 class GroupStream:
     """This rank's group stream and steps, as a deterministic function of the cursor."""
 
-    def __init__(self, dataset: RolloutDataset, blocks: list[Block], cfg: LoaderConfig, rank: int, world_size: int):
+    def __init__(
+        self,
+        dataset: RolloutDataset,
+        blocks: list[Block],
+        cfg: LoaderConfig,
+        rank: int,
+        world_size: int,
+        checks: CheckThread | None = None,
+    ):
         self.dataset, self.blocks, self.cfg = dataset, blocks, cfg
         self.rank, self.world_size = rank, world_size
         self.filters = Filters.of(cfg)
         self._plans: dict[int, EpochPlan] = {}
-        self.checksums = Checksums(
-            dataset.storage, dataset.shards, f"rollshard-checksum-{rank}", by_range=True, footers=dataset.footer
-        )
+        thread = checks or CheckThread(f"rollshard-checksum-{rank}")
+        self.checksums = Checksums(dataset.storage, dataset.shards, thread, by_range=True, footers=dataset.footer)
         self.num_groups = sum(b.num_groups for b in blocks)  # the whole dataset's, every rank's shares together
         self._read_lock = threading.Lock()
         self.read_stats = collections.Counter()  # blocks and compressed bytes this rank read (counted as read)

@@ -355,3 +355,50 @@ def test_source_figures_of_a_step_worked_example():
         "source/y/groups": 1.0, "source/y/sequences": 2.0, "source/y/tokens": 4.0, "source/y/loss_tokens": 1.0,
         "source/z/groups": 0.0, "source/z/sequences": 0.0, "source/z/tokens": 0.0, "source/z/loss_tokens": 0.0,
     }
+
+
+# -- one checksum thread for every source ---------------------------------------------------------
+
+
+def test_one_checksum_thread_hashes_every_source(two, tmp_path, monkeypatch):
+    import shutil
+
+    import rollshard.store.loader.stream as stream_mod
+    from rollshard.store.common import DataError
+    from tests.store.test_integrity import flip
+
+    reads, hashers = [], []
+    real_read, real_ranges = stream_mod.read_block, stream_mod.verify_ranges
+
+    def read_block(pf, block, filters, shard, *args, **kw):
+        reads.append(shard)
+        return real_read(pf, block, filters, shard, *args, **kw)
+
+    def verify_ranges(info, *args):
+        hashers.append((info.path, threading.current_thread().name))
+        return real_ranges(info, *args)
+
+    monkeypatch.setattr(stream_mod, "read_block", read_block)
+    monkeypatch.setattr(stream_mod, "verify_ranges", verify_ranges)
+    write(tmp_path / "c", synthetic_table(20, 3, seed=13, uneven_groups=True, **SMALL))
+    data = ",".join([*two, str(tmp_path / "c")])
+    with MixtureLoader(data, cfg(num_epochs=2)) as loader:
+        steps = list(loader)
+        assert len({id(st.checksums.thread) for st in loader._streams}) == 1  # the old code: one per source
+    # equal weights: c's 2 x 20 groups run out first, having a third of the slots: 12 steps of 10 groups
+    assert len(steps) == 12 and collections.Counter(s for st in steps for s in st.group_sources)["c"] == 40
+    # blocks are hashed on that thread (a block read ahead when the mixture ends may be dropped unhashed)
+    assert hashers and collections.Counter(path for path, _ in hashers) <= collections.Counter(reads)
+    assert {name for _, name in hashers} == {"rollshard-checksum-0"}
+
+    # a damaged block of one source stops the mixture with that block's checksum, before a step holds its rows
+    shutil.copytree(two[1], tmp_path / "b")
+    shard = sorted((tmp_path / "b" / "shards").glob("*.parquet"))[0]
+    flip(shard, "rollout_logprobs", at=0.5)
+    data = f"{two[0]}:0.5,{tmp_path / 'b'}:0.5"
+    got: list[Step] = []
+    message = rf"^shards/{shard.name} \(row group 0, bytes \d+-\d+\): xxh3 [0-9a-f]{{16}}\.\.\. differs from the manifest's"
+    with pytest.raises(DataError, match=message):
+        with MixtureLoader(data, cfg(groups_per_step=2, shuffle=False)) as loader:
+            got.extend(loader)
+    assert got == []  # b's first group, in the first step, is in the damaged block
