@@ -38,7 +38,9 @@ XXH3-128 (manifest version 4, the default) and against its sha256 (the same shar
 version-3 manifests: ``loader_sha256_checks``). Then the batch as it was before it was made lean, measured
 here only: packing plus ``position_ids`` and the temperature written as ``[T]`` arrays (five ``[T]`` arrays
 per step instead of three), end to end in the loader and as packing alone on one thread; and both at once
-(``loader_before``: the five arrays and the sha256 checks, the loader as it was before either change).
+(``loader_before``: the five arrays and the sha256 checks, the loader as it was before either change). Beside
+packing alone, the copy floor: the step's three ``[T]`` arrays written from its rows and nothing else, what any
+packed layout of these columns costs at least.
 
 ``--supports`` measures only the schema 1.1 sampling support: the loader's throughput (one
 epoch, opening included, data checks on and off) over the same rows with a top-k support
@@ -193,15 +195,27 @@ def pack_only(ds: RolloutDataset, config: LoaderConfig, repeat: int) -> dict:
     finally:
         loader_pack.gather_sequences = real
     tokens = sum(int(s.lengths().sum()) for s in steps)
-    best = {"lean": float("inf"), "per_token_arrays": float("inf")}
+    best = {"lean": float("inf"), "per_token_arrays": float("inf"), "copy_floor": float("inf")}
     for _ in range(repeat):
-        for name, fn in (("lean", pack), ("per_token_arrays", pack_with_per_token_arrays)):
+        for name, fn in (("lean", pack), ("per_token_arrays", pack_with_per_token_arrays), ("copy_floor", copy_floor)):
             t0 = time.perf_counter()
             for s in steps:
                 fn(s, config.micro_batch_tokens)
             best[name] = min(best[name], time.perf_counter() - t0)
     return {"steps": len(steps), "tokens_per_step": tokens / len(steps),
             "m_tokens_per_s": {k: tokens / t / 1e6 for k, t in best.items()}}
+
+
+def copy_floor(seqs, budget: int) -> None:
+    """What any packed layout of a step costs at least: its three [T] arrays written once from the rows (the
+    tokens, the logprobs, the mask; no bin packing, no micro-batch, no per-sequence figure)."""
+    total = int(seqs.lengths().sum())
+    ids, logprobs, mask = np.empty(total, np.int64), np.empty(total, np.float32), np.empty(total, np.float32)
+    n = len(seqs.prompt)
+    np.concatenate([t for i in range(n) for t in (seqs.prompt[i], seqs.response[i])], out=ids)
+    zeros = np.zeros(max(len(p) for p in seqs.prompt), np.float32)
+    np.concatenate([t for i in range(n) for t in (zeros[: len(seqs.prompt[i])], seqs.logprobs[i])], out=logprobs)
+    np.concatenate([t for i in range(n) for t in (zeros[: len(seqs.prompt[i])], seqs.mask[i])], out=mask)
 
 
 def sha256_only(ds: RolloutDataset, dst: Path) -> RolloutDataset:
@@ -304,7 +318,8 @@ def throughput_bench(tmp: Path, base: pa.Table, args) -> None:
     po = out["pack_only"]
     say(f"packing alone ({po['steps']} steps of {po['tokens_per_step']:,.0f} tokens, one thread): "
         f"{po['m_tokens_per_s']['lean']:.0f} M tokens/s (lean batch), {po['m_tokens_per_s']['per_token_arrays']:.0f} "
-        "M tokens/s with position_ids and temperature as [T] arrays (the batch before)")
+        "M tokens/s with position_ids and temperature as [T] arrays (the batch before), "
+        f"{po['m_tokens_per_s']['copy_floor']:.0f} M tokens/s writing the three [T] arrays alone (the copy floor)")
 
 
 def loader_run(ds, config: LoaderConfig, rank: int = 0, world_size: int = 1, *, mix: str | None = None) -> dict:
