@@ -100,7 +100,7 @@ def train(config: TrainConfig) -> int:
             print(_interrupted(trainer), file=sys.stderr)
         return EXIT_INTERRUPTED
     if env.is_main:
-        print(_summary(trainer))
+        print(summary_line(trainer))
     return EXIT_OK
 
 
@@ -128,7 +128,7 @@ def _latest(out: str) -> str:
     return f"the latest checkpoint is {ckpt.path} (step {ckpt.step})" if ckpt else f"no checkpoint in {out}"
 
 
-def _summary(trainer) -> str:
+def summary_line(trainer) -> str:
     """One line: steps, wall time, throughput, where everything is, last loss and reward."""
     last = trainer.history[-1] if trainer.history else {}
     ran, wall = len(trainer.history), trainer.run_seconds

@@ -23,7 +23,7 @@ from rollshard.train.checkpoint import (
     latest_checkpoint,
     read_checkpoint,
 )
-from rollshard.train.cli import _summary
+from rollshard.train.cli import summary_line
 from rollshard.train.config import TrainConfig
 from rollshard.train.losses import LossNorm
 from rollshard.train.metrics import read_metrics
@@ -164,7 +164,7 @@ def test_a_model_only_final_checkpoint_ends_a_run_and_cannot_be_trained_on(tiny_
     assert all(torch.equal(weights[n], p.detach()) for n, p in trainer.backend.hf_model.named_parameters())
     first = read_checkpoint(out / CKPT_DIR / checkpoint_name(1))
     assert first.optimizer and (first.path / SHARDS_DIR).is_dir()
-    assert _summary(trainer).count("model only, weight version 2") == 1
+    assert summary_line(trainer).count("model only, weight version 2") == 1
 
     # A resume with nothing left to train finishes (a loop's rerun of a round killed after its last save).
     resumed = Trainer(make_config(tiny_dataset, tiny_gpt2, out, trainer={"resume": True}))
