@@ -64,11 +64,15 @@ finished and ``source/<name>/exhausted`` (1 for the source that ended the mixtur
 
 **Threads and memory**: per source, a reader thread (the sources' blocks decode side by side), one shuffle window and
 ``prefetch`` blocks read ahead; one checksum thread hashes every source's blocks, one producer packs the steps.
+
+**Damaged data** stops the mixture as it stops one dataset's loader (store/loader), the one-line
+:class:`DataError` prefixed with the source, ``source NAME (PATH): ``: its shard paths are relative to its dataset.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import re
@@ -80,6 +84,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from rollshard.store.common import DataError
 from rollshard.store.io.dataset import RolloutDataset
 from rollshard.store.io.integrity import CheckThread
 from rollshard.store.loader.assemble import make_step
@@ -414,7 +419,7 @@ class MixtureLoader(PrefetchingLoader):
 
     def _produce(self) -> Callable[[threading.Event], Iterator[ProducerItem]]:
         # the thread holds the mixer and a view of the version, never the loader, so an abandoned loader is freed
-        mixer = _Mixer(self._streams, self.names, self.weights, self.config, self.rank, self.world_size)
+        mixer = _Mixer(self._streams, self.sources, self.weights, self.config, self.rank, self.world_size)
         start, counts, version = self._cursor, dict(self._epoch_counts), self._version
         # copied: a producer that outlived close() cannot touch it
         preloaded = {i: dict(h) for i, h in self._held.items()}
@@ -441,10 +446,21 @@ class _Mixer:
     """This rank's mixed step stream, as a deterministic function of the cursor."""
 
     def __init__(
-        self, streams: list[GroupStream], names, weights: list[int], cfg: LoaderConfig, rank: int, world_size: int
+        self, streams: list[GroupStream], sources: Sequence[Source], weights: list[int], cfg: LoaderConfig, rank: int,
+        world_size: int,
     ):
-        self.streams, self.names, self.weights, self.cfg = streams, tuple(names), weights, cfg
+        self.streams, self.weights, self.cfg = streams, weights, cfg
+        self.names, self.paths = tuple(s.name for s in sources), tuple(s.path for s in sources)
         self.rank, self.world_size = rank, world_size
+
+    @contextlib.contextmanager
+    def _naming(self, i: int) -> Iterator[None]:
+        """A :class:`DataError` of source ``i``'s data names the source: its shard paths are relative to its dataset,
+        and two sources may hold shards of the same name."""
+        try:
+            yield
+        except DataError as e:
+            raise DataError(f"source {self.names[i]} ({self.paths[i]}): {e}") from e
 
     def items(
         self, start: _MixCursor, counts: dict, preloaded: dict, held: dict, version: VersionBox, stop: threading.Event
@@ -468,7 +484,8 @@ class _Mixer:
             epochs_ended = [False]
             while True:
                 i = next_source(self.weights, [c["taken"] for c in cur])
-                got = self._draw(i, gens[i], segs[i], cur[i], stats, epochs_ended)
+                with self._naming(i):
+                    got = self._draw(i, gens[i], segs[i], cur[i], stats, epochs_ended)
                 if got is None:
                     break
                 pending.append(got)
@@ -548,7 +565,8 @@ class _Mixer:
     def _step(self, pending, owners, segs, after: _MixCursor, index: int, stats, stop, ended: _MixCursor) -> ProducerItem:
         """The step of ``pending``, with the end to take instead (``ended``) when another rank has no step."""
         for i, st in enumerate(self.streams):  # each source's shards, by its own checksums
-            st.wait_verified([p for p, o in zip(pending, owners) if o == i], stop)
+            with self._naming(i):
+                st.wait_verified([p for p, o in zip(pending, owners) if o == i], stop)
         counts = self._count(stats, segs)
         stats["steps"] += 1
         for o in owners:

@@ -2,6 +2,7 @@
 
 import collections
 import json
+import re
 import threading
 from fractions import Fraction
 
@@ -391,13 +392,15 @@ def test_one_checksum_thread_hashes_every_source(two, tmp_path, monkeypatch):
     assert hashers and collections.Counter(path for path, _ in hashers) <= collections.Counter(reads)
     assert {name for _, name in hashers} == {"rollshard-checksum-0"}
 
-    # a damaged block of one source stops the mixture with that block's checksum, before a step holds its rows
+    # a damaged block of one source stops the mixture with that block's checksum, before a step holds its rows,
     shutil.copytree(two[1], tmp_path / "b")
     shard = sorted((tmp_path / "b" / "shards").glob("*.parquet"))[0]
     flip(shard, "rollout_logprobs", at=0.5)
     data = f"{two[0]}:0.5,{tmp_path / 'b'}:0.5"
     got: list[Step] = []
-    message = rf"^shards/{shard.name} \(row group 0, bytes \d+-\d+\): xxh3 [0-9a-f]{{16}}\.\.\. differs from the manifest's"
+    # named by its source too: both datasets hold a shards/w0-00000.parquet
+    message = (rf"^source b \({re.escape(str(tmp_path / 'b'))}\): shards/{shard.name} \(row group 0, bytes \d+-\d+\): "
+               rf"xxh3 [0-9a-f]{{16}}\.\.\. differs from the manifest's")
     with pytest.raises(DataError, match=message):
         with MixtureLoader(data, cfg(groups_per_step=2, shuffle=False)) as loader:
             got.extend(loader)
